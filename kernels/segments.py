@@ -1,0 +1,34 @@
+"""Helpers for packed sequences: `segment_ids` (B, T) int32 mark which document each token is in.
+
+Conventions shared by every op and layer:
+- a recurrence resets to a zero state at t >= 1 where segment_ids[t] != segment_ids[t - 1];
+- token 0 of a call always continues the state passed in (a zero state in training), so a decode
+  step never needs the previous token's segment id;
+- attention lets a query see a key only when both have the same segment id.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+
+def document_starts(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T"]:
+    """True at t >= 1 where a new document starts; always False at t = 0."""
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.pad(change, ((0, 0), (1, 0)))
+
+
+def positions_in_document(segment_ids: Int[Array, "B T"] | None, batch: int, length: int,
+                          start: Int[Array, "B"] | None = None) -> Int[Array, "B T"]:
+    """Position of each token inside its document: counts up from `start` (default 0) and restarts
+    at 0 at every document start. Used for rotary positions, so that packed documents see the same
+    positions as when run alone."""
+    t = jnp.arange(length, dtype=jnp.int32)[None, :]
+    start = jnp.zeros((batch,), jnp.int32) if start is None else start.astype(jnp.int32)
+    pos = jnp.broadcast_to(t + start[:, None], (batch, length))
+    if segment_ids is None:
+        return pos
+    # The index of the latest document start at or before t, or -1 if none in this call.
+    starts = jnp.where(document_starts(segment_ids), t, -1)
+    last_start = jax.lax.cummax(starts, axis=1)
+    return jnp.where(last_start >= 0, t - last_start, pos)

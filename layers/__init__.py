@@ -1,0 +1,15 @@
+"""Flax NNX building blocks, each usable alone in any NNX model.
+
+Every sequence mixer follows one protocol:
+
+    y = mixer(x, segment_ids=None)                 # (B, T, D) -> (B, T, D), the training path
+    state = mixer.init_state(batch_size, max_len)  # a fixed-shape pytree (flax.struct dataclass)
+    y, state = mixer.decode(x, state, segment_ids=None)   # prefill (T tokens) or a step (T = 1)
+
+`decode` continues from `state`; inside one call, a change of segment id starts a new document
+(see kernels/segments.py). A recurrent mixer's state does not grow with max_len.
+"""
+
+from layers.conv import ShortConvolution
+from layers.norm import GatedRMSNorm, RMSNorm
+from layers.rotary import apply_rotary

@@ -1,0 +1,52 @@
+"""Short causal depthwise convolution over time (the `conv1d` of Mamba, H3 and the fla layers).
+
+    y_t = act(sum_{j=0}^{W-1} w_j * x_{t-W+1+j} + b)
+
+Decoding keeps the last W-1 inputs as state, (B, W-1, D), so it costs the same at any context. A
+tap never reads across a document boundary: with `segment_ids`, inputs from an earlier document
+count as zeros, exactly as if the document had been run alone.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from kernels.segments import document_starts
+
+
+class ShortConvolution(nnx.Module):
+    def __init__(self, dim: int, kernel_size: int = 4, *, activation: bool = True, use_bias: bool = False,
+                 rngs: nnx.Rngs):
+        self.kernel_size = kernel_size
+        self.activation = activation
+        bound = 1.0 / kernel_size ** 0.5  # PyTorch's Conv1d default (fan_in = W for depthwise)
+        self.weight = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, dim), jnp.float32, -bound, bound))
+        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32)) if use_bias else None
+
+    def init_state(self, batch_size: int, dtype=jnp.float32) -> Float[Array, "B W-1 D"]:
+        return jnp.zeros((batch_size, self.kernel_size - 1, self.weight.shape[1]), dtype)
+
+    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
+        return self.decode(x, self.init_state(x.shape[0], x.dtype), segment_ids=segment_ids)[0]
+
+    def decode(self, x: Float[Array, "B T D"], state: Float[Array, "B W-1 D"], *,
+               segment_ids: Int[Array, "B T"] | None = None):
+        W, T = self.kernel_size, x.shape[1]
+        xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # (B, W-1+T, D)
+        if segment_ids is not None:
+            # Document index of each padded position; the state belongs to the first token's document.
+            doc = jnp.cumsum(document_starts(segment_ids), axis=1)  # (B, T)
+            doc = jnp.concatenate([jnp.zeros_like(doc[:, :1]).repeat(W - 1, 1), doc], axis=1)
+        w = self.weight[...].astype(x.dtype)
+        y = jnp.zeros(x.shape, jnp.float32)
+        for j in range(W):  # W is 2-4: a few shifted multiply-adds beat a generic conv on CPU
+            tap = xp[:, j:j + T] * w[j]
+            if segment_ids is not None:
+                tap = jnp.where((doc[:, j:j + T] == doc[:, W - 1:])[..., None], tap, 0)
+            y = y + tap
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.activation:
+            y = jax.nn.silu(y)
+        return y.astype(x.dtype), xp[:, T:].astype(state.dtype) if W > 1 else state
