@@ -13,3 +13,5 @@ Every sequence mixer follows one protocol:
 from layers.conv import ShortConvolution
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.rotary import apply_rotary
+from layers.attention import Attention, KVCache
+from layers.mlp import MLP

@@ -1,0 +1,52 @@
+"""Reference softmax attention (Vaswani et al., 2017) with the masks the zoo needs.
+
+    o_i = sum_j softmax_j(q_i . k_j * scale + mask_ij) v_j
+
+mask_ij is 0 where key j is visible from query i, -inf elsewhere: causal (p_j <= p_i), sliding
+window (p_j > p_i - window, so a query sees `window` keys including itself) and segments (same
+segment id). Grouped-query attention (Ainslie et al., 2023) reshapes the H query heads into G groups
+of R = H / G that share one kv head; K/V are never repeated in memory. Logits, softmax and the
+weighted sum accumulate in float32; a query that sees no key returns zeros.
+"""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def attention_reference(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B S G K"],
+    v: Float[Array, "B S G V"],
+    *,
+    segment_ids: Int[Array, "B T"] | None = None,
+    kv_segment_ids: Int[Array, "B S"] | None = None,
+    q_positions: Int[Array, "B T"] | None = None,
+    kv_positions: Int[Array, "B S"] | None = None,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+) -> Float[Array, "B T H V"]:
+    B, T, H, K = q.shape
+    S, G = k.shape[1], k.shape[2]
+    scale = K ** -0.5 if scale is None else scale
+    qg = q.reshape(B, T, G, H // G, K)  # (B, T, G, R, K)
+    s = jnp.einsum("BTGRK,BSGK->BGRTS", qg, k, preferred_element_type=jnp.float32) * scale
+    # Default positions: the T queries are the last T of the S keys.
+    qp = jnp.arange(S - T, S)[None] if q_positions is None else q_positions  # (B|1, T)
+    kp = jnp.arange(S)[None] if kv_positions is None else kv_positions  # (B|1, S)
+    mask = jnp.ones((1, T, S), bool)
+    if causal:
+        mask = mask & (kp[:, None, :] <= qp[:, :, None])
+    if window is not None:
+        mask = mask & (kp[:, None, :] > qp[:, :, None] - window)
+    if segment_ids is not None:
+        kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = mask & (kv_seg[:, None, :] == segment_ids[:, :, None])
+    mask = mask[:, None, None]  # (B, 1, 1, T, S)
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    o = jnp.einsum("BGRTS,BSGV->BTGRV", p, v.astype(jnp.float32))
+    return o.reshape(B, T, H, v.shape[-1]).astype(q.dtype)

@@ -1,0 +1,98 @@
+"""Softmax attention mixer: MHA, GQA and MQA (Ainslie et al., 2023), rotary positions, optional
+sliding window, and a fixed-shape KV cache for decoding.
+
+num_kv_heads == num_heads is MHA, 1 is MQA, anything dividing num_heads in between is GQA. The cache
+holds only the kv heads: (B, S, G, K) for K and for V. Slot s of the cache holds the token at
+absolute step s of the row, so a causal/window mask on slot indices is exact; each slot also keeps
+the running document number of its token, so packed or left-padded rows never attend across a
+document start. Rotary positions count inside a document, so a packed document gets the same
+positions as when run alone.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Float, Int
+
+from kernels.attention import attention
+from kernels.segments import document_starts, positions_in_document
+from layers.rotary import apply_rotary
+
+
+@struct.dataclass
+class KVCache:
+    k: Array  # (B, S, G, K)
+    v: Array  # (B, S, G, K)
+    doc: Array  # (B, S) int32: document number of the token in each slot
+    cur_doc: Array  # (B,) int32: document number of the last token written
+    pos: Array  # (B,) int32: position in its document of the next token
+    index: Array  # () int32: next slot to write
+
+
+def _documents(segment_ids, B, T, start):
+    """Running document number per token: `start` for token 0, +1 at each document start."""
+    if segment_ids is None:
+        return jnp.broadcast_to(start[:, None], (B, T))
+    return start[:, None] + jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
+
+
+class Attention(nnx.Module):
+    def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, window: int | None = None, rope_base: float = 10000.0,
+                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if head_dim is None and d_model % num_heads:
+            raise ValueError(f"num_heads={num_heads} does not divide d_model={d_model}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
+        H, G, K = num_heads, num_kv_heads, head_dim or d_model // num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = H, G, K
+        self.window, self.rope_base, self.impl, self.dtype = window, rope_base, impl, dtype
+        init = nnx.initializers.normal(d_model ** -0.5)
+        self.wq = nnx.Param(init(rngs.params(), (d_model, H, K)))
+        self.wk = nnx.Param(init(rngs.params(), (d_model, G, K)))
+        self.wv = nnx.Param(init(rngs.params(), (d_model, G, K)))
+        self.wo = nnx.Param(nnx.initializers.normal((H * K) ** -0.5)(rngs.params(), (H, K, d_model)))
+
+    def _qkv(self, x, positions):
+        x = x.astype(self.dtype)
+        q = jnp.einsum("BTD,DHK->BTHK", x, self.wq[...].astype(self.dtype))
+        k = jnp.einsum("BTD,DGK->BTGK", x, self.wk[...].astype(self.dtype))
+        v = jnp.einsum("BTD,DGK->BTGK", x, self.wv[...].astype(self.dtype))
+        return apply_rotary(q, positions, self.rope_base), apply_rotary(k, positions, self.rope_base), v
+
+    def _out(self, o):
+        return jnp.einsum("BTHK,HKD->BTD", o, self.wo[...].astype(self.dtype))
+
+    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, positions_in_document(segment_ids, B, T))
+        doc = None if segment_ids is None else _documents(segment_ids, B, T, jnp.zeros((B,), jnp.int32))
+        return self._out(attention(q, k, v, segment_ids=doc, window=self.window, impl=self.impl))
+
+    def init_state(self, batch_size: int, max_len: int) -> KVCache:
+        shape = (batch_size, max_len, self.num_kv_heads, self.head_dim)
+        zeros = jnp.zeros((batch_size,), jnp.int32)
+        return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
+                       doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros,
+                       index=jnp.zeros((), jnp.int32))
+
+    def decode(self, x: Float[Array, "B T D"], cache: KVCache, *,
+               segment_ids: Int[Array, "B T"] | None = None):
+        B, T, _ = x.shape
+        S = cache.k.shape[1]
+        if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + T > S:
+            raise ValueError(f"decode: {int(cache.index)} cached + {T} new tokens exceed max_len={S}")
+        positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
+        doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
+        q, k, v = self._qkv(x, positions)
+        at = (0, cache.index, 0, 0)
+        cache = KVCache(
+            k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at),
+            v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at),
+            doc=jax.lax.dynamic_update_slice(cache.doc, doc, (0, cache.index)),
+            cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
+        slots = cache.index - T + jnp.arange(T, dtype=jnp.int32)[None]  # (1, T)
+        o = attention(q, cache.k.astype(self.dtype), cache.v.astype(self.dtype), segment_ids=doc,
+                      kv_segment_ids=cache.doc, q_positions=slots, window=self.window, impl=self.impl)
+        return self._out(o), cache

@@ -1,0 +1,25 @@
+"""SwiGLU feed-forward (Shazeer, 2020): y = W_down (silu(W_gate x) * W_up x)."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+
+def default_hidden_dim(d_model: int) -> int:
+    """8/3 d_model (the parameter count of a 4x GELU MLP), rounded up to a multiple of 32."""
+    return -(-8 * d_model // 3 // 32) * 32
+
+
+class MLP(nnx.Module):
+    def __init__(self, d_model: int, *, hidden_dim: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+        F = hidden_dim or default_hidden_dim(d_model)
+        self.dtype = dtype
+        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)))
+        self.w_up = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)))
+        self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (F, d_model)))
+
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        x = x.astype(self.dtype)
+        h = jax.nn.silu(x @ self.w_gate[...].astype(self.dtype)) * (x @ self.w_up[...].astype(self.dtype))
+        return h @ self.w_down[...].astype(self.dtype)

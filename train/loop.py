@@ -1,0 +1,231 @@
+"""One training loop for every architecture: data, optax, a jitted step, evaluation, orbax
+checkpoints, metrics.
+
+A run folder holds `config.yaml` (the resolved config), `metrics.jsonl` (one JSON object per logged
+step), `checkpoints/<step>/` and `loss.png` (when matplotlib is installed). Started again on the same
+folder, a run resumes from its latest complete checkpoint: parameters, optimiser state and step. The
+data position and every random draw are functions of (seed, step), so nothing else needs saving and
+the resumed run is bitwise the run that was never stopped (on the same machine). SIGTERM and Ctrl-C
+write a checkpoint before exiting.
+"""
+
+import json
+import math
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+
+import infer
+from train import optim
+from train.data import Batches, load_streams
+from zoo.checkpoint import manager, restore_latest
+from zoo.config import Config, to_dict
+from zoo.model import LanguageModel
+
+
+def _loss_sums(graphdef, params, rest, batch):
+    """(sum of token losses, number of counted tokens) of one batch."""
+    model = nnx.merge(graphdef, params, rest)
+    logits = model(batch["x"], segment_ids=batch.get("segment_ids"))
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def make_train_step(graphdef, tx):
+    """step(params, rest, opt_state, batch) with batch leaves shaped (micro_batches, b, T).
+
+    Gradients of the summed loss are accumulated over micro-batches and divided by the total token
+    count once, so k micro-batches give the gradient of one batch k times larger."""
+    def step(params, rest, opt_state, batch):
+        grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, rest, b), has_aux=True)
+
+        def micro(acc, b):
+            (loss_sum, count), grads = grad_fn(params, b)
+            return jax.tree.map(jnp.add, acc, (loss_sum, count, grads)), None
+
+        zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(jnp.zeros_like, params))
+        (loss_sum, count, grads), _ = jax.lax.scan(micro, zeros, batch)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        loss, grad_norm = loss_sum / count, optax.global_norm(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
+        return optax.apply_updates(params, updates), rest, opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 2))
+
+
+def _check_run_dir(run_dir: Path, cfg: Config):
+    saved = run_dir / "config.yaml"
+    if not saved.exists() or not any((run_dir / "checkpoints").glob("[0-9]*")):
+        return
+    old = (yaml.safe_load(saved.read_text()) or {}).get("model")
+    new = to_dict(cfg.model)
+    if old != new:
+        diff = [f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in new if (old or {}).get(k) != new[k]]
+        raise ValueError(f"train.run_dir: {run_dir} holds a checkpoint of a different model ("
+                         f"{'; '.join(diff) or 'model section differs'}); use another train.run_dir or delete it")
+
+
+def plot(run_dir: Path):
+    """loss.png: train and validation loss against tokens; skipped without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], label="train")
+    val = [r for r in rows if "val_loss" in r]
+    ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set(xlabel="tokens", ylabel="loss (nats/byte)", title=run_dir.name)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss.png", dpi=100)
+    plt.close(fig)
+
+
+class _Signals:
+    """Turns SIGTERM / SIGINT into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.received = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def run(cfg: Config, run_dir, *, log=print) -> dict:
+    """Train `cfg` in `run_dir` (resuming if it holds a checkpoint); returns the last metrics.
+    Exits with 128 + signal number after a SIGTERM / SIGINT checkpoint, 1 on a non-finite loss."""
+    t = cfg.train
+    run_dir = Path(run_dir)
+    _check_run_dir(run_dir, cfg)
+    batches = Batches(*load_streams(cfg.data), seq_len=t.seq_len, seed=t.seed, packing=cfg.data.packing)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    graphdef, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(t.seed)), nnx.Param, ...)
+    tx = optim.optimizer(t)
+    opt_state = tx.init(params)
+    lr_at = optim.schedule(t)
+    mngr = manager(run_dir / "checkpoints", keep=t.keep_checkpoints)
+    targets = {"params": params.to_pure_dict(), "rest": rest.to_pure_dict(), "opt_state": opt_state, "meta": {}}
+    if not jax.tree.leaves(targets["rest"]):  # orbax refuses empty items
+        del targets["rest"]
+    start, restored = restore_latest(mngr, targets)
+    skipped = 0
+    if start is not None:
+        nnx.replace_by_pure_dict(params, restored["params"])
+        if "rest" in targets:
+            nnx.replace_by_pure_dict(rest, restored["rest"])
+        opt_state, skipped = restored["opt_state"], restored["meta"].get("skipped", 0)
+        log(f"resumed from {run_dir}/checkpoints/{start}")
+    start = start or 0
+    metrics_path = run_dir / "metrics.jsonl"
+    kept = [line for line in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
+            if json.loads(line)["step"] <= start]
+    metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    step_fn = make_train_step(graphdef, tx)
+    eval_fn = jax.jit(lambda p, r, b: _loss_sums(graphdef, p, r, b))
+    micro = t.batch_size // t.grad_accum
+
+    def save(step):
+        state = {"params": ocp.args.StandardSave(params.to_pure_dict()),
+                 "opt_state": ocp.args.StandardSave(opt_state),
+                 "meta": ocp.args.JsonSave({"step": step, "skipped": skipped})}
+        if "rest" in targets:
+            state["rest"] = ocp.args.StandardSave(rest.to_pure_dict())
+        mngr.save(step, args=ocp.args.Composite(**state), force=True)
+
+    def evaluate():
+        sums = [eval_fn(params, rest, batches.val_batch(i, t.batch_size)) for i in range(t.eval_batches)]
+        loss = float(sum(s for s, _ in sums) / sum(c for _, c in sums))
+        out = {"val_loss": loss, "val_bpb": loss / math.log(2)}
+        if t.sample_tokens:
+            model = nnx.merge(graphdef, params, rest)
+            out["sample"] = infer.generate_text(model, ["\n"], max_new_tokens=t.sample_tokens,
+                                                temperature=0.8, top_k=40, seed=t.seed)[0]
+        return out
+
+    last, step_time, eval_time, wall0 = {}, 0.0, 0.0, time.perf_counter()
+    window_start, window_tokens = wall0, 0
+    with _Signals() as signals, metrics_path.open("a") as metrics_file:
+        for step in range(start + 1, t.steps + 1):
+            batch = batches.train_batch(step, t.batch_size)
+            batch = {k: v.reshape(t.grad_accum, micro, *v.shape[1:]) for k, v in batch.items()}
+            t0 = time.perf_counter()
+            params, rest, opt_state, m = step_fn(params, rest, opt_state, batch)
+            finite = bool(m["finite"])  # waits for the step
+            step_time += time.perf_counter() - t0
+            window_tokens += t.batch_size * t.seq_len
+            if not finite:
+                if t.on_nonfinite == "stop":
+                    mngr.wait_until_finished()
+                    log(f"step {step}: non-finite loss or gradient (loss={float(m['loss'])}); stopping. "
+                        f"The last good checkpoint is step {mngr.latest_step()} in {run_dir}/checkpoints")
+                    sys.exit(1)
+                skipped += 1
+            final = step == t.steps
+            if step % t.log_every == 0 or step % t.eval_every == 0 or final:
+                now = time.perf_counter()
+                last = {"step": step, "tokens": step * t.batch_size * t.seq_len, "loss": float(m["loss"]),
+                        "lr": float(lr_at(step - 1)), "grad_norm": float(m["grad_norm"]),
+                        "tokens_per_s": round(window_tokens / (now - window_start), 1), "skipped": skipped}
+                if step % t.eval_every == 0 or final:
+                    e0 = time.perf_counter()
+                    last.update(evaluate())
+                    eval_time += time.perf_counter() - e0
+                metrics_file.write(json.dumps(last) + "\n")
+                metrics_file.flush()
+                log(f"step {step:>6}/{t.steps}  loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
+                    f"{last['tokens_per_s']:,.0f} tok/s" + (f"  val {last['val_loss']:.4f} nats/byte "
+                                                           f"({last['val_bpb']:.3f} bpb)" if "val_loss" in last else ""))
+                if "sample" in last:
+                    log("  sample: " + last["sample"].replace("\n", "\n  "))
+                window_start, window_tokens = time.perf_counter(), 0
+            if step % t.checkpoint_every == 0 or final or signals.received:
+                save(step)
+            if signals.received:
+                mngr.wait_until_finished()
+                log(f"received signal {signals.received}: checkpoint of step {step} written to {run_dir}")
+                sys.exit(128 + signals.received)
+    mngr.wait_until_finished()
+    mngr.close()
+    if last:
+        wall = time.perf_counter() - wall0
+        last["overhead"] = 1 - step_time / max(wall - eval_time, 1e-9)
+        log(f"done: {t.steps} steps; {last['overhead']:.1%} of training time outside the jitted step "
+            f"(data, logging, checkpoints; evaluation excluded)")
+        plot(run_dir)
+    return last
+
+
+def default_run_dir(cfg: Config, config_path) -> Path:
+    return Path(cfg.train.run_dir) if cfg.train.run_dir else Path("runs") / Path(config_path).stem
+
+
+def with_run_dir(cfg: Config, run_dir) -> Config:
+    return replace(cfg, train=replace(cfg.train, run_dir=str(run_dir)))

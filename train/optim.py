@@ -1,0 +1,34 @@
+"""AdamW (Loshchilov & Hutter, 2019) with linear warmup then cosine/linear decay, global-norm
+clipping, and no weight decay on norms, biases and embeddings. Updates with a non-finite gradient
+are dropped (optax.apply_if_finite); the loop decides whether to stop or go on."""
+
+import jax
+import optax
+
+from zoo.config import TrainConfig
+
+
+def schedule(t: TrainConfig) -> optax.Schedule:
+    floor = t.lr * t.min_lr_ratio
+    decay_steps = max(t.steps - t.warmup_steps, 1)
+    if t.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(t.lr, decay_steps, alpha=t.min_lr_ratio)
+    elif t.schedule == "linear":
+        decay = optax.linear_schedule(t.lr, floor, decay_steps)
+    else:
+        decay = optax.constant_schedule(t.lr)
+    warmup = optax.linear_schedule(t.lr / max(t.warmup_steps, 1), t.lr, max(t.warmup_steps - 1, 0))
+    return optax.join_schedules([warmup, decay], [t.warmup_steps])
+
+
+def decays(params):
+    """True for the weights that get weight decay: matrices, except the embedding table."""
+    def rule(path, x):
+        return x.ndim >= 2 and "embed" not in jax.tree_util.keystr(path)
+    return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def optimizer(t: TrainConfig) -> optax.GradientTransformation:
+    adamw = optax.adamw(schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decays)
+    tx = optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
+    return optax.apply_if_finite(tx, max_consecutive_errors=2 ** 30)

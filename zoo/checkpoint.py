@@ -1,0 +1,67 @@
+"""Orbax checkpoints of a run: `runs/<name>/checkpoints/<step>/{params,rest,opt_state,meta}`.
+
+Orbax writes each step into a temporary folder and renames it when complete, so a process killed
+mid-write leaves no folder that looks finished. A step folder that still fails to restore (copied
+half, truncated by hand) is skipped with a warning and the next older one is used.
+"""
+
+import warnings
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+
+from zoo.config import from_dict
+from zoo.model import LanguageModel
+
+
+def manager(directory: Path, keep: int | None = None, read_only: bool = False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
+                                           enable_async_checkpointing=not read_only)
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+
+def _restore_args(targets: dict):
+    return ocp.args.Composite(**{
+        k: ocp.args.JsonRestore() if k == "meta" else
+        ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, v)) for k, v in targets.items()})
+
+
+def restore_latest(mngr: ocp.CheckpointManager, targets: dict):
+    """Restore the newest complete step into the structure of `targets` (pure pytrees; `meta` is
+    JSON). Returns (step, restored) or (None, None) when there is no usable checkpoint."""
+    for stray in Path(mngr.directory).glob("*.orbax-checkpoint-tmp*"):
+        warnings.warn(f"checkpoint {stray} was left half-written; ignoring it")
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            return step, mngr.restore(step, args=_restore_args(targets))
+        except Exception as e:  # noqa: BLE001 - any unreadable step is skipped, never loaded
+            warnings.warn(f"checkpoint step {step} in {mngr.directory} is incomplete or unreadable "
+                          f"({type(e).__name__}: {str(e)[:200]}); skipping it")
+    return None, None
+
+
+def load_model(run_dir, step: int | None = None):
+    """(config, model with the latest (or given) checkpoint's parameters, step) from a run folder."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").exists():
+        raise ValueError(f"{run_dir} is not a run folder (no config.yaml)")
+    cfg = from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    model = LanguageModel(cfg.model, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    targets = {"params": params.to_pure_dict()}
+    if jax.tree.leaves(rest.to_pure_dict()):
+        targets["rest"] = rest.to_pure_dict()
+    mngr = manager(run_dir / "checkpoints", read_only=True)
+    if step is None:
+        step, restored = restore_latest(mngr, targets)
+        if step is None:
+            raise ValueError(f"{run_dir} holds no complete checkpoint")
+    else:
+        restored = mngr.restore(step, args=_restore_args(targets))
+    nnx.replace_by_pure_dict(params, restored["params"])
+    if "rest" in targets:
+        nnx.replace_by_pure_dict(rest, restored["rest"])
+    return cfg, nnx.merge(graphdef, params, rest), step

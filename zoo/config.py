@@ -1,0 +1,260 @@
+"""Run configuration: YAML on disk, frozen dataclasses in code.
+
+A run file has three sections, `model`, `data` and `train`. `model.mixer` and `model.ffn` are
+picked by their `kind` from the registry (zoo/registry.py). Overrides are `dotted.path=value`
+strings whose value is read as YAML (`model.mixer.window=64`, `model.mixer.window=null`).
+
+Every mistake is a ValueError that names the dotted path and what was expected, raised before any
+array is made: an unknown key, a wrong type, a value outside its choices, an impossible shape.
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """model: vocab_size; d_model (residual width); num_layers; max_seq_len (longest sequence the
+    model accepts in training); mixer (the sequence mixer, picked by `kind`); ffn (`kind: mlp|moe`);
+    layer_pattern (optional list of mixer configs, repeated over the layers; replaces `mixer`);
+    tie_embeddings (LM head shares the embedding matrix); norm_eps; dtype (compute dtype;
+    parameters stay float32)."""
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    max_seq_len: int = 1024
+    mixer: Any = None
+    ffn: Any = None
+    layer_pattern: tuple | None = None
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def mixers(self) -> tuple:
+        """The mixer config of each layer."""
+        pattern = self.layer_pattern or (self.mixer,)
+        return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """data: corpus (`shakespeare`, or a folder of *.txt files, one document each); val_docs
+    (the documents held out for validation: whole plays, never random windows); packing (split
+    documents at blank lines, join them with the end byte and give each window `segment_ids`, so no
+    token attends or recurs across a boundary; off: plain windows of the stream, as nanoGPT)."""
+    corpus: str = "shakespeare"
+    val_docs: tuple[str, ...] = ("hamlet", "tempest", "julius_caesar")
+    packing: bool = False
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """train: steps; batch_size; seq_len; seed (weights, data order and sampling); lr (peak),
+    min_lr_ratio, warmup_steps, schedule (cosine|linear|constant after warmup); weight_decay (not
+    on norms, biases, embeddings); b1, b2; grad_clip (global norm, 0 = off); grad_accum
+    (micro-batches per step); eval_every, eval_batches; log_every; checkpoint_every,
+    keep_checkpoints; sample_tokens (bytes sampled at each evaluation, 0 = none); run_dir (default
+    runs/<config stem>); on_nonfinite (stop: end the run naming the step, keeping the last good
+    checkpoint; skip: drop the update and count it)."""
+    steps: int = 1000
+    batch_size: int = 32
+    seq_len: int = 128
+    seed: int = 0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.99
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    eval_every: int = 250
+    eval_batches: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 250
+    keep_checkpoints: int = 2
+    sample_tokens: int = 200
+    run_dir: str | None = None
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+
+
+def _convert(value, tp, path: str):
+    """Check `value` against the annotation `tp`, converting int to float and lists to tuples."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, path)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{path}: expected one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{path}: expected a list, got {value!r}")
+        if args and args[-1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        return tuple(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            raise ValueError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported annotation {tp}")
+
+
+def build(cls, data, path: str):
+    """Make dataclass `cls` from a mapping, checking every key and type; `path` names it in errors."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)] + (["kind"] if hasattr(cls, "KIND") else [])
+    for key in data:
+        if key not in names:
+            raise ValueError(f"{path}.{key}: unknown key; expected one of {', '.join(names)}")
+    kwargs = {k: _convert(v, hints[k], f"{path}.{k}") for k, v in data.items() if k != "kind"}
+    return cls(**kwargs)
+
+
+def _build_model(data, path: str) -> ModelConfig:
+    from zoo.registry import FFNS, MIXERS, build_kind
+
+    data = dict(data or {})
+    mixer, ffn, pattern = data.pop("mixer", None), data.pop("ffn", None), data.pop("layer_pattern", None)
+    cfg = build(ModelConfig, data, path)
+    if pattern is not None and mixer is not None:
+        raise ValueError(f"{path}.layer_pattern: give either model.mixer or model.layer_pattern, not both")
+    if pattern is not None:
+        if not isinstance(pattern, list) or not pattern:
+            raise ValueError(f"{path}.layer_pattern: expected a non-empty list of mixer configs")
+        pattern = tuple(build_kind(MIXERS, m, f"{path}.layer_pattern[{i}]") for i, m in enumerate(pattern))
+    cfg = dataclasses.replace(
+        cfg, layer_pattern=pattern,
+        mixer=None if pattern else build_kind(MIXERS, mixer or {"kind": "attention"}, f"{path}.mixer"),
+        ffn=build_kind(FFNS, ffn or {"kind": "mlp"}, f"{path}.ffn"))
+    check_model(cfg, path)
+    return cfg
+
+
+def _positive(path, **values):
+    for k, v in values.items():
+        if v is not None and v <= 0:
+            raise ValueError(f"{path}.{k}: expected a positive number, got {v}")
+
+
+def check_model(cfg: ModelConfig, path: str = "model"):
+    _positive(path, vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers,
+              max_seq_len=cfg.max_seq_len)
+    where = [f"{path}.layer_pattern[{i}]" for i in range(len(cfg.layer_pattern))] if cfg.layer_pattern \
+        else [f"{path}.mixer"]
+    for p, m in zip(where, cfg.layer_pattern or (cfg.mixer,)):
+        m.check(cfg.d_model, p)
+    cfg.ffn.check(cfg.d_model, f"{path}.ffn")
+
+
+def _check_train(cfg: Config):
+    t = cfg.train
+    _positive("train", steps=t.steps, batch_size=t.batch_size, seq_len=t.seq_len, grad_accum=t.grad_accum,
+              eval_every=t.eval_every, eval_batches=t.eval_batches, log_every=t.log_every,
+              checkpoint_every=t.checkpoint_every, keep_checkpoints=t.keep_checkpoints, lr=t.lr)
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ValueError(f"train.seq_len: {t.seq_len} is longer than the model allows "
+                         f"(model.max_seq_len={cfg.model.max_seq_len})")
+    if t.batch_size % t.grad_accum:
+        raise ValueError(f"train.grad_accum: {t.grad_accum} does not divide train.batch_size={t.batch_size}")
+    if t.warmup_steps < 0 or not 0 <= t.min_lr_ratio <= 1:
+        raise ValueError("train.warmup_steps must be >= 0 and train.min_lr_ratio in [0, 1]")
+
+
+def from_dict(data: dict) -> Config:
+    if not isinstance(data, dict):
+        raise ValueError(f"config: expected a mapping with sections model, data, train; got {data!r}")
+    for key in data:
+        if key not in ("model", "data", "train"):
+            raise ValueError(f"{key}: unknown section; expected model, data or train")
+    cfg = Config(model=_build_model(data.get("model"), "model"),
+                 data=build(DataConfig, data.get("data") or {}, "data"),
+                 train=build(TrainConfig, data.get("train") or {}, "train"))
+    _check_train(cfg)
+    return cfg
+
+
+def apply_overrides(data: dict, overrides) -> dict:
+    """Set each `dotted.path=value` (value parsed as YAML) in a nested dict; list items by index."""
+    for item in overrides or ():
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected dotted.path=value, e.g. model.d_model=256")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw.strip() else None
+        node, parts = data, key.strip().split(".")
+        for i, part in enumerate(parts[:-1]):
+            here = ".".join(parts[:i + 1])
+            child = node[int(part)] if isinstance(node, list) else node.get(part)
+            if child is None:
+                child = {}
+                node[part] = child
+            if not isinstance(child, (dict, list)):
+                raise ValueError(f"override {key}: {here} is a value, not a section")
+            node = child
+        if isinstance(node, list):
+            node[int(parts[-1])] = value
+        else:
+            node[parts[-1]] = value
+    return data
+
+
+def load_config(path, overrides=None) -> Config:
+    """Read a YAML run file, apply overrides, and check everything. ValueError names what is wrong."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"config {str(path)!r} cannot be read: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"config {str(path)!r} is not valid YAML: {e}") from None
+    return from_dict(apply_overrides(data, overrides))
+
+
+def to_dict(cfg) -> dict:
+    """The resolved config as plain YAML-able data (tuples as lists, mixer kinds included)."""
+    if dataclasses.is_dataclass(cfg):
+        out = {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        if hasattr(cfg, "KIND"):
+            out = {"kind": cfg.KIND, **out}
+        return out
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    return cfg

@@ -1,0 +1,82 @@
+"""LanguageModel: token embedding, N pre-norm residual blocks (mixer, then FFN), final norm, LM head.
+
+    h = x + mixer(norm(x));  y = h + ffn(norm(h))
+
+Every mixer kind plugs in through the registry; the model never looks at which kind it holds. A
+stateful FFN (one with `init_state`, e.g. RWKV's channel mix with its token shift) gets a decode
+state beside its mixer's.
+"""
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from layers import RMSNorm
+from zoo.config import ModelConfig
+from zoo.registry import make_layer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class Block(nnx.Module):
+    def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int, eps: float):
+        self.mixer_norm, self.mixer = RMSNorm(d_model, eps=eps), mixer
+        self.ffn_norm, self.ffn = RMSNorm(d_model, eps=eps), ffn
+        self.stateful_ffn = hasattr(ffn, "init_state")
+
+    def __call__(self, x, segment_ids=None):
+        x = x + self.mixer(self.mixer_norm(x), segment_ids=segment_ids)
+        h = self.ffn_norm(x)
+        return x + (self.ffn(h, segment_ids=segment_ids) if self.stateful_ffn else self.ffn(h))
+
+    def init_state(self, batch_size: int, max_len: int):
+        ffn = self.ffn.init_state(batch_size, max_len) if self.stateful_ffn else None
+        return self.mixer.init_state(batch_size, max_len), ffn
+
+    def decode(self, x, state, segment_ids=None):
+        y, mixer_state = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids)
+        x = x + y
+        if not self.stateful_ffn:
+            return x + self.ffn(self.ffn_norm(x)), (mixer_state, None)
+        y, ffn_state = self.ffn.decode(self.ffn_norm(x), state[1], segment_ids=segment_ids)
+        return x + y, (mixer_state, ffn_state)
+
+
+class LanguageModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype = DTYPES[cfg.dtype]
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
+                               embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.blocks = nnx.List([
+            Block(make_layer(m, cfg.d_model, dtype=dtype, rngs=rngs),
+                  make_layer(cfg.ffn, cfg.d_model, dtype=dtype, rngs=rngs), cfg.d_model, cfg.norm_eps)
+            for m in cfg.mixers()])
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nnx.Param(
+            nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
+
+    def logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        x = self.norm(x)
+        w = self.embed.embedding[...].T if self.head is None else self.head[...]
+        return jnp.einsum("BTD,DV->BTV", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None
+                 ) -> Float[Array, "B T V"]:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, segment_ids=segment_ids)
+        return self.logits(x)
+
+    def init_state(self, batch_size: int, max_len: int) -> tuple:
+        return tuple(block.init_state(batch_size, max_len) for block in self.blocks)
+
+    def decode(self, tokens: Int[Array, "B T"], state: tuple, *,
+               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T V"], tuple]:
+        """Run T >= 1 tokens from `state` (prefill or one step); returns logits and the new state."""
+        x = self.embed(tokens)
+        new_state = []
+        for block, s in zip(self.blocks, state):
+            x, s = block.decode(x, s, segment_ids=segment_ids)
+            new_state.append(s)
+        return self.logits(x), tuple(new_state)

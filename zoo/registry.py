@@ -1,0 +1,85 @@
+"""The registry of kinds: `kind` in a config -> (config dataclass, layer class).
+
+A config dataclass's fields are exactly its layer's keyword arguments (besides d_model, dtype and
+rngs), so adding an architecture is one layer file, one dataclass here, one `register` line and one
+YAML file. `check` validates a config against the model width before any array exists: by default
+it builds the layer abstractly (nnx.eval_shape) and re-raises the layer's own ValueError under the
+config's dotted path.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import jax.numpy as jnp
+from flax import nnx
+
+import layers
+from zoo.config import build
+
+MIXERS: dict[str, type] = {}  # kind -> config dataclass
+FFNS: dict[str, type] = {}
+LAYER_OF: dict[type, type] = {}  # config dataclass -> layer class
+
+
+def register(table: dict, config_cls: type, layer_cls: type):
+    table[config_cls.KIND] = config_cls
+    LAYER_OF[config_cls] = layer_cls
+
+
+def build_kind(table: dict, data, path: str):
+    if not isinstance(data, dict) or "kind" not in data:
+        raise ValueError(f"{path}.kind: missing; expected one of {', '.join(table)}")
+    if data["kind"] not in table:
+        raise ValueError(f"{path}.kind: unknown kind {data['kind']!r}; expected one of {', '.join(table)}")
+    return build(table[data["kind"]], data, path)
+
+
+def make_layer(cfg, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    return LAYER_OF[type(cfg)](d_model, **kwargs, dtype=dtype, rngs=rngs)
+
+
+class Kind:
+    """Base of the config dataclasses of mixers and FFNs."""
+    KIND: ClassVar[str]
+
+    def check(self, d_model: int, path: str):
+        try:
+            nnx.eval_shape(lambda: make_layer(self, d_model, rngs=nnx.Rngs(0)))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+@dataclass(frozen=True)
+class AttentionConfig(Kind):
+    """Softmax attention: MHA (num_kv_heads = num_heads or null), GQA, MQA (num_kv_heads = 1);
+    window: sliding-window length in tokens (null = full causal)."""
+    KIND: ClassVar[str] = "attention"
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    window: int | None = None
+    rope_base: float = 10000.0
+    impl: Literal["auto", "reference", "xla"] = "auto"
+
+    def check(self, d_model: int, path: str):
+        if self.num_heads <= 0 or d_model % self.num_heads and self.head_dim is None:
+            raise ValueError(f"{path}.num_heads: {self.num_heads} does not divide model.d_model={d_model}")
+        kv = self.num_kv_heads
+        if kv is not None and (kv <= 0 or self.num_heads % kv):
+            raise ValueError(f"{path}.num_kv_heads: {kv} does not divide {path}.num_heads={self.num_heads}")
+        if self.window is not None and self.window <= 0:
+            raise ValueError(f"{path}.window: expected a positive number of tokens or null, got {self.window}")
+        super().check(d_model, path)
+
+
+@dataclass(frozen=True)
+class MLPConfig(Kind):
+    """SwiGLU MLP; hidden_dim null = 8/3 d_model rounded up to 32."""
+    KIND: ClassVar[str] = "mlp"
+    hidden_dim: int | None = None
+
+
+register(MIXERS, AttentionConfig, layers.Attention)
+register(FFNS, MLPConfig, layers.MLP)
