@@ -57,7 +57,7 @@ def make_train_step(graphdef, tx):
         (loss_sum, count, grads), _ = jax.lax.scan(micro, zeros, batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
-        loss, grad_norm = loss_sum / count, optax.global_norm(grads)
+        loss, grad_norm = loss_sum / count, optax.tree.norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
         return optax.apply_updates(params, updates), rest, opt_state, metrics
 
@@ -131,7 +131,7 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
     opt_state = tx.init(params)
     lr_at = optim.schedule(t)
     mngr = manager(run_dir / "checkpoints", keep=t.keep_checkpoints)
-    targets = {"params": params.to_pure_dict(), "rest": rest.to_pure_dict(), "opt_state": opt_state, "meta": {}}
+    targets = {"params": nnx.to_pure_dict(params), "rest": nnx.to_pure_dict(rest), "opt_state": opt_state, "meta": {}}
     if not jax.tree.leaves(targets["rest"]):  # orbax refuses empty items
         del targets["rest"]
     start, restored = restore_latest(mngr, targets)
@@ -153,11 +153,11 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
     micro = t.batch_size // t.grad_accum
 
     def save(step):
-        state = {"params": ocp.args.StandardSave(params.to_pure_dict()),
+        state = {"params": ocp.args.StandardSave(nnx.to_pure_dict(params)),
                  "opt_state": ocp.args.StandardSave(opt_state),
                  "meta": ocp.args.JsonSave({"step": step, "skipped": skipped})}
         if "rest" in targets:
-            state["rest"] = ocp.args.StandardSave(rest.to_pure_dict())
+            state["rest"] = ocp.args.StandardSave(nnx.to_pure_dict(rest))
         mngr.save(step, args=ocp.args.Composite(**state), force=True)
 
     def evaluate():

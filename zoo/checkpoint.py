@@ -17,9 +17,8 @@ from zoo.config import from_dict
 from zoo.model import LanguageModel
 
 
-def manager(directory: Path, keep: int | None = None, read_only: bool = False) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
-                                           enable_async_checkpointing=not read_only)
+def manager(directory: Path, keep: int | None = None, create: bool = True) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=create)
     return ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
 
@@ -51,10 +50,10 @@ def load_model(run_dir, step: int | None = None):
     cfg = from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     model = LanguageModel(cfg.model, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    targets = {"params": params.to_pure_dict()}
-    if jax.tree.leaves(rest.to_pure_dict()):
-        targets["rest"] = rest.to_pure_dict()
-    mngr = manager(run_dir / "checkpoints", read_only=True)
+    targets = {"params": nnx.to_pure_dict(params)}
+    if jax.tree.leaves(nnx.to_pure_dict(rest)):
+        targets["rest"] = nnx.to_pure_dict(rest)
+    mngr = manager(run_dir / "checkpoints", create=False)
     if step is None:
         step, restored = restore_latest(mngr, targets)
         if step is None:

@@ -1,0 +1,60 @@
+import numpy as np
+import pytest
+
+import infer
+from infer.generate import TRACES
+from tests.util import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model({"kind": "attention", "num_heads": 4, "num_kv_heads": 2})
+
+
+def test_batched_greedy_equals_each_prompt_alone(model):
+    prompts = [[5, 6, 7, 8, 9, 10], [42], [100, 101, 102]]
+    batched = infer.generate(model, prompts, max_new_tokens=8)
+    assert batched == [infer.generate(model, [p], max_new_tokens=8)[0] for p in prompts]
+    assert all(len(r) == 8 for r in batched)
+
+
+def test_greedy_is_the_argmax_of_the_full_pass(model):
+    prompt = [3, 1, 4, 1, 5]
+    new = infer.generate(model, [prompt], max_new_tokens=5)[0]
+    seq = list(prompt)
+    for _ in range(5):
+        seq.append(int(np.argmax(model(np.asarray([seq]))[0, -1])))
+    assert new == seq[len(prompt):]
+
+
+def test_decode_loop_compiles_once_per_shape(model):
+    infer.generate(model, [[1, 2, 3]], max_new_tokens=6)
+    before = TRACES["generate"]
+    for seed in range(3):  # new seeds, temperatures and prompts of the same shape: no new trace
+        infer.generate(model, [[seed, 2, 3]], max_new_tokens=6, temperature=0.5 + seed, seed=seed)
+    infer.generate(model, [[4, 5, 6]], max_new_tokens=6, temperature=0.7)
+    assert TRACES["generate"] - before == 1  # greedy and sampling are two programs, each traced once
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
+    a = infer.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=3)
+    assert a == infer.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=3)
+    assert a != infer.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=4)
+    greedy = infer.generate(model, [[1, 2]], max_new_tokens=10)
+    assert infer.generate(model, [[1, 2]], max_new_tokens=10, temperature=2.0, top_k=1, seed=9) == greedy
+
+
+def test_stop_token_ends_a_row(model):
+    greedy = infer.generate(model, [[7, 7, 7]], max_new_tokens=10)[0]
+    stop = greedy[3]
+    out = infer.generate(model, [[7, 7, 7]], max_new_tokens=10, stop_token=stop)[0]
+    assert out == greedy[:greedy.index(stop)]
+
+
+def test_text_helper_and_errors(model):
+    (text,) = infer.generate_text(model, ["ROMEO:"], max_new_tokens=4)
+    assert isinstance(text, str)
+    with pytest.raises(ValueError, match="at least one token"):
+        infer.generate(model, [[1], []], max_new_tokens=3)
+    with pytest.raises(ValueError, match="top_p"):
+        infer.generate(model, [[1]], max_new_tokens=3, temperature=1.0, top_p=1.5)

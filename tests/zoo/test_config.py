@@ -1,0 +1,57 @@
+from pathlib import Path
+
+import pytest
+
+from zoo import load_config
+from zoo.config import from_dict
+
+CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_config_file_loads_and_starts_with_its_command(path):
+    load_config(path)
+    head = path.read_text().splitlines()[:3]
+    assert head[0].startswith(f"# python -m train configs/{path.name}")
+    assert any("2 CPU cores" in line for line in head) and any("validation loss" in line.lower() for line in head)
+
+
+def test_overrides_reach_nested_keys():
+    cfg = load_config(CONFIGS[0], ["model.num_layers=2", "model.mixer.num_kv_heads=1", "train.lr=1e-3",
+                                   "model.mixer.window=null", "data.val_docs=[hamlet]"])
+    assert (cfg.model.num_layers, cfg.model.mixer.num_kv_heads, cfg.train.lr) == (2, 1, 1e-3)
+    assert cfg.data.val_docs == ("hamlet",) and cfg.model.mixer.window is None
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"model": {"d_modle": 64}}, "model.d_modle: unknown key"),
+    ({"model": {"mixer": {"kind": "attention", "heads": 4}}}, "model.mixer.heads: unknown key"),
+    ({"trainer": {}}, "trainer: unknown section"),
+    ({"model": {"d_model": "wide"}}, "model.d_model: expected int"),
+    ({"train": {"lr": "fast"}}, "train.lr: expected float"),
+    ({"train": {"schedule": "exp"}}, "train.schedule: expected one of"),
+    ({"model": {"mixer": {"kind": "attention", "num_heads": 3}}}, "model.mixer.num_heads: 3 does not divide"),
+    ({"model": {"mixer": {"kind": "attention", "num_kv_heads": 3}}}, "model.mixer.num_kv_heads: 3 does not divide"),
+    ({"model": {"layer_pattern": [{"kind": "attention"}, {"kind": "attention", "num_kv_heads": 3}]}},
+     "model.layer_pattern[1].num_kv_heads"),
+    ({"model": {"mixer": {"kind": "transformer"}}}, "model.mixer.kind: unknown kind 'transformer'"),
+    ({"model": {"mixer": {"num_heads": 4}}}, "model.mixer.kind: missing"),
+    ({"model": {"d_model": -8}}, "model.d_model: expected a positive"),
+    ({"model": {"max_seq_len": 64}, "train": {"seq_len": 128}}, "train.seq_len: 128 is longer than the model allows"),
+    ({"train": {"batch_size": 6, "grad_accum": 4}}, "train.grad_accum"),
+])
+def test_errors_name_the_field(data, field):
+    with pytest.raises(ValueError) as e:
+        from_dict(data)
+    assert field in str(e.value)
+
+
+def test_missing_file_bad_yaml_and_bad_override(tmp_path):
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ValueError, match="dotted.path=value"):
+        load_config(CONFIGS[0], ["model.d_model"])

@@ -1,0 +1,65 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.util import assert_close, decode_in_pieces, packed_equals_alone, tiny_model
+
+ATTENTION_VARIANTS = {
+    "mha": {"kind": "attention", "num_heads": 4},
+    "gqa": {"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
+    "mqa": {"kind": "attention", "num_heads": 4, "num_kv_heads": 1},
+    "window": {"kind": "attention", "num_heads": 4, "num_kv_heads": 2, "window": 5},
+}
+
+
+def test_causality():
+    model = tiny_model()
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    changed = tokens.at[:, 9:].set((tokens[:, 9:] + 7) % 256)
+    a, b = model(tokens), model(changed)
+    np.testing.assert_array_equal(np.asarray(a[:, :9]), np.asarray(b[:, :9]))
+    assert not np.allclose(a[:, 9:], b[:, 9:])
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+def test_prefill_then_token_by_token_equals_full_pass(variant):
+    model = tiny_model(ATTENTION_VARIANTS[variant])
+    tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, 256)
+    full = model(tokens)
+    pieces, _ = decode_in_pieces(model, tokens, cuts=[6, 7, 8, 9, 10, 11, 12], max_len=20)
+    assert float(jnp.abs(pieces - full).max()) <= 1e-4
+
+
+@pytest.mark.parametrize("variant", ["mha", "window"])
+def test_prompts_of_different_lengths_in_one_batch(variant):
+    """Left-padded rows (padding as its own document) decode as each prompt alone."""
+    model = tiny_model(ATTENTION_VARIANTS[variant])
+    lengths, T = [9, 4, 6], 9
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 256, n) for n in lengths]
+    tokens = np.zeros((3, T), np.int32)
+    seg = np.zeros((3, T), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, T - len(p):], seg[i, T - len(p):] = p, 1
+    cont = rng.integers(1, 256, (3, 4))
+    batch, _ = decode_in_pieces(model, jnp.asarray(np.concatenate([tokens, cont], 1)), cuts=[T, T + 1, T + 2, T + 3],
+                                segment_ids=jnp.asarray(np.concatenate([seg, np.ones((3, 4), np.int32)], 1)))
+    for i, p in enumerate(prompts):
+        alone = model(jnp.asarray(np.concatenate([p, cont[i]]))[None])
+        assert float(jnp.abs(batch[i, T - len(p):] - alone[0]).max()) <= 1e-4
+
+
+@pytest.mark.parametrize("variant", ["gqa", "window"])
+def test_packed_batch_equals_documents_alone(variant):
+    packed_equals_alone(tiny_model(ATTENTION_VARIANTS[variant]), [5, 1, 7, 3])
+
+
+def test_untied_head_and_bfloat16_compute():
+    untied = tiny_model(tie_embeddings=False)
+    assert untied.head is not None
+    tokens = jax.random.randint(jax.random.key(2), (1, 8), 0, 256)
+    bf16 = tiny_model(dtype="bfloat16")
+    logits = bf16(tokens)
+    assert logits.dtype == jnp.float32 and bf16.embed.embedding[...].dtype == jnp.float32
+    assert_close(logits, tiny_model()(tokens), 5e-2, "bf16 vs f32")
