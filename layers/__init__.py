@@ -15,3 +15,4 @@ from layers.norm import GatedRMSNorm, RMSNorm
 from layers.rotary import apply_rotary
 from layers.attention import Attention, KVCache
 from layers.mlp import MLP
+from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet

@@ -49,4 +49,7 @@ class ShortConvolution(nnx.Module):
             y = y + self.bias[...]
         if self.activation:
             y = jax.nn.silu(y)
-        return y.astype(x.dtype), xp[:, T:].astype(state.dtype) if W > 1 else state
+        window = xp[:, T:]
+        if segment_ids is not None:  # inputs of a document that ended inside this call are not carried
+            window = jnp.where((doc[:, T:] == doc[:, -1:])[..., None], window, 0)
+        return y.astype(x.dtype), window.astype(state.dtype)

@@ -81,5 +81,40 @@ class MLPConfig(Kind):
     hidden_dim: int | None = None
 
 
+Mode = Literal["recurrent", "chunk", "parallel"]
+
+
+@dataclass(frozen=True)
+class DeltaNetConfig(Kind):
+    """DeltaNet (Schlag et al. 2021; Yang et al. 2024): the delta rule with L2-normalised q, k."""
+    KIND: ClassVar[str] = "deltanet"
+    num_heads: int = 4
+    head_dim: int | None = None
+    expand_v: float = 1.0
+    conv_size: int = 4
+    use_beta: bool = True
+    qk_norm: Literal["l2", "sum"] = "l2"
+    use_output_gate: bool = False
+    norm_eps: float = 1e-5
+    mode: Mode = "chunk"
+    chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig(Kind):
+    """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024): the delta rule with a Mamba-2 decay."""
+    KIND: ClassVar[str] = "gated_deltanet"
+    num_heads: int = 4
+    head_dim: int | None = None
+    expand_v: float = 2.0
+    conv_size: int = 4
+    use_output_gate: bool = True
+    norm_eps: float = 1e-5
+    mode: Mode = "chunk"
+    chunk_size: int = 64
+
+
 register(MIXERS, AttentionConfig, layers.Attention)
+register(MIXERS, DeltaNetConfig, layers.DeltaNet)
+register(MIXERS, GatedDeltaNetConfig, layers.GatedDeltaNet)
 register(FFNS, MLPConfig, layers.MLP)

@@ -1,0 +1,82 @@
+"""Time per generated token and decode-state bytes against context length, per mixer kind.
+
+    python -m benchmarks.decode [--contexts 256 1024 4096 16384] [--kinds mha gqa mqa ...]
+
+Each model (d_model 256, 4 layers, 8 heads, batch 1) prefills `context` tokens, then greedy-decodes
+32 tokens inside one jitted lax.scan; the figure is that scan's median time / 32. A Transformer's KV
+cache grows with the context, so its cost per token does too; a recurrent kind's state does not.
+"""
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks.common import print_table, save_json, timeit, tree_bytes
+from layers import KVCache
+from zoo import LanguageModel
+from zoo.config import from_dict
+
+KINDS = {
+    "mha": {"kind": "attention", "num_heads": 8},
+    "gqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 2},
+    "mqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 1},
+}
+STEPS = 32
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def prefill(graphdef, params, tokens, state):
+    return nnx.merge(graphdef, params).decode(tokens, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def decode_steps(graphdef, params, token, state):
+    model = nnx.merge(graphdef, params)
+
+    def step(carry, _):
+        tok, state = carry
+        logits, state = model.decode(tok, state)
+        return (jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32), state), None
+
+    return jax.lax.scan(step, (token, state), None, length=STEPS)[0]
+
+
+def measure(kind: str, context: int, chunk: int = 1024) -> dict:
+    cfg = from_dict({"model": {"d_model": 256, "num_layers": 4, "max_seq_len": 32768, "mixer": KINDS[kind]}}).model
+    graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.merge(graphdef, params)
+    state = model.init_state(1, context + STEPS)
+    tokens = jax.random.randint(jax.random.key(0), (1, context), 1, 256)
+    for start in range(0, context, chunk):  # prefill in chunks: bounded memory at 16K
+        _, state = prefill(graphdef, params, tokens[:, start:start + chunk], state)
+    seconds = timeit(decode_steps, graphdef, params, tokens[:, -1:], state, repeats=3)
+    caches = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, KVCache)) if isinstance(s, KVCache)]
+    return {"kind": kind, "context": context, "ms_per_token": round(1000 * seconds / STEPS, 3),
+            "state_MiB": round(tree_bytes(state) / 2 ** 20, 3),
+            "kv_cache_MiB": round(sum(c.k.nbytes + c.v.nbytes for c in caches) / 2 ** 20, 3)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    args = p.parse_args()
+    rows = []
+    for kind in args.kinds:
+        base = None
+        for context in args.contexts:
+            r = measure(kind, context)
+            base = base or r
+            r["time_vs_first"] = round(r["ms_per_token"] / base["ms_per_token"], 2)
+            rows.append(r)
+            print(r, flush=True)
+    print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}, batch 1, d_model 256, 4 layers")
+    print_table(rows, ["kind", "context", "ms_per_token", "time_vs_first", "state_MiB", "kv_cache_MiB"])
+    save_json("decode", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Forward and forward+backward time of every op's forms against sequence length, one table.
+
+    python -m benchmarks.ops [--ops gla mamba ...] [--lengths 512 1024 2048 4096 8192]
+
+B=1, H=4, head dim 64 (Mamba: Dm=256, N=16; SSD: P=64, N=64), float32, jitted, median of 3 after a
+compile. fwd+bwd is the gradient of sum(o) with respect to every floating input. A quadratic
+("parallel") form is skipped where its (T, T) intermediates would not fit in memory ("-"). The
+ratio columns divide by the chunk form's time in the same run.
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import print_table, save_json, timeit
+from kernels.delta_rule import delta_rule
+from kernels.gla import gla
+from kernels.linear_attention import linear_attention
+from kernels.retention import retention
+from kernels.selective_scan import selective_scan
+from kernels.ssd import ssd
+from kernels.wkv6 import wkv6
+from kernels.wkv7 import wkv7
+
+B, H, K = 1, 4, 64
+
+
+def _n(key, *shape, scale=1.0):
+    return scale * jax.random.normal(key, shape, jnp.float32)
+
+
+def _qkv(key, T):
+    q, k, v = (_n(kk, B, T, H, K) for kk in jax.random.split(key, 3))
+    return q, k / K ** 0.5, v
+
+
+def _inputs(op, T):
+    key, sub = jax.random.split(jax.random.key(0))
+    q, k, v = _qkv(key, T)
+    if op == "linear_attention":
+        return (jax.nn.elu(q) + 1, jax.nn.elu(k) + 1, v)
+    if op == "retention":
+        return (q, k, v, 1 - 2.0 ** (-5 - jnp.arange(H, dtype=jnp.float32)))
+    if op == "gla":
+        return (q, k, v, jax.nn.log_sigmoid(_n(sub, B, T, H, K) + 4) / 16)
+    if op in ("deltanet", "gated_deltanet"):
+        nq, nk = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+        beta = jax.nn.sigmoid(_n(sub, B, T, H))
+        g = jax.nn.log_sigmoid(_n(jax.random.fold_in(sub, 1), B, T, H) + 4) if op == "gated_deltanet" else None
+        return (nq, nk, v, beta, g)
+    if op == "wkv6":
+        return (q, k, v, -jnp.exp(_n(sub, B, T, H, K) - 2), _n(jax.random.fold_in(sub, 1), H, K, scale=0.1))
+    if op == "wkv7":
+        kk = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        a = jax.nn.sigmoid(_n(sub, B, T, H, K))
+        return (q, -jnp.exp(_n(jax.random.fold_in(sub, 1), B, T, H, K) - 2) * 0.6, k, v, -kk, kk * a)
+    if op == "mamba":
+        Dm, N = H * K, 16
+        ks = jax.random.split(sub, 4)
+        return (_n(ks[0], B, T, Dm), jax.nn.softplus(_n(ks[1], B, T, Dm) - 3),
+                -jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.float32), (Dm, N)),
+                _n(ks[2], B, T, N), _n(ks[3], B, T, N), jnp.ones((Dm,)))
+    if op == "mamba2":
+        ks = jax.random.split(sub, 4)
+        return (_n(ks[0], B, T, H, K), jax.nn.softplus(_n(ks[1], B, T, H) - 3), -jnp.arange(1, H + 1.0),
+                _n(ks[2], B, T, 1, 64), _n(ks[3], B, T, 1, 64), jnp.ones((H,)))
+    raise KeyError(op)
+
+
+OPS = {  # name -> (function, forms, longest T for the quadratic form)
+    "linear_attention": (linear_attention, ("recurrent", "parallel", "chunk"), 8192),
+    "retention": (retention, ("recurrent", "parallel", "chunk"), 8192),
+    "gla": (gla, ("recurrent", "parallel", "chunk"), 1024),
+    "deltanet": (delta_rule, ("recurrent", "parallel", "chunk"), 2048),
+    "gated_deltanet": (delta_rule, ("recurrent", "parallel", "chunk"), 2048),
+    "wkv6": (wkv6, ("recurrent", "chunk"), 0),
+    "wkv7": (wkv7, ("recurrent", "chunk"), 0),
+    "mamba": (selective_scan, ("recurrent", "parallel", "chunk"), 1 << 30),
+    "mamba2": (ssd, ("recurrent", "parallel", "chunk"), 4096),
+}
+
+
+def _timed(fn, args, mode):
+    floats = [i for i, a in enumerate(args) if a is not None]
+
+    def fwd(*xs):
+        full = list(args)
+        for i, x in zip(floats, xs):
+            full[i] = x
+        return fn(*full, mode=mode)[0]
+
+    xs = [args[i] for i in floats]
+    f = jax.jit(fwd)
+    fb = jax.jit(jax.grad(lambda *xs: jnp.sum(fwd(*xs)), argnums=tuple(range(len(xs)))))
+    return timeit(f, *xs, repeats=3), timeit(fb, *xs, repeats=3)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    args = p.parse_args()
+    rows = []
+    for op in args.ops:
+        fn, forms, max_parallel = OPS[op]
+        for T in args.lengths:
+            row = {"op": op, "T": T}
+            inputs = _inputs(op, T)
+            for form in forms:
+                if form == "parallel" and T > max_parallel:
+                    row[f"{form}_fwd_ms"] = row[f"{form}_fwdbwd_ms"] = "-"
+                    continue
+                f, fb = _timed(fn, inputs, form)
+                row[f"{form}_fwd_ms"], row[f"{form}_fwdbwd_ms"] = round(1e3 * f, 2), round(1e3 * fb, 2)
+            for form in forms:
+                if form != "chunk" and row[f"{form}_fwdbwd_ms"] != "-":
+                    row[f"{form}/chunk_fwdbwd"] = round(row[f"{form}_fwdbwd_ms"] / row["chunk_fwdbwd_ms"], 2)
+            rows.append(row)
+            print(row, flush=True)
+    print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}, B={B}, H={H}, head dim {K}, float32")
+    columns = ["op", "T"] + [c for c in rows[0] if c not in ("op", "T")]
+    for c in sorted({c for r in rows for c in r} - set(columns)):
+        columns.append(c)
+    print_table(rows, columns)
+    save_json("ops", rows)
+
+
+if __name__ == "__main__":
+    main()

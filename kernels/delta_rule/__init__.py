@@ -1,0 +1,57 @@
+"""The (gated) delta rule of DeltaNet and Gated DeltaNet: one entry point, forms chosen by `mode`.
+
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
+
+alpha_t = exp(g_t) (g = None: alpha_t = 1, plain DeltaNet). See reference.py for the recurrence,
+chunk.py for the chunkwise WY/UT form, parallel.py for the whole-sequence UT form. Only XLA forms
+exist so far; a Pallas kernel will be selected here, through `impl`, and nowhere else.
+"""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kernels.delta_rule.chunk import delta_rule_chunk
+from kernels.delta_rule.parallel import delta_rule_parallel
+from kernels.delta_rule.reference import delta_rule_recurrent, delta_rule_step
+
+MODES = ("recurrent", "chunk", "parallel")
+IMPLS = ("auto", "xla")
+
+
+def delta_rule(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T H V"],
+    beta: Float[Array, "B T H"],
+    g: Float[Array, "B T H"] | None = None,
+    *,
+    scale: float | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
+    initial_state: Float[Array, "B H K V"] | None = None,
+    output_final_state: bool = False,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+    impl: str = "auto",
+) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"] | None]:
+    """q, k (B, T, H, K) (the layers L2-normalise them), v (B, T, H, V), beta (B, T, H) in (0, 1),
+    g (B, T, H) log-decay <= 0 or None, initial_state (B, H, K, V). scale defaults to K^-1/2.
+    Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None)."""
+    if mode not in MODES:
+        raise ValueError(f"delta_rule: mode={mode!r}; expected one of {MODES}")
+    if impl not in IMPLS:
+        raise ValueError(f"delta_rule: impl={impl!r}; expected one of {IMPLS}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"delta_rule: chunk_size={chunk_size!r}; expected a positive int")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kwargs = dict(scale=scale, segment_ids=segment_ids, initial_state=initial_state)
+    # impl "auto" and "xla" both run the XLA forms until a Pallas kernel exists.
+    if mode == "recurrent":
+        o, final = delta_rule_recurrent(q, k, v, beta, g, **kwargs)
+    elif mode == "chunk":
+        o, final = delta_rule_chunk(q, k, v, beta, g, chunk_size=chunk_size, **kwargs)
+    else:
+        o, final = delta_rule_parallel(q, k, v, beta, g, **kwargs)
+    return o, (final.astype(jnp.float32) if output_final_state else None)
+
+
+__all__ = ["delta_rule", "delta_rule_step", "MODES", "IMPLS"]
