@@ -16,3 +16,6 @@ from layers.rotary import apply_rotary
 from layers.attention import Attention, KVCache
 from layers.mlp import MLP
 from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
+from layers.gla import GatedLinearAttention, GLAState
+from layers.linear_attention import LinearAttention, LinearAttentionState
+from layers.retnet import MultiScaleRetention, RetentionState

@@ -114,7 +114,55 @@ class GatedDeltaNetConfig(Kind):
     chunk_size: int = 64
 
 
+@dataclass(frozen=True)
+class LinearAttentionConfig(Kind):
+    """Linear attention (Katharopoulos et al. 2020) with a feature map: identity, elu (elu+1), relu,
+    performer (FAVOR+), cosformer (relu + cos re-weighting), hedgehog (learned); normalize adds the
+    denominator q . sum(k)."""
+    KIND: ClassVar[str] = "linear_attention"
+    num_heads: int = 4
+    feature_map: Literal["identity", "elu", "relu", "performer", "cosformer", "hedgehog"] = "elu"
+    normalize: bool = True
+    num_features: int | None = None
+    cosformer_max_len: int = 2048
+    eps: float = 1e-6
+    mode: Mode = "chunk"
+    chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class RetNetConfig(Kind):
+    """Multi-scale retention (Sun et al. 2023): fixed per-head decay, rotary, norm and swish gate."""
+    KIND: ClassVar[str] = "retnet"
+    num_heads: int = 4
+    expand_k: float = 1.0
+    expand_v: float = 2.0
+    rotary_base: float = 10000.0
+    norm_eps: float = 1e-5
+    mode: Mode = "chunk"
+    chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class GLAConfig(Kind):
+    """Gated linear attention (Yang et al. 2024): data-dependent per-key decay from a low-rank gate."""
+    KIND: ClassVar[str] = "gla"
+    num_heads: int = 4
+    expand_k: float = 0.5
+    expand_v: float = 1.0
+    gate_low_rank_dim: int = 16
+    gate_logit_normalizer: float = 16.0
+    conv_size: int = 0
+    use_output_gate: bool = True
+    norm_eps: float = 1e-5
+    mode: Mode = "chunk"
+    chunk_size: int = 64
+
+
 register(MIXERS, AttentionConfig, layers.Attention)
+register(MIXERS, LinearAttentionConfig, layers.LinearAttention)
+register(MIXERS, RetNetConfig, layers.MultiScaleRetention)
+register(MIXERS, GLAConfig, layers.GatedLinearAttention)
 register(MIXERS, DeltaNetConfig, layers.DeltaNet)
 register(MIXERS, GatedDeltaNetConfig, layers.GatedDeltaNet)
 register(FFNS, MLPConfig, layers.MLP)

@@ -7,11 +7,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.util import assert_close, decode_in_pieces, packed_equals_alone, tiny_model
+from tests.util import assert_close, decode_in_pieces, forward, packed_equals_alone, tiny_model
 from zoo.registry import MIXERS
 
 # Small instances of each kind; chunk_size 4 so that T = 13 spans several ragged chunks.
 TINY = {
+    "linear_attention": {"kind": "linear_attention", "num_heads": 2, "feature_map": "hedgehog", "chunk_size": 4},
+    "retnet": {"kind": "retnet", "num_heads": 2, "chunk_size": 4},
+    "gla": {"kind": "gla", "num_heads": 2, "conv_size": 4, "chunk_size": 4},
     "deltanet": {"kind": "deltanet", "num_heads": 2, "chunk_size": 4},
     "gated_deltanet": {"kind": "gated_deltanet", "num_heads": 2, "chunk_size": 4},
 }
@@ -30,7 +33,7 @@ def _modes(kind):
 @pytest.mark.parametrize("kind", TINY)
 def test_modes_give_the_same_logits(kind):
     tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, 256)
-    logits = {m: tiny_model({**TINY[kind], "mode": m})(tokens) for m in _modes(kind)}
+    logits = {m: forward(tiny_model({**TINY[kind], "mode": m}), tokens) for m in _modes(kind)}
     assert len(logits) >= 2
     ref = logits.pop("recurrent")
     for mode, out in logits.items():
@@ -42,7 +45,7 @@ def test_prefill_then_token_by_token_equals_full_pass(kind):
     model = tiny_model(TINY[kind])
     tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, 256)
     pieces, _ = decode_in_pieces(model, tokens, cuts=[7, 8, 9, 10, 11, 12])
-    assert float(jnp.abs(pieces - model(tokens)).max()) <= 1e-4
+    assert float(jnp.abs(pieces - forward(model, tokens)).max()) <= 1e-4
 
 
 @pytest.mark.parametrize("kind", TINY)

@@ -1,0 +1,42 @@
+"""Gated linear attention (Yang et al., 2024): S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T,
+o_t = scale * q_t S_t, with a per-channel log-decay g <= 0 given by the caller.
+
+See reference.py for the equations, chunk.py (stable secondary chunking) and parallel.py (quadratic
+form, O(T^2 K) memory) for the fast forms.
+"""
+
+from jaxtyping import Array, Float, Int
+
+from kernels.gla.chunk import gla_chunk
+from kernels.gla.parallel import gla_parallel
+from kernels.gla.reference import gla_reference, gla_step
+
+_FORMS = {"recurrent": gla_reference, "chunk": gla_chunk, "parallel": gla_parallel}
+_IMPLS = ("auto", "xla")
+
+
+def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
+        g: Float[Array, "B T H K"], *, scale: float | None = None, segment_ids: Int[Array, "B T"] | None = None,
+        initial_state: Float[Array, "B H K V"] | None = None, output_final_state: bool = False,
+        mode: str = "chunk", chunk_size: int = 64, impl: str = "auto"):
+    """Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None).
+
+    g: log of the forget gate alpha, <= 0 (not checked). mode: "recurrent", "chunk" or "parallel";
+    all give the same result. impl: "auto" or "xla" (both run the XLA forms for now). scale
+    multiplies q; None means K^-1/2 (as flash-linear-attention's chunk_gla).
+    """
+    if mode not in _FORMS:
+        raise ValueError(f"gla: mode={mode!r}; valid modes are {sorted(_FORMS)}")
+    if impl not in _IMPLS:
+        raise ValueError(f"gla: impl={impl!r}; valid impls are {list(_IMPLS)}")
+    if chunk_size < 1:
+        raise ValueError(f"gla: chunk_size={chunk_size} must be >= 1")
+    kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
+                  initial_state=initial_state)
+    if mode == "chunk":
+        kwargs["chunk_size"] = chunk_size
+    o, state = _FORMS[mode](q, k, v, g, **kwargs)
+    return o, (state if output_final_state else None)
+
+
+__all__ = ["gla", "gla_step"]

@@ -1,0 +1,41 @@
+"""Causal linear attention without decay: S_t = S_{t-1} + k_t v_t^T, o_t = scale * q_t S_t.
+
+Katharopoulos et al., 2020. The op takes q and k with the feature map already applied and has no
+normaliser; see reference.py for the equations, chunk.py and parallel.py for the fast forms.
+"""
+
+from jaxtyping import Array, Float, Int
+
+from kernels.linear_attention.chunk import linear_attention_chunk
+from kernels.linear_attention.parallel import linear_attention_parallel
+from kernels.linear_attention.reference import linear_attention_reference, linear_attention_step
+
+_FORMS = {"recurrent": linear_attention_reference, "chunk": linear_attention_chunk,
+          "parallel": linear_attention_parallel}
+_IMPLS = ("auto", "xla")
+
+
+def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"], *,
+                     segment_ids: Int[Array, "B T"] | None = None,
+                     initial_state: Float[Array, "B H K V"] | None = None, output_final_state: bool = False,
+                     mode: str = "chunk", chunk_size: int = 64, impl: str = "auto", scale: float | None = None):
+    """Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None).
+
+    mode: "recurrent" (token-by-token scan), "chunk" (chunkwise parallel, chunk_size tokens) or
+    "parallel" (quadratic masked form); all give the same result. impl: "auto" or "xla" (the only
+    implementation so far: both run the XLA forms). scale multiplies q (None means 1).
+    """
+    if mode not in _FORMS:
+        raise ValueError(f"linear_attention: mode={mode!r}; valid modes are {sorted(_FORMS)}")
+    if impl not in _IMPLS:
+        raise ValueError(f"linear_attention: impl={impl!r}; valid impls are {list(_IMPLS)}")
+    if chunk_size < 1:
+        raise ValueError(f"linear_attention: chunk_size={chunk_size} must be >= 1")
+    kwargs = dict(scale=1.0 if scale is None else scale, segment_ids=segment_ids, initial_state=initial_state)
+    if mode == "chunk":
+        kwargs["chunk_size"] = chunk_size
+    o, state = _FORMS[mode](q, k, v, **kwargs)
+    return o, (state if output_final_state else None)
+
+
+__all__ = ["linear_attention", "linear_attention_step"]

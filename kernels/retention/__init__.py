@@ -1,0 +1,43 @@
+"""Retention (RetNet, Sun et al., 2023): S_t = gamma_h S_{t-1} + k_t v_t^T, o_t = scale * q_t S_t.
+
+One fixed decay gamma_h per head, handled in log space inside every form. See reference.py for the
+equations, chunk.py and parallel.py for the fast forms.
+"""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kernels.retention.chunk import retention_chunk
+from kernels.retention.parallel import retention_parallel
+from kernels.retention.reference import retention_reference, retention_step
+
+_FORMS = {"recurrent": retention_reference, "chunk": retention_chunk, "parallel": retention_parallel}
+_IMPLS = ("auto", "xla")
+
+
+def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
+              gamma: Float[Array, "H"], *, segment_ids: Int[Array, "B T"] | None = None,
+              initial_state: Float[Array, "B H K V"] | None = None, output_final_state: bool = False,
+              mode: str = "chunk", chunk_size: int = 64, impl: str = "auto", scale: float | None = None):
+    """Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None).
+
+    gamma (H,) in (0, 1]: the per-head decay. mode: "recurrent", "chunk" or "parallel"; all give the
+    same result. impl: "auto" or "xla" (both run the XLA forms for now). scale multiplies q; None
+    means K^-1/2 as in the paper (which scales k by the same factor).
+    """
+    if mode not in _FORMS:
+        raise ValueError(f"retention: mode={mode!r}; valid modes are {sorted(_FORMS)}")
+    if impl not in _IMPLS:
+        raise ValueError(f"retention: impl={impl!r}; valid impls are {list(_IMPLS)}")
+    if chunk_size < 1:
+        raise ValueError(f"retention: chunk_size={chunk_size} must be >= 1")
+    log_gamma = jnp.log(jnp.asarray(gamma, jnp.float32))
+    kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
+                  initial_state=initial_state)
+    if mode == "chunk":
+        kwargs["chunk_size"] = chunk_size
+    o, state = _FORMS[mode](q, k, v, log_gamma, **kwargs)
+    return o, (state if output_final_state else None)
+
+
+__all__ = ["retention", "retention_step"]

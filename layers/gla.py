@@ -1,0 +1,122 @@
+"""Gated linear attention layer (Yang et al., 2024, "Gated Linear Attention Transformers with
+Hardware-Efficient Training", the GLA Transformer layer).
+
+    q_t, k_t, v_t = x_t W_Q, x_t W_K, x_t W_V      (optionally each through a short causal conv + silu)
+    alpha_t = sigmoid(x_t W_a1 W_a2 + b_a)^(1/tau),  so  g_t = log alpha_t = logsigmoid(x_t W_a1 W_a2 + b_a) / tau
+    S_t = diag(alpha_t) S_{t-1} + k_t^T v_t,   o_t = K^-1/2 q_t S_t           per head
+    r_t = swish(x_t W_r)
+    y_t = (r_t ⊙ norm_h(o_t)) W_O
+
+Code names: gk_down / gk_up are W_a1 (d_model x gate_low_rank_dim) and W_a2 (with bias b_a);
+gate_logit_normalizer is tau (16 in the paper); g_proj is W_r; expand_k / expand_v set the key and
+value widths (d_model / 2 and d_model in the paper). The recurrence runs in kernels.gla (recurrent,
+chunk or parallel, all equal).
+
+Departures from the paper, named (all as in the authors' flash-linear-attention layer):
+- norm_h is an RMSNorm per head with a weight shared by the heads (the paper writes LayerNorm),
+  fused with the swish gate (layers.norm.GatedRMSNorm); use_output_gate=False keeps the norm and
+  drops the gate.
+- conv_size > 0 adds a short causal convolution with silu on q, k and v (layers.conv.ShortConvolution;
+  not in the paper, from the fla layer); its windows live in the decode state.
+- initialisation: Xavier-uniform with gain 2^-2.5 on every linear weight and zero biases, as in the
+  authors' code.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Float, Int
+
+from kernels.gla import gla
+from layers.conv import ShortConvolution
+from layers.norm import GatedRMSNorm, RMSNorm
+
+MODES = ("recurrent", "chunk", "parallel")
+
+
+@struct.dataclass
+class GLAState:
+    S: Float[Array, "B H K V"]  # (B, H, K, V) float32 recurrent state
+    conv_q: Float[Array, "B W Dk"] | None  # (B, conv_size - 1, key_dim) conv window, None if conv_size=0
+    conv_k: Float[Array, "B W Dk"] | None  # (B, conv_size - 1, key_dim)
+    conv_v: Float[Array, "B W Dv"] | None  # (B, conv_size - 1, value_dim)
+
+
+class GatedLinearAttention(nnx.Module):
+    """Args: num_heads, expand_k / expand_v (key and value widths as multiples of d_model; the heads
+    must divide both), gate_low_rank_dim, gate_logit_normalizer (tau), conv_size (0 = no short
+    convolution), use_output_gate, norm_eps, mode ("recurrent" | "chunk" | "parallel"), chunk_size,
+    dtype (compute dtype; parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, num_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
+                 gate_low_rank_dim: int = 16, gate_logit_normalizer: float = 16.0, conv_size: int = 0,
+                 use_output_gate: bool = True, norm_eps: float = 1e-5, mode: str = "chunk", chunk_size: int = 64,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        key_dim, value_dim = int(d_model * expand_k), int(d_model * expand_v)
+        if key_dim < 1 or value_dim < 1 or key_dim % num_heads or value_dim % num_heads:
+            raise ValueError(f"num_heads={num_heads} must divide the key width {key_dim} (d_model * expand_k) "
+                             f"and the value width {value_dim} (d_model * expand_v)")
+        if gate_low_rank_dim < 1 or gate_logit_normalizer <= 0:
+            raise ValueError(f"gate_low_rank_dim={gate_low_rank_dim} must be >= 1 and "
+                             f"gate_logit_normalizer={gate_logit_normalizer} > 0")
+        if conv_size < 0:
+            raise ValueError(f"conv_size={conv_size} must be >= 0 (0 = no short convolution)")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}; expected one of {MODES}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+        self.num_heads, self.key_dim, self.value_dim = num_heads, key_dim, value_dim
+        self.gate_logit_normalizer, self.use_output_gate = gate_logit_normalizer, use_output_gate
+        self.mode, self.chunk_size, self.dtype = mode, chunk_size, dtype
+        xavier = nnx.initializers.variance_scaling(2 ** -5, "fan_avg", "uniform")  # gain 2^-2.5
+        linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, kernel_init=xavier,
+                                                     rngs=rngs)
+        self.q_proj, self.k_proj = linear(d_model, key_dim), linear(d_model, key_dim)
+        self.v_proj = linear(d_model, value_dim)
+        self.gk_down = linear(d_model, gate_low_rank_dim)
+        self.gk_up = linear(gate_low_rank_dim, key_dim, bias=True)
+        self.g_proj = linear(d_model, value_dim) if use_output_gate else None
+        self.o_proj = linear(value_dim, d_model)
+        head_v = value_dim // num_heads
+        self.norm = GatedRMSNorm(head_v, eps=norm_eps) if use_output_gate else RMSNorm(head_v, eps=norm_eps)
+        if conv_size:
+            conv = lambda dim: ShortConvolution(dim, conv_size, activation=True, rngs=rngs)
+            self.conv_q, self.conv_k, self.conv_v = conv(key_dim), conv(key_dim), conv(value_dim)
+        self.conv_size = conv_size
+
+    def init_state(self, batch_size: int, max_len: int = 0) -> GLAState:
+        """max_len is ignored: the state has a fixed size."""
+        H = self.num_heads
+        S = jnp.zeros((batch_size, H, self.key_dim // H, self.value_dim // H), jnp.float32)
+        if not self.conv_size:
+            return GLAState(S=S, conv_q=None, conv_k=None, conv_v=None)
+        return GLAState(S=S, conv_q=self.conv_q.init_state(batch_size, self.dtype),
+                        conv_k=self.conv_k.init_state(batch_size, self.dtype),
+                        conv_v=self.conv_v.init_state(batch_size, self.dtype))
+
+    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
+                 ) -> Float[Array, "B T D"]:
+        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
+
+    def decode(self, x: Float[Array, "B T D"], state: GLAState, *, segment_ids: Int[Array, "B T"] | None = None):
+        return self._mix(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
+
+    def _mix(self, x, state: GLAState, segment_ids, mode: str):
+        B, T, _ = x.shape
+        H = self.num_heads
+        x = x.astype(self.dtype)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, key_dim / value_dim)
+        windows = (None, None, None)
+        if self.conv_size:
+            (q, wq), (k, wk), (v, wv) = (conv.decode(a, w, segment_ids=segment_ids) for conv, a, w in
+                                         ((self.conv_q, q, state.conv_q), (self.conv_k, k, state.conv_k),
+                                          (self.conv_v, v, state.conv_v)))
+            windows = (wq, wk, wv)
+        logits = self.gk_up(self.gk_down(x)).astype(jnp.float32)
+        g = (jax.nn.log_sigmoid(logits) / self.gate_logit_normalizer).reshape(B, T, H, -1)  # (B, T, H, K)
+        q, k, v = q.reshape(B, T, H, -1), k.reshape(B, T, H, -1), v.reshape(B, T, H, -1)
+        o, S = gla(q, k, v, g, segment_ids=segment_ids, initial_state=state.S, output_final_state=True,
+                   mode=mode, chunk_size=self.chunk_size)  # o: (B, T, H, V)
+        o = self.norm(o, self.g_proj(x).reshape(B, T, H, -1)) if self.use_output_gate else self.norm(o)
+        y = self.o_proj(o.reshape(B, T, self.value_dim))
+        return y, GLAState(S, *windows)
