@@ -64,6 +64,15 @@ def make_train_step(graphdef, tx):
     return jax.jit(step, donate_argnums=(0, 2))
 
 
+def redraw_features(graphdef, params, rest, key):
+    """New random features in every layer that has them (Performer); returns the new `rest`."""
+    model = nnx.merge(graphdef, params, rest, copy=True)  # leave the caller's `rest` untouched
+    found = [m for _, m in model.iter_modules() if getattr(m, "feature_map", None) == "performer"]
+    for i, m in enumerate(found):
+        m.redraw_features(jax.random.fold_in(key, i))
+    return nnx.split(model, nnx.Param, ...)[2]
+
+
 def _check_run_dir(run_dir: Path, cfg: Config):
     saved = run_dir / "config.yaml"
     if not saved.exists() or not any((run_dir / "checkpoints").glob("[0-9]*")):
@@ -181,6 +190,8 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
             finite = bool(m["finite"])  # waits for the step
             step_time += time.perf_counter() - t0
             window_tokens += t.batch_size * t.seq_len
+            if t.redraw_features_every and step % t.redraw_features_every == 0:  # a function of (seed, step)
+                rest = redraw_features(graphdef, params, rest, jax.random.fold_in(jax.random.key(t.seed), step))
             if not finite:
                 if t.on_nonfinite == "stop":
                     mngr.wait_until_finished()

@@ -59,7 +59,8 @@ class TrainConfig:
     min_lr_ratio, warmup_steps, schedule (cosine|linear|constant after warmup); weight_decay (not
     on norms, biases, embeddings); b1, b2; grad_clip (global norm, 0 = off); grad_accum
     (micro-batches per step); eval_every, eval_batches; log_every; checkpoint_every,
-    keep_checkpoints; sample_tokens (bytes sampled at each evaluation, 0 = none); run_dir (default
+    keep_checkpoints; sample_tokens (bytes sampled at each evaluation, 0 = none);
+    redraw_features_every (Performer: new random features every N steps, 0 = fixed); run_dir (default
     runs/<config stem>); on_nonfinite (stop: end the run naming the step, keeping the last good
     checkpoint; skip: drop the update and count it)."""
     steps: int = 1000
@@ -81,6 +82,7 @@ class TrainConfig:
     checkpoint_every: int = 250
     keep_checkpoints: int = 2
     sample_tokens: int = 200
+    redraw_features_every: int = 0
     run_dir: str | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"
 

@@ -169,3 +169,18 @@ def test_sigterm_writes_a_checkpoint_before_exit(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, out
     step = int(out.split("checkpoint of step ")[1].split()[0])
     assert step >= 3 and (tmp_path / "run" / "checkpoints" / str(step)).is_dir()
+
+
+def test_performer_features_are_redrawn_as_a_function_of_step(tmp_path):
+    from train.loop import redraw_features
+
+    cfg = from_dict({"model": {"d_model": 32, "num_layers": 1, "mixer": {"kind": "linear_attention",
+                                                                         "feature_map": "performer"}}})
+    graphdef, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    a = redraw_features(graphdef, params, rest, jax.random.key(5))
+    b = redraw_features(graphdef, params, rest, jax.random.key(5))
+    c = redraw_features(graphdef, params, rest, jax.random.key(6))
+    leaves = lambda s: jax.tree.leaves(nnx.to_pure_dict(s))  # noqa: E731
+    assert all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(b)))
+    assert not all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(c)))
+    assert not all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(rest)))
