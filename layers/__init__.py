@@ -19,3 +19,5 @@ from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
 from layers.gla import GatedLinearAttention, GLAState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.retnet import MultiScaleRetention, RetentionState
+from layers.mamba import Mamba, MambaState
+from layers.mamba2 import Mamba2, Mamba2State

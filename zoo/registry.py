@@ -61,7 +61,7 @@ class AttentionConfig(Kind):
     head_dim: int | None = None
     window: int | None = None
     rope_base: float = 10000.0
-    impl: Literal["auto", "reference", "xla"] = "auto"
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
     def check(self, d_model: int, path: str):
         if self.num_heads <= 0 or d_model % self.num_heads and self.head_dim is None:
@@ -159,10 +159,45 @@ class GLAConfig(Kind):
     chunk_size: int = 64
 
 
+@dataclass(frozen=True)
+class MambaConfig(Kind):
+    """Mamba (Gu & Dao 2023): selective SSM with input-dependent Δ, B, C; mode auto picks the fastest
+    exact scan for the backend (recurrent on CPU)."""
+    KIND: ClassVar[str] = "mamba"
+    state_size: int = 16
+    expand: int = 2
+    conv_size: int = 4
+    dt_rank: int | Literal["auto"] = "auto"
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    mode: Literal["auto", "recurrent", "chunk", "parallel"] = "auto"
+    chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class Mamba2Config(Kind):
+    """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head and grouped B/C."""
+    KIND: ClassVar[str] = "mamba2"
+    state_size: int = 64
+    expand: int = 2
+    head_dim: int = 64
+    num_groups: int = 1
+    conv_size: int = 4
+    chunk_size: int = 64
+    mode: Mode = "chunk"
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    A_init_range: tuple[float, float] = (1.0, 16.0)
+
+
 register(MIXERS, AttentionConfig, layers.Attention)
 register(MIXERS, LinearAttentionConfig, layers.LinearAttention)
 register(MIXERS, RetNetConfig, layers.MultiScaleRetention)
 register(MIXERS, GLAConfig, layers.GatedLinearAttention)
+register(MIXERS, MambaConfig, layers.Mamba)
+register(MIXERS, Mamba2Config, layers.Mamba2)
 register(MIXERS, DeltaNetConfig, layers.DeltaNet)
 register(MIXERS, GatedDeltaNetConfig, layers.GatedDeltaNet)
 register(FFNS, MLPConfig, layers.MLP)

@@ -12,6 +12,8 @@ from zoo.registry import MIXERS
 
 # Small instances of each kind; chunk_size 4 so that T = 13 spans several ragged chunks.
 TINY = {
+    "mamba": {"kind": "mamba", "state_size": 4, "chunk_size": 4},
+    "mamba2": {"kind": "mamba2", "state_size": 8, "head_dim": 16, "chunk_size": 4},
     "linear_attention": {"kind": "linear_attention", "num_heads": 2, "feature_map": "hedgehog", "chunk_size": 4},
     "retnet": {"kind": "retnet", "num_heads": 2, "chunk_size": 4},
     "gla": {"kind": "gla", "num_heads": 2, "conv_size": 4, "chunk_size": 4},

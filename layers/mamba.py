@@ -1,0 +1,128 @@
+"""Mamba (Mamba-1) mixer: Gu & Dao, 2023, "Mamba: Linear-Time Sequence Modeling with Selective State
+Spaces", Section 3.4 and Figure 3, following the official `mamba_simple.Mamba` module:
+
+    u, z = W_in x                                 (two branches of width Di = expand * d_model)
+    u = SiLU(conv1d(u))                           causal depthwise convolution of width conv_size
+    Δ_low, B_t, C_t = W_x u                       (dt_rank, N, N)
+    Δ = softplus(W_dt Δ_low + dt_bias)            (Di,) per token
+    h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t u_t,  y_t = C_t h_t + D ⊙ u_t    (kernels/selective_scan)
+    out = W_out (y ⊙ SiLU(z))
+
+Code name -> paper symbol: `in_proj` W_in, `conv` conv1d, `x_proj` the projection s_B, s_C and the
+low-rank part of s_Δ, `dt_proj` Linear_dt (the up-projection of Δ from rank R = dt_rank), `dt_bias`
+τ_Δ's bias (the official `dt_proj.bias`), `A_log` with A = -exp(A_log) (Di, N), `D` the skip D,
+`out_proj` W_out; the decode state's `ssm` is h (B, Di, N) and `conv` the last conv_size - 1 conv
+inputs (the official `conv_state`).
+
+Initialisation as in the paper / official code: S4D-real A = -(1, ..., N) on every channel, D = 1,
+W_dt ~ U(±dt_rank^-0.5), dt_bias = softplus^-1(dt) with dt log-uniform in [dt_min, dt_max] and
+floored at dt_init_floor, so that Δ starts in that range.
+
+Departures, all named: `dt_bias` is its own float32 parameter (the official one lives in dt_proj and
+is added in float32 inside the CUDA kernel; same function); the linear layers use Flax's default
+lecun-normal init instead of PyTorch's U(±1/sqrt(fan_in)) and the conv bias starts at zero instead
+of PyTorch's uniform; `conv_size=0` drops the convolution (SiLU only). The layer's `mode` picks the
+selective-scan form for the training path; "auto" (the default) is the form measured fastest on the
+backend (on CPU the sequential scan; see kernels/selective_scan). `decode` runs `step` (one token,
+`selective_scan_step`) for T = 1 and the "auto" form for a prefill of T > 1.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Float, Int
+
+from kernels.selective_scan import MODES, selective_scan, selective_scan_step
+from layers.conv import ShortConvolution
+
+
+@struct.dataclass
+class MambaState:
+    ssm: Float[Array, "B Di N"]  # (B, Di, N) float32 SSM state h
+    conv: Float[Array, "B W-1 Di"] | None  # (B, conv_size - 1, Di) last conv inputs; None when conv_size = 0
+
+
+def inverse_softplus_dt(key, shape, dt_min: float, dt_max: float, dt_init_floor: float):
+    """softplus^-1(dt) with dt log-uniform in [dt_min, dt_max], floored: the Δ bias init of the paper."""
+    log_dt = jax.random.uniform(key, shape, jnp.float32, math.log(dt_min), math.log(dt_max))
+    dt = jnp.maximum(jnp.exp(log_dt), dt_init_floor)
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+class Mamba(nnx.Module):
+    def __init__(self, d_model: int, *, state_size: int = 16, expand: int = 2, conv_size: int = 4,
+                 dt_rank: int | str = "auto", dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
+                 mode: str = "auto", chunk_size: int = 64, dtype=jnp.float32, rngs: nnx.Rngs):
+        if d_model < 1 or state_size < 1 or expand < 1:
+            raise ValueError(f"Mamba: d_model={d_model}, state_size={state_size} and expand={expand} must be >= 1")
+        if dt_rank == "auto":
+            dt_rank = math.ceil(d_model / 16)
+        if not isinstance(dt_rank, int) or dt_rank < 1:
+            raise ValueError(f"Mamba: dt_rank={dt_rank!r} must be 'auto' or a positive int")
+        if not 0 < dt_min <= dt_max:
+            raise ValueError(f"Mamba: need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
+        if conv_size < 0:
+            raise ValueError(f"Mamba: conv_size={conv_size} must be >= 0 (0 = no convolution)")
+        if mode not in MODES + ("auto",):
+            raise ValueError(f"Mamba: mode={mode!r}; expected one of {MODES + ('auto',)}")
+        if chunk_size < 1:
+            raise ValueError(f"Mamba: chunk_size={chunk_size} must be >= 1")
+        Di, N, R = expand * d_model, state_size, dt_rank
+        self.d_inner, self.state_size, self.dt_rank = Di, N, R
+        self.mode, self.chunk_size, self.dtype = mode, chunk_size, dtype
+
+        def linear(i, o, **kw):
+            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs, **kw)
+
+        self.in_proj = linear(d_model, 2 * Di)
+        self.conv = ShortConvolution(Di, conv_size, use_bias=True, rngs=rngs) if conv_size else None
+        self.x_proj = linear(Di, R + 2 * N)
+        std = R ** -0.5
+        self.dt_proj = linear(R, Di, kernel_init=lambda key, shape, dt: jax.random.uniform(key, shape, dt, -std, std))
+        self.dt_bias = nnx.Param(inverse_softplus_dt(rngs.params(), (Di,), dt_min, dt_max, dt_init_floor))
+        self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.float32), (Di, N))))
+        self.D = nnx.Param(jnp.ones((Di,), jnp.float32))
+        self.out_proj = linear(Di, d_model)
+
+    def init_state(self, batch_size: int, max_len: int = 0) -> MambaState:
+        """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
+        conv = self.conv.init_state(batch_size, self.dtype) if self.conv is not None else None
+        return MambaState(jnp.zeros((batch_size, self.d_inner, self.state_size), jnp.float32), conv)
+
+    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
+                 ) -> Float[Array, "B T D"]:
+        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
+
+    def decode(self, x: Float[Array, "B T D"], state: MambaState, *,
+               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], MambaState]:
+        """Prefill (T > 1) or one step (T = 1, `step`), continuing from `state`."""
+        return self._mix(x, state, segment_ids, "step" if x.shape[1] == 1 else "auto")
+
+    def _mix(self, x, state: MambaState, segment_ids, mode):
+        N, R = self.state_size, self.dt_rank
+        x = x.astype(self.dtype)
+        u, z = jnp.split(self.in_proj(x), 2, axis=-1)  # (B, T, Di) each
+        if self.conv is not None:
+            u, conv = self.conv.decode(u, state.conv, segment_ids=segment_ids)
+        else:
+            u, conv = jax.nn.silu(u), None
+        dt_low, B, C = jnp.split(self.x_proj(u), [R, R + N], axis=-1)  # (B, T, R), (B, T, N), (B, T, N)
+        delta = jax.nn.softplus(self.dt_proj(dt_low).astype(jnp.float32) + self.dt_bias[...])  # (B, T, Di)
+        A = -jnp.exp(self.A_log[...])  # (Di, N)
+        if mode == "step":
+            ssm, y = self.step(state.ssm, u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0])
+            y = y[:, None].astype(u.dtype)  # (B, 1, Di)
+        else:
+            y, ssm = selective_scan(u, delta, A, B, C, self.D[...], segment_ids=segment_ids,
+                                    initial_state=state.ssm, output_final_state=True, mode=mode,
+                                    chunk_size=self.chunk_size)
+        y = y * jax.nn.silu(z)
+        return self.out_proj(y), MambaState(ssm, conv)
+
+    def step(self, h: Float[Array, "B Di N"], u: Float[Array, "B Di"], delta: Float[Array, "B Di"],
+             A: Float[Array, "Di N"], B: Float[Array, "B N"], C: Float[Array, "B N"]):
+        """One token of the SSM, the core of the official `Mamba.step` (`decode` with T = 1 is the whole
+        step: conv window, projections, gate). Returns (h_t, y_t) float32."""
+        return selective_scan_step(h, u, delta, A, B, C, self.D[...])

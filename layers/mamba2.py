@@ -1,0 +1,131 @@
+"""Mamba-2 mixer: Dao & Gu, 2024, "Transformers are SSMs: Generalized Models and Efficient Algorithms
+Through Structured State Space Duality", Section 7 ("the Mamba-2 block", Figure 6), following the
+official `mamba_ssm.modules.mamba2.Mamba2`:
+
+    z, xBC, dt = W_in x                          widths Di, Di + 2 G N, H  (Di = expand * d_model)
+    x, B, C = SiLU(conv1d(xBC))                  one causal depthwise conv over x, B and C together
+    Δ = softplus(dt + dt_bias)                   (H,) per token: one scalar step per head
+    h_t = exp(Δ_t A_h) h_{t-1} + Δ_t x_t B_t^T,  y_t = h_t C_t + D_h x_t      (kernels/ssd)
+    out = W_out GatedRMSNorm(y, z)
+
+with H = Di / head_dim heads of width P = head_dim and G = num_groups groups of B, C shared by H / G
+consecutive heads each.
+
+Code name -> paper symbol: `in_proj` W_in (the official order [z, x, B, C, dt]), `conv` conv1d,
+`dt_bias` Δ's bias, `A_log` with A = -exp(A_log) (H,), `D` the skip D (H,), `norm` the extra
+normalisation before the output projection, `out_proj` W_out; the decode state's `ssm` is h
+(B, H, P, N) and `conv` the last conv_size - 1 inputs of the conv (the official `conv_state`).
+
+Initialisation as in the official code: A ~ U(A_init_range), D = 1, dt_bias = softplus^-1(dt) with dt
+log-uniform in [dt_min, dt_max] and floored at dt_init_floor.
+
+Departures, all named: the output norm is layers.norm.GatedRMSNorm, RMSNorm(y) * SiLU(z) over all Di
+channels, where the official module normalises after gating, RMSNorm(y * SiLU(z)) (its
+`norm_before_gate=False`), and per group of Di / G channels; no `dt_limit` clamp, no learnable initial
+state, no `d_ssm` < Di partial SSM and no MLP branch in in_proj (`d_mlp`); the linear layers use
+Flax's lecun-normal init instead of PyTorch's U(±1/sqrt(fan_in)) and the conv bias starts at zero;
+`conv_size=0` drops the convolution (SiLU only). The layer's `mode` picks the SSD form of the
+training path; `decode` runs `step` (`ssd_step`) for T = 1 and the chunked form for T > 1.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Float, Int
+
+from kernels.ssd import MODES, ssd, ssd_step
+from layers.conv import ShortConvolution
+from layers.mamba import inverse_softplus_dt
+from layers.norm import GatedRMSNorm
+
+
+@struct.dataclass
+class Mamba2State:
+    ssm: Float[Array, "B H P N"]  # (B, H, P, N) float32 SSM state h
+    conv: Float[Array, "B W-1 E"] | None  # (B, conv_size - 1, Di + 2 G N) last conv inputs; None if conv_size = 0
+
+
+class Mamba2(nnx.Module):
+    def __init__(self, d_model: int, *, state_size: int = 64, expand: int = 2, head_dim: int = 64,
+                 num_groups: int = 1, conv_size: int = 4, chunk_size: int = 64, mode: str = "chunk",
+                 dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
+                 A_init_range: tuple[float, float] = (1.0, 16.0), dtype=jnp.float32, rngs: nnx.Rngs):
+        if min(d_model, state_size, expand, head_dim, num_groups) < 1:
+            raise ValueError(f"Mamba2: d_model={d_model}, state_size={state_size}, expand={expand}, "
+                             f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")
+        Di = expand * d_model
+        if Di % head_dim:
+            raise ValueError(f"Mamba2: head_dim={head_dim} does not divide expand * d_model = {Di}")
+        H = Di // head_dim
+        if H % num_groups:
+            raise ValueError(f"Mamba2: num_groups={num_groups} does not divide num_heads = expand * d_model / "
+                             f"head_dim = {H}")
+        if not 0 < dt_min <= dt_max:
+            raise ValueError(f"Mamba2: need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
+        lo, hi = A_init_range
+        if not 0 < lo <= hi:
+            raise ValueError(f"Mamba2: A_init_range={A_init_range} must satisfy 0 < low <= high")
+        if conv_size < 0:
+            raise ValueError(f"Mamba2: conv_size={conv_size} must be >= 0 (0 = no convolution)")
+        if mode not in MODES:
+            raise ValueError(f"Mamba2: mode={mode!r}; expected one of {MODES}")
+        if chunk_size < 1:
+            raise ValueError(f"Mamba2: chunk_size={chunk_size} must be >= 1")
+        G, N = num_groups, state_size
+        self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size = Di, H, head_dim, G, N
+        self.mode, self.chunk_size, self.dtype = mode, chunk_size, dtype
+
+        def linear(i, o):
+            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+        self.in_proj = linear(d_model, 2 * Di + 2 * G * N + H)
+        conv_dim = Di + 2 * G * N
+        self.conv = ShortConvolution(conv_dim, conv_size, use_bias=True, rngs=rngs) if conv_size else None
+        self.dt_bias = nnx.Param(inverse_softplus_dt(rngs.params(), (H,), dt_min, dt_max, dt_init_floor))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, lo, hi)))
+        self.D = nnx.Param(jnp.ones((H,), jnp.float32))
+        self.norm = GatedRMSNorm(Di, eps=1e-5)
+        self.out_proj = linear(Di, d_model)
+
+    def init_state(self, batch_size: int, max_len: int = 0) -> Mamba2State:
+        """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
+        ssm = jnp.zeros((batch_size, self.num_heads, self.head_dim, self.state_size), jnp.float32)
+        return Mamba2State(ssm, self.conv.init_state(batch_size, self.dtype) if self.conv is not None else None)
+
+    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
+                 ) -> Float[Array, "B T D"]:
+        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
+
+    def decode(self, x: Float[Array, "B T D"], state: Mamba2State, *,
+               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], Mamba2State]:
+        """Prefill (T > 1, chunked SSD) or one step (T = 1, `step`), continuing from `state`."""
+        return self._mix(x, state, segment_ids, "step" if x.shape[1] == 1 else "chunk")
+
+    def _mix(self, x, state: Mamba2State, segment_ids, mode):
+        Bsz, T, _ = x.shape
+        Di, H, P, G, N = self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size
+        x = x.astype(self.dtype)
+        z, xBC, dt = jnp.split(self.in_proj(x), [Di, 2 * Di + 2 * G * N], axis=-1)  # (B, T, Di), (B, T, E), (B, T, H)
+        if self.conv is not None:
+            xBC, conv = self.conv.decode(xBC, state.conv, segment_ids=segment_ids)
+        else:
+            xBC, conv = jax.nn.silu(xBC), None
+        xs, B, C = jnp.split(xBC, [Di, Di + G * N], axis=-1)
+        xs = xs.reshape(Bsz, T, H, P)  # (B, T, H, P)
+        B, C = B.reshape(Bsz, T, G, N), C.reshape(Bsz, T, G, N)  # (B, T, G, N)
+        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])  # (B, T, H)
+        A = -jnp.exp(self.A_log[...])  # (H,)
+        if mode == "step":
+            ssm, y = self.step(state.ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
+            y = y[:, None].astype(xs.dtype)  # (B, 1, H, P)
+        else:
+            y, ssm = ssd(xs, dt, A, B, C, self.D[...], segment_ids=segment_ids, initial_state=state.ssm,
+                         output_final_state=True, mode=mode, chunk_size=self.chunk_size)
+        y = self.norm(y.reshape(Bsz, T, Di), z)
+        return self.out_proj(y), Mamba2State(ssm, conv)
+
+    def step(self, h: Float[Array, "B H P N"], x: Float[Array, "B H P"], dt: Float[Array, "B H"],
+             A: Float[Array, "H"], B: Float[Array, "B G N"], C: Float[Array, "B G N"]):
+        """One token of SSD, the core of the official `Mamba2.step` (`decode` with T = 1 is the whole
+        step: conv window, projections, norm). Returns (h_t, y_t) float32."""
+        return ssd_step(h, x, dt, A, B, C, self.D[...])
