@@ -1,11 +1,21 @@
 """Softmax attention: one entry point, implementations chosen by `impl`.
 
-Only the reference (XLA) form exists so far; Pallas kernels (flash attention) will register here.
+- "reference" / "xla": the XLA form in reference.py (materialises the (T, S) scores);
+- "pallas": the flash-attention kernel in pallas.py (Triton-lowered on GPU, interpret mode on CPU,
+  which is slow and meant for tests; no TPU kernel yet, so it is an error there);
+- "auto": the Pallas kernel on GPU when pallas.supports() the call (not decode-sized calls of
+  T <= 16 queries), the XLA reference elsewhere (on CPU the reference is the fast form; on TPU it
+  is the only one so far).
 """
 
+import jax
+
+from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention, supports
 from kernels.attention.reference import attention_reference
 
-IMPLS = ("auto", "reference", "xla")
+IMPLS = ("auto", "reference", "xla", "pallas")
+
+__all__ = ["attention", "attention_reference", "flash_attention", "BlockSizes", "default_block_sizes"]
 
 
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,
@@ -15,6 +25,11 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
         raise ValueError(f"attention: impl={impl!r}; expected one of {IMPLS}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: {k.shape[2]} kv heads do not divide {q.shape[2]} query heads")
-    return attention_reference(q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                               q_positions=q_positions, kv_positions=kv_positions, causal=causal,
-                               window=window, scale=scale)
+    kwargs = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                  kv_positions=kv_positions, causal=causal, window=window, scale=scale)
+    backend = jax.default_backend()
+    if impl == "pallas" and backend == "tpu":
+        raise ValueError("attention: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
+    if impl == "pallas" or (impl == "auto" and backend == "gpu" and supports(q, k, v)):
+        return flash_attention(q, k, v, **kwargs)
+    return attention_reference(q, k, v, **kwargs)

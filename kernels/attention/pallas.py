@@ -1,0 +1,375 @@
+"""Flash attention in Pallas: FlashAttention-2 (Dao, 2023, arXiv:2307.08691), forward and backward.
+
+Forward, for one block of queries i against key blocks j (online softmax, logits s = scale q k^T):
+
+    m_i^(j) = max(m_i^(j-1), rowmax(s_ij))                        running row maximum
+    l_i^(j) = exp(m_i^(j-1) - m_i^(j)) l_i^(j-1) + rowsum(exp(s_ij - m_i^(j)))
+    O_i^(j) = exp(m_i^(j-1) - m_i^(j)) O_i^(j-1) + exp(s_ij - m_i^(j)) V_j
+    O_i = O_i^(last) / l_i^(last),   L_i = m_i + log l_i           (logsumexp, saved)
+
+Backward, with P_ij = exp(s_ij - L_i) recomputed from L (never stored):
+
+    D_i = rowsum(dO_i * O_i),   dP_ij = dO_i V_j^T,   dS_ij = P_ij * (dP_ij - D_i)
+    dQ_i = scale sum_j dS_ij K_j,   dK_j = scale sum_i dS_ij^T Q_i,   dV_j = sum_i P_ij^T dO_i
+
+Code names: `m`, `l`, `acc` (unnormalised O), `lse` (L), `delta` (D), `p` (P), `ds` (dS). Masks are
+the reference's (reference.py): key j is visible from query i iff kp_j <= qp_i (causal),
+kp_j > qp_i - window (window) and the segment ids agree; a query that sees no key returns zeros.
+Grouped-query attention: query head h reads kv head h // R (R = H / G) through the BlockSpec index
+map, so K/V are never repeated; the dK/dV kernel runs once per kv head and sums over its R query
+heads inside the kernel.
+
+Backend. On GPU the kernel is lowered with the Triton backend (pltriton.CompilerParams), on
+purpose, although JAX 0.10 sends a plain pallas_call to Mosaic GPU by default and the Pallas
+changelog (0.11) deprecates the Triton backend. Mosaic GPU is the road to Hopper's TMA, wgmma and
+warp specialisation, but its kernels are written at that level (plgpu.kernel, SMEM refs,
+barriers, explicit wgmma on 64-row tiles, which need sm_90+) with an API that still changes between
+releases: this plain-jnp kernel does not lower there (jax 0.10.2: "Unimplemented primitive in
+Pallas Mosaic GPU lowering: dot_general"). The grid + BlockSpec kernel in plain jnp runs unchanged
+in interpret mode, where the tests check it, and lowers through Triton, which emits wgmma for these
+dots on Hopper by itself and also runs on Ampere; `jax.jit(...).trace(...).lower(
+lowering_platforms=("cuda",))` lowers all three kernels on a CPU-only machine. A Mosaic GPU
+variant is the next step for speed (benchmarks/kernels.py shows the gap to cuDNN). No TPU variant
+yet: on TPU, impl="auto" uses the XLA reference.
+
+Departures from the paper and the official kernel:
+- softmax in base 2: logits are multiplied by scale * log2(e) and exp2/log2 are used (the same
+  function; `lse` is stored in base 2 and only ever read back by these kernels);
+- fully masked blocks are skipped: with kv_positions=None (keys at their index) the key-block range
+  of a query block comes from its min/max query position (causal bounds the end, window the
+  start); the dK/dV kernel also narrows its query-block range when q_positions is None. With
+  explicit kv_positions every block is visited and only masked;
+- dQ has its own kernel (one program per query block, looping over key blocks) instead of the
+  paper's atomic adds, so the backward is deterministic; D is computed in XLA;
+- T, S and the head dims are padded (to the block sizes and to a power of two >= 16, which Triton's
+  dot needs); padded keys are masked, padded queries and channels are sliced off.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, Int
+
+LOG2E = math.log2(math.e)
+MASK = -1e30  # finite "minus infinity" for masked logits: keeps exp2 and max free of inf - inf
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Rows per block (powers of two) for the forward, dK/dV and dQ kernels, and GPU launch knobs.
+
+    Blocks larger than the (padded) sequence are shrunk to it, never below 16.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
+    block_k_dq: int = 64
+    num_warps: int | None = None  # None: 4 for head dims <= 64, else 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self)[:6]:
+            b = getattr(self, f.name)
+            if b < 1 or b & (b - 1):
+                raise ValueError(f"BlockSizes.{f.name}={b} must be a power of two")
+
+
+BLOCK_SIZES = {
+    # Triton flash-attention settings for Hopper (128 x 64 forward tiles, narrow backward tiles that
+    # keep the dK/dV accumulators in registers); not yet tuned on this kernel.
+    "gpu": BlockSizes(block_q=128, block_k=64, block_q_dkv=32, block_k_dkv=64, block_q_dq=64,
+                      block_k_dq=32, num_stages=2),
+    # Interpret mode (CPU): its cost is per block, so few large blocks.
+    "cpu": BlockSizes(),
+}
+
+
+def default_block_sizes(backend: str | None = None) -> BlockSizes:
+    return BLOCK_SIZES.get(backend or jax.default_backend(), BLOCK_SIZES["cpu"])
+
+
+def supports(q, k, v) -> bool:
+    """Whether impl="auto" runs this kernel on GPU (otherwise it runs the XLA reference).
+
+    Not for decode-sized calls (T <= 16 queries): the kernel does not split S across programs
+    (no flash-decoding), so B * H programs would each scan the whole cache, while XLA's (B, H, T, S)
+    scores are small there. A heuristic, not yet measured.
+    """
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+    return (all(x.dtype in dtypes for x in (q, k, v)) and max(q.shape[-1], v.shape[-1]) <= 256
+            and q.shape[1] > 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    causal: bool
+    window: int | None
+    segmented: bool
+    kv_len: int  # S before padding: keys at index >= kv_len are padding
+    kv_padded: bool
+    kv_is_index: bool  # kv_positions is None: key j sits at position j
+    q_offset: int | None  # q_positions is None: query t sits at position t + q_offset
+    blocks: tuple[int, ...]  # (bq, bk, bq_dkv, bk_dkv, bq_dq, bk_dq) after fitting
+    num_warps: int
+    num_stages: int
+    interpret: bool
+    exact: bool  # float32 inputs: ask for full-precision dots (no TF32) on GPU
+
+
+def _dot(a, b, dims, cfg):
+    """float32 a @ b contracting a's axis dims[0] with b's axis dims[1] (2-D operands)."""
+    precision = lax.Precision.HIGHEST if cfg.exact else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((dims[0],), (dims[1],)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _visible(qp, qs, kp, ks, k0, bk, cfg):
+    """(bq, bk) bool: which keys each query sees, or None when all are visible."""
+    conds = []
+    if cfg.causal:
+        conds.append(kp[None, :] <= qp[:, None])
+    if cfg.window is not None:
+        conds.append(kp[None, :] > qp[:, None] - cfg.window)
+    if cfg.segmented:
+        conds.append(ks[None, :] == qs[:, None])
+    if cfg.kv_padded:
+        conds.append((k0 + jnp.arange(bk, dtype=jnp.int32))[None, :] < cfg.kv_len)
+    return functools.reduce(jnp.logical_and, conds) if conds else None
+
+
+def _probs(q, k, lse, mask, cfg):
+    """P = exp2(s - L) (bq, bk) float32, zero where masked."""
+    p = jnp.exp2(_dot(q, k, (1, 1), cfg) * (cfg.scale * LOG2E) - lse[:, None])
+    return p if mask is None else jnp.where(mask, p, 0.0)
+
+
+def _kv_block_range(qp, bk, nk, cfg):
+    """Key blocks [lo, hi) that can hold a visible key for queries at positions qp."""
+    lo, hi = 0, nk
+    if cfg.kv_is_index and cfg.causal:
+        hi = jnp.clip(lax.div(jnp.max(qp) + bk, bk), 0, nk)
+    if cfg.kv_is_index and cfg.window is not None:
+        lo = lax.div(jnp.clip(jnp.min(qp) - cfg.window + 1, 0, nk * bk), bk)
+    return lo, hi
+
+
+def _q_block_range(k0, bk, bq, nq, cfg):
+    """Query blocks [lo, hi) that can see a key of the block starting at k0."""
+    lo, hi = 0, nq
+    if cfg.kv_is_index and cfg.q_offset is not None:
+        if cfg.causal:  # query t sees key k0 only if t + q_offset >= k0
+            lo = lax.div(jnp.clip(k0 - cfg.q_offset, 0, nq * bq), bq)
+        if cfg.window is not None:  # and key k0 + bk - 1 only if t + q_offset < k0 + bk - 1 + window
+            hi = jnp.clip(lax.div(k0 + bk - 1 + cfg.window - cfg.q_offset + bq - 1, bq), 0, nq)
+    return lo, hi
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_ref, *, cfg):
+    bq, bk = cfg.blocks[:2]
+    q, qp, qs = q_ref[...], qp_ref[...], qs_ref[...]  # (bq, K), (bq,), (bq,)
+
+    def body(j, carry):
+        acc, m, l = carry  # (bq, V), (bq,), (bq,)
+        sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        k, v = k_ref[sl, :], v_ref[sl, :]  # (bk, K), (bk, V)
+        s = _dot(q, k, (1, 1), cfg) * (cfg.scale * LOG2E)  # (bq, bk) base-2 logits
+        mask = _visible(qp, qs, kp_ref[sl], ks_ref[sl], j * bk, bk, cfg)
+        if mask is not None:
+            s = jnp.where(mask, s, MASK)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.exp2(s - m_new[:, None])
+        if mask is not None:  # a row with nothing visible yet has m_new = MASK and s - m_new = 0
+            p = jnp.where(mask, p, 0.0)
+        alpha = jnp.exp2(m - m_new)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0), cfg)
+        return acc, m_new, l * alpha + p.sum(axis=1)
+
+    lo, hi = _kv_block_range(qp, bk, k_ref.shape[0] // bk, cfg)
+    init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq,), MASK, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
+    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    seen = l > 0
+    l = jnp.where(seen, l, 1.0)
+    o_ref[...] = jnp.where(seen[:, None], acc / l[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(l), 0.0)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, *, cfg):
+    bq, bk = cfg.blocks[4:]
+    q, do, qp, qs = q_ref[...], do_ref[...], qp_ref[...], qs_ref[...]  # (bq, K), (bq, V), ...
+    lse, delta = lse_ref[...], delta_ref[...]  # (bq,)
+
+    def body(j, dq):
+        sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        k, v = k_ref[sl, :], v_ref[sl, :]  # (bk, K), (bk, V)
+        p = _probs(q, k, lse, _visible(qp, qs, kp_ref[sl], ks_ref[sl], j * bk, bk, cfg), cfg)
+        ds = p * (_dot(do, v, (1, 1), cfg) - delta[:, None])  # (bq, bk)
+        return dq + _dot(ds.astype(k.dtype), k, (1, 0), cfg)
+
+    lo, hi = _kv_block_range(qp, bk, k_ref.shape[0] // bk, cfg)
+    dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, cfg):
+    bq, bk = cfg.blocks[2:4]
+    k, v, kp, ks = k_ref[...], v_ref[...], kp_ref[...], ks_ref[...]  # (bk, K), (bk, V), (bk,), (bk,)
+    k0 = pl.program_id(0) * bk
+    lo, hi = _q_block_range(k0, bk, bq, q_ref.shape[0] // bq, cfg)
+
+    def head(r, carry):  # the R query heads that share this kv head
+        def block(i, carry):
+            dk, dv = carry  # (bk, K), (bk, V)
+            sl = pl.ds(pl.multiple_of(i * bq, bq), bq)
+            q, do = q_ref[sl, r, :], do_ref[sl, r, :]  # (bq, K), (bq, V)
+            mask = _visible(qp_ref[sl], qs_ref[sl], kp, ks, k0, bk, cfg)
+            p = _probs(q, k, lse_ref[r, sl], mask, cfg)  # (bq, bk)
+            ds = p * (_dot(do, v, (1, 1), cfg) - delta_ref[r, sl][:, None])
+            return (dk + _dot(ds.astype(q.dtype), q, (0, 0), cfg),
+                    dv + _dot(p.astype(do.dtype), do, (0, 0), cfg))
+
+        return lax.fori_loop(lo, hi, block, carry)
+
+    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = lax.fori_loop(0, q_ref.shape[1], head, init)
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, name, *args):
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=cfg.interpret, name=name,
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(*args)
+
+
+def _forward(q, k, v, qp, kp, qs, ks, cfg):
+    B, T, H, K = q.shape  # padded
+    S, G, V = k.shape[1], k.shape[2], v.shape[-1]
+    R, bq = H // G, cfg.blocks[0]  # the kernel slices its key blocks out of the whole K/V
+    q_blk = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0))
+    kv_all = lambda d: pl.BlockSpec((None, S, None, d), lambda i, b, h: (b, 0, h // R, 0))
+    q_row = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
+    kv_row = pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
+    return _call(_fwd_kernel, cfg, (T // bq, B, H),
+                 [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row],
+                 [q_blk(V), pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+                 [jax.ShapeDtypeStruct((B, T, H, V), q.dtype),
+                  jax.ShapeDtypeStruct((B, H, T), jnp.float32)], "flash_attention_fwd",
+                 q, k, v, qp, kp, qs, ks)
+
+
+def _backward(q, k, v, qp, kp, qs, ks, do, lse, delta, cfg):
+    B, T, H, K = q.shape
+    S, G, V = k.shape[1], k.shape[2], v.shape[-1]
+    R = H // G
+    bq = cfg.blocks[4]  # dQ: one program per query block of one head, slicing key blocks itself
+    q_blk = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0))
+    kv_all = lambda d: pl.BlockSpec((None, S, None, d), lambda i, b, h: (b, 0, h // R, 0))
+    q_row, h_row = (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                    pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)))
+    kv_row = pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
+    dq = _call(_dq_kernel, cfg, (T // bq, B, H),
+               [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row, h_row],
+               q_blk(K), jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq",
+               q, k, v, qp, kp, qs, ks, do, lse, delta)
+    bq, bk = cfg.blocks[2:4]  # dK/dV: one program per key block of one kv head, all its R q heads
+    q_all = lambda d: pl.BlockSpec((None, T, R, d), lambda j, b, g: (b, 0, g, 0))
+    kv_blk = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, b, g: (b, j, g, 0))
+    q_row, h_row = (pl.BlockSpec((None, T), lambda j, b, g: (b, 0)),
+                    pl.BlockSpec((None, R, T), lambda j, b, g: (b, g, 0)))
+    kv_row = pl.BlockSpec((None, bk), lambda j, b, g: (b, j))
+    dk, dv = _call(_dkv_kernel, cfg, (S // bk, B, G),
+                   [q_all(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_all(V), h_row,
+                    h_row],
+                   [kv_blk(K), kv_blk(V)],
+                   [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+                   "flash_attention_dkv", q, k, v, qp, kp, qs, ks, do, lse, delta)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, qp, kp, qs, ks, cfg):
+    return _forward(q, k, v, qp, kp, qs, ks, cfg)[0]
+
+
+def _flash_fwd(q, k, v, qp, kp, qs, ks, cfg):
+    o, lse = _forward(q, k, v, qp, kp, qs, ks, cfg)
+    return o, (q, k, v, qp, kp, qs, ks, o, lse)
+
+
+def _flash_bwd(cfg, res, do):
+    q, k, v, qp, kp, qs, ks, o, lse = res
+    delta = jnp.einsum("BTHV,BTHV->BHT", o.astype(jnp.float32), do.astype(jnp.float32))
+    dq, dk, dv = _backward(q, k, v, qp, kp, qs, ks, do.astype(o.dtype), lse, delta, cfg)
+    return dq, dk, dv, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _fit(block, n):
+    """The block shrunk to the sequence (rounded up to a power of two), at least 16."""
+    return min(block, max(16, pl.next_power_of_2(n)))
+
+
+def flash_attention(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B S G K"],
+    v: Float[Array, "B S G V"],
+    *,
+    segment_ids: Int[Array, "B T"] | None = None,
+    kv_segment_ids: Int[Array, "B S"] | None = None,
+    q_positions: Int[Array, "B T"] | None = None,
+    kv_positions: Int[Array, "B S"] | None = None,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+) -> Float[Array, "B T H V"]:
+    """Same arguments and result as attention_reference; differentiable in q, k and v.
+
+    interpret=None runs the kernel in interpret mode everywhere but on GPU.
+    """
+    B, T, H, K = q.shape
+    S, G, V = k.shape[1], k.shape[2], v.shape[-1]
+    backend = jax.default_backend()
+    blocks = block_sizes or default_block_sizes(backend)
+    fitted = tuple(_fit(getattr(blocks, f.name), T if f.name.startswith("block_q") else S)
+                   for f in dataclasses.fields(blocks)[:6])
+    Tp, Sp = -(-T // max(fitted[::2])) * max(fitted[::2]), -(-S // max(fitted[1::2])) * max(fitted[1::2])
+    Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
+    cfg = _Config(
+        scale=K ** -0.5 if scale is None else float(scale), causal=causal, window=window,
+        segmented=segment_ids is not None, kv_len=S, kv_padded=Sp != S,
+        kv_is_index=kv_positions is None, q_offset=S - T if q_positions is None else None,
+        blocks=fitted, num_warps=blocks.num_warps or (4 if max(Kp, Vp) <= 64 else 8),
+        num_stages=blocks.num_stages, interpret=backend != "gpu" if interpret is None else interpret,
+        exact=q.dtype == jnp.float32)
+    qp = jnp.arange(S - T, S)[None] if q_positions is None else q_positions
+    kp = jnp.arange(S)[None] if kv_positions is None else kv_positions
+    if segment_ids is None:  # kv_segment_ids alone mask nothing, as in the reference
+        qs, ks = jnp.zeros((1, T), jnp.int32), jnp.zeros((1, S), jnp.int32)
+    else:
+        qs, ks = segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids
+    row = lambda x, n, mode: jnp.pad(jnp.broadcast_to(x, (B, x.shape[1])).astype(jnp.int32),
+                                     ((0, 0), (0, n - x.shape[1])), mode=mode)
+    pad = lambda x, n, d: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d - x.shape[3])))
+    # Padded queries repeat the last position, so a block's min/max position (block skipping) holds.
+    o = _flash(pad(q, Tp, Kp), pad(k, Sp, Kp), pad(v, Sp, Vp), row(qp, Tp, "edge"),
+               row(kp, Sp, "constant"), row(qs, Tp, "constant"), row(ks, Sp, "constant"), cfg)
+    return o[:, :T, :, :V]
