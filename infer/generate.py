@@ -42,6 +42,7 @@ def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, st
               max_new_tokens: int, top_k, greedy: bool, use_top_p: bool):
     TRACES["generate"] += 1
     model = nnx.merge(graphdef, params)
+    model.eval()  # no training-time side effects (MoE jitter, bias updates) inside the loop
     B, P = tokens.shape
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k,
                                top_p=top_p if use_top_p else None, greedy=greedy)

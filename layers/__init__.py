@@ -21,3 +21,4 @@ from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.retnet import MultiScaleRetention, RetentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
+from layers.moe import MoE

@@ -33,35 +33,64 @@ from zoo.config import Config, to_dict
 from zoo.model import LanguageModel
 
 
-def _loss_sums(graphdef, params, rest, batch):
-    """(sum of token losses, number of counted tokens) of one batch."""
-    model = nnx.merge(graphdef, params, rest)
+def _forward(graphdef, params, rest, batch, train: bool):
+    """One batch: (sum of token losses, counted tokens, aux loss, layer metrics, new rest).
+
+    Layers report training-time losses and metrics by sowing nnx.Intermediate values (MoE: its
+    balance and z losses, loads, drops); `aux_loss` entries are added to the loss. Non-parameter
+    state that a layer updates in training (MoE's balancing bias) comes back as the new `rest`."""
+    model = nnx.merge(graphdef, params, rest, copy=True)  # copy: layers may write state under grad
+    model.train() if train else model.eval()
     logits = model(batch["x"], segment_ids=batch.get("segment_ids"))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"])
+    sown = nnx.to_pure_dict(nnx.pop(model, nnx.Intermediate))
+    layer_metrics = {}
+    for path, value in jax.tree_util.tree_leaves_with_path(sown):  # .../<sow name>/<call>/<metric>
+        names = [p.key for p in path if isinstance(getattr(p, "key", None), str)]
+        layer_metrics.setdefault(f"{names[-2]}_{names[-1]}", []).append(value)
+    layer_metrics = {k: jnp.stack(v) for k, v in layer_metrics.items()}  # (layers, ...)
+    aux = sum((jnp.sum(v) for k, v in layer_metrics.items() if k.endswith("_aux_loss")), jnp.float32(0))
+    new_rest = nnx.state(model, nnx.Not(nnx.Param))
+    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), aux, layer_metrics, new_rest
 
 
 def make_train_step(graphdef, tx):
     """step(params, rest, opt_state, batch) with batch leaves shaped (micro_batches, b, T).
 
-    Gradients of the summed loss are accumulated over micro-batches and divided by the total token
-    count once, so k micro-batches give the gradient of one batch k times larger."""
+    Gradients of the summed token loss (plus each micro-batch's aux loss weighted by its tokens) are
+    accumulated over micro-batches and divided by the total token count once, so k micro-batches
+    give the gradient of one batch k times larger. `rest` (e.g. MoE biases) updates per micro-batch."""
     def step(params, rest, opt_state, batch):
-        grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, rest, b), has_aux=True)
+        def objective(p, r, b):
+            loss_sum, count, aux, layer_metrics, r = _forward(graphdef, p, r, b, train=True)
+            return loss_sum + aux * count, (loss_sum, count, layer_metrics, r)
 
         def micro(acc, b):
-            (loss_sum, count), grads = grad_fn(params, b)
-            return jax.tree.map(jnp.add, acc, (loss_sum, count, grads)), None
+            loss_sum, count, layer_metrics, grads, r = acc
+            (_, (ls, n, lm, r)), g = jax.value_and_grad(objective, has_aux=True)(params, r, b)
+            lm = jax.tree.map(jnp.add, layer_metrics, lm)
+            return (loss_sum + ls, count + n, lm, jax.tree.map(jnp.add, grads, g), r), None
 
-        zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(jnp.zeros_like, params))
-        (loss_sum, count, grads), _ = jax.lax.scan(micro, zeros, batch)
+        k = jax.tree.leaves(batch)[0].shape[0]
+        shapes = jax.eval_shape(lambda: _forward(graphdef, params, rest, jax.tree.map(lambda x: x[0], batch), True))
+        zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[3]),
+                 jax.tree.map(jnp.zeros_like, params), rest)
+        (loss_sum, count, layer_metrics, grads, rest), _ = jax.lax.scan(micro, zeros, batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         loss, grad_norm = loss_sum / count, optax.tree.norm(grads)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+                   "layers": jax.tree.map(lambda x: x / k, layer_metrics)}
         return optax.apply_updates(params, updates), rest, opt_state, metrics
 
     return jax.jit(step, donate_argnums=(0, 2))
+
+
+def _layer_metrics(layers: dict) -> dict:
+    """Per-step metrics that layers sowed, for metrics.jsonl: scalars averaged over layers (MoE:
+    aux/balance/z losses, dropped fraction, router entropy), vectors kept per layer (tokens per expert)."""
+    return {name: np.asarray(v).tolist() if np.ndim(v) > 1 else round(float(np.mean(v)), 6)
+            for name, v in layers.items()}
 
 
 def redraw_features(graphdef, params, rest, key):
@@ -158,7 +187,7 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
     metrics_path.write_text("".join(line + "\n" for line in kept))
 
     step_fn = make_train_step(graphdef, tx)
-    eval_fn = jax.jit(lambda p, r, b: _loss_sums(graphdef, p, r, b))
+    eval_fn = jax.jit(lambda p, r, b: _forward(graphdef, p, r, b, train=False)[:2])
     micro = t.batch_size // t.grad_accum
 
     def save(step):
@@ -205,6 +234,7 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
                 last = {"step": step, "tokens": step * t.batch_size * t.seq_len, "loss": float(m["loss"]),
                         "lr": float(lr_at(step - 1)), "grad_norm": float(m["grad_norm"]),
                         "tokens_per_s": round(window_tokens / (now - window_start), 1), "skipped": skipped}
+                last.update(_layer_metrics(m["layers"]))
                 if step % t.eval_every == 0 or final:
                     e0 = time.perf_counter()
                     last.update(evaluate())

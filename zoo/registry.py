@@ -192,6 +192,39 @@ class Mamba2Config(Kind):
     A_init_range: tuple[float, float] = (1.0, 16.0)
 
 
+@dataclass(frozen=True)
+class MoEConfig(Kind):
+    """Mixture of SwiGLU experts: routers topk (softmax_then_topk or topk_then_softmax), switch
+    (top-1), expert_choice (not causal); dispatch capacity (drops overflow, GShard order) or dropless
+    (ragged_dot); balance aux_loss (Switch loss), bias (DeepSeek-V3, loss-free) or none; shared
+    experts (DeepSeekMoE). hidden_dim null = the dense width / active experts (same active params)."""
+    KIND: ClassVar[str] = "moe"
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int | None = None
+    router: Literal["topk", "switch", "expert_choice"] = "topk"
+    score_order: Literal["softmax_then_topk", "topk_then_softmax"] = "softmax_then_topk"
+    renormalize: bool = True
+    dispatch: Literal["capacity", "dropless"] = "capacity"
+    capacity_factor: float = 1.25
+    num_shared_experts: int = 0
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    balance_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    bias_update_rate: float = 0.001
+    router_jitter: float = 0.0
+
+    def check(self, d_model: int, path: str):
+        if self.num_shared_experts > 0 and self.num_experts == 0:
+            raise ValueError(f"{path}.num_shared_experts: {self.num_shared_experts} shared experts need "
+                             f"{path}.num_experts >= 1 routed experts (got 0); use ffn.kind: mlp for a dense FFN")
+        if not 1 <= self.top_k <= max(self.num_experts, 1):
+            raise ValueError(f"{path}.top_k: {self.top_k} must be between 1 and {path}.num_experts={self.num_experts}")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"{path}.capacity_factor: expected > 0, got {self.capacity_factor}")
+        super().check(d_model, path)
+
+
 register(MIXERS, AttentionConfig, layers.Attention)
 register(MIXERS, LinearAttentionConfig, layers.LinearAttention)
 register(MIXERS, RetNetConfig, layers.MultiScaleRetention)
@@ -201,3 +234,4 @@ register(MIXERS, Mamba2Config, layers.Mamba2)
 register(MIXERS, DeltaNetConfig, layers.DeltaNet)
 register(MIXERS, GatedDeltaNetConfig, layers.GatedDeltaNet)
 register(FFNS, MLPConfig, layers.MLP)
+register(FFNS, MoEConfig, layers.MoE)

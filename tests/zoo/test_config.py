@@ -39,6 +39,11 @@ def test_overrides_reach_nested_keys():
     ({"model": {"d_model": -8}}, "model.d_model: expected a positive"),
     ({"model": {"max_seq_len": 64}, "train": {"seq_len": 128}}, "train.seq_len: 128 is longer than the model allows"),
     ({"train": {"batch_size": 6, "grad_accum": 4}}, "train.grad_accum"),
+    ({"model": {"ffn": {"kind": "moe", "num_experts": 4, "top_k": 5}}}, "model.ffn.top_k: 5 must be between 1 and"),
+    ({"model": {"ffn": {"kind": "moe", "capacity_factor": 0}}}, "model.ffn.capacity_factor: expected > 0"),
+    ({"model": {"ffn": {"kind": "moe", "num_experts": 0, "top_k": 0, "num_shared_experts": 1}}},
+     "model.ffn.num_shared_experts"),
+    ({"model": {"ffn": {"kind": "moe", "router": "hash"}}}, "model.ffn.router: expected one of"),
 ])
 def test_errors_name_the_field(data, field):
     with pytest.raises(ValueError) as e:

@@ -65,3 +65,14 @@ def test_untied_head_and_bfloat16_compute():
     logits = forward(bf16, tokens)
     assert logits.dtype == jnp.float32 and bf16.embed.embedding[...].dtype == jnp.float32
     assert_close(logits, forward(tiny_model(), tokens), 5e-2, "bf16 vs f32")
+
+
+@pytest.mark.parametrize("ffn", [{"kind": "moe", "num_experts": 4, "top_k": 2, "dispatch": "dropless"},
+                                 {"kind": "moe", "num_experts": 4, "top_k": 2, "capacity_factor": 4.0,
+                                  "num_shared_experts": 1, "balance": "bias"}])
+def test_moe_model_prefill_then_decode_equals_full_pass(ffn):
+    model = tiny_model(ATTENTION_VARIANTS["gqa"], ffn=ffn)
+    model.eval()
+    tokens = jax.random.randint(jax.random.key(3), (2, 11), 0, 256)
+    pieces, _ = decode_in_pieces(model, tokens, cuts=[6, 7, 8, 9, 10])
+    assert float(jnp.abs(pieces - forward(model, tokens)).max()) <= 1e-4

@@ -1,0 +1,291 @@
+"""Mixture-of-Experts SwiGLU feed-forward: token-choice top-k (Shazeer et al., 2017; GShard, Lepikhin
+et al., 2020; Mixtral, Jiang et al., 2024), Switch top-1 (Fedus et al., 2021), expert choice (Zhou et
+al., 2022), shared and fine-grained experts (DeepSeekMoE, Dai et al., 2024), auxiliary-loss-free
+balancing (DeepSeek-V3, 2024), capacity-based or dropless (grouped-matmul, MegaBlocks, Gale et al.,
+2022) dispatch.
+
+For the N = B*T tokens x_n (rows of `xf`), router logits l = x W_r in float32 (`logits`, (N, E)),
+p = softmax(l) (`probs`). Each expert e is a SwiGLU MLP (layers/mlp.py) with stacked weights
+`w_gate`, `w_up` (E, D, F) and `w_down` (E, F, D):  FFN_e(x) = (silu(x W_g^e) * x W_u^e) W_d^e.
+
+    y_n = sum_{e in S_n} g_{n,e} FFN_e(x_n)  +  sum_{s < num_shared_experts} FFN_s^shared(x_n)
+
+The shared experts are one MLP of width num_shared_experts * F (`shared`), which is exactly the sum of
+that many width-F experts. hidden_dim=None gives F = default_expert_dim(d_model, top_k +
+num_shared_experts): the dense MLP's width divided by the experts active per token, rounded up to a
+multiple of 8 (fine-grained experts with the dense model's active parameters; top_k=1: full width).
+
+Token choice (`router="topk"`), S_n = the k = top_k experts of the selection scores:
+  score_order="softmax_then_topk": S_n = TopK(p_n + b), g = p_{n,S_n} (divided by its sum when
+      renormalize=True, the same gates as Mixtral's top-k-then-softmax; raw as GShard when False);
+  score_order="topk_then_softmax": S_n = TopK(l_n + b), g = softmax(l_{n,S_n}) (Mixtral's code; the
+      gates already sum to 1, `renormalize` does not apply).
+  top_k=1 with gates that sum to 1 (renormalized or topk_then_softmax) gives g == 1 and no gradient
+  to the router from the task loss, so that configuration is refused: use router="switch".
+Switch (`router="switch"`, top_k must be 1): S_n = argmax(p_n + b), g = p_{n,S_n} (not renormalized,
+  so the router learns through the gate); score_order and renormalize do not apply.
+Expert choice (`router="expert_choice"`): each expert picks its C highest-scoring tokens of the whole
+  batch: G, I = TopK(p^T, C) over the N tokens, y_n = sum_{e: n in I_e} G_{e,n} FFN_e(x_n) (no
+  renormalization). A token can get 0 or up to E experts. It looks across the batch and the sequence,
+  so it is NOT causal: a token's output depends on later tokens (and on other rows). With T == 1
+  (a decoding step) there is no sequence to choose from: it falls back to token-choice top-k on the
+  same scores (S_n = TopK(p_n), g = p_{n,S_n}), so generation runs but sees a different router than
+  training did. score_order, renormalize and dispatch do not apply; balance="bias" is refused (every
+  expert already takes exactly C tokens).
+
+Capacity (dispatch="capacity", and expert choice): C = min(N, ceil(capacity_factor * N * k / E))
+  (Zhou et al.'s "capacity factor c" is our top_k * capacity_factor). Token-choice assignments are
+  queued choice-major: all first choices in flattened (b, t) order, then all second choices, ... (the
+  Mesh-TF/T5X Switch/GShard priority). An expert keeps the first C assignments of its queue; a dropped
+  assignment contributes exactly zero (in a residual block the token passes through unchanged).
+dispatch="dropless": assignments are stably sorted by expert (the same queue order) and the experts
+  run as one grouped matmul `jax.lax.ragged_dot` with the per-expert counts as group sizes; nothing is
+  dropped, and it equals capacity dispatch whenever capacity drops nothing. A call with T == 1
+  (decoding) always uses dropless, so decoding never drops a token.
+  Cost note: on CPU (and wherever XLA has no native ragged dot) `ragged_dot` lowers to a masked dense
+  product over all E groups: E times the FLOPs and an (E, k*N, D) masked operand (benchmarks/moe.py,
+  4096 tokens, d_model 256, E=8: 6.4x the GFLOP of capacity dispatch, 7-9x the dense MLP's time on CPU).
+
+Losses (sown, float32). f_e = (assignments routed to e before dropping) / (N k), P_e = mean_n p_{n,e}:
+  balance_loss = E sum_e f_e P_e (Switch's loss with all k choices counted, = DeepSeek's L_ExpBal /
+      alpha; = 1 under uniform routing, f = P = 1/E, where Switch's loss is minimised);
+  z_loss = mean_n (logsumexp_e l_{n,e})^2 (ST-MoE, Zoph et al., 2022);
+  aux_loss = balance_loss_weight * balance_loss [only with balance="aux_loss"] + z_loss_weight * z_loss.
+balance="bias" (DeepSeek-V3): a per-expert bias b (`RouterBias`, not a Param) is added to the scores
+  for selection only (never to the gates) and, after each training forward, b_e += bias_update_rate *
+  sign(mean_e(load) - load_e), load = tokens_per_expert, outside the gradient.
+Router jitter (Switch): in training, the router's input (not the experts') is multiplied by
+  U(1 - router_jitter, 1 + router_jitter), drawn from the "jitter" stream of `rngs` (else "default").
+
+Train vs eval: `self.deterministic` (False after construction) is toggled by flax's `model.eval()`
+/ `model.train()` (Module.set_attributes in flax 0.12.8 sets it on every submodule that has it), and
+`nnx.view(model, deterministic=True)` (through `set_view`) gives an eval view without mutating the
+model. Only when deterministic is False does a call have side effects: jitter (advancing its RNG
+count), the bias update, and the sow. With deterministic=True the layer is a pure function of
+(params, bias, x), which `lax.while_loop` decoding needs: a module merged outside a loop cannot be
+mutated inside it (flax TraceContextError), so generate with the model in eval mode.
+
+Collecting the metrics (sow into nnx.Intermediate; each call appends one dict to a tuple under "moe"
+with keys aux_loss, balance_loss, z_loss, tokens_per_expert (E,), dropped_fraction, router_entropy):
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest, copy=True)  # copy: the bias is written under grad
+        logits = model(batch["x"])
+        moe = nnx.pop(model, nnx.Intermediate)                 # removes the sown values from model
+        loss = cross_entropy(logits, batch["y"]) + total_aux_loss(moe)
+        return loss, (moe, nnx.state(model, nnx.Not(nnx.Param)))   # new rest: the updated bias
+    (loss, (moe, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
+
+inside one jax.jit. Without copy=True, merging inside jax.grad a `rest` built outside it fails with
+"Cannot mutate RouterBias from a different trace level". Pop after every training call: a sown value
+left on the model becomes part of `rest`, and the next call appends to it (a new structure each
+step). flax 0.12.8 warns that sow outside `nnx.capture` is deprecated; `y, moe =
+nnx.capture(model, nnx.Intermediate)(x)` returns the same State. Evaluate with `model.eval()` after
+the merge (no bias update, no sow).
+
+Departures: DeepSeek-V3 uses sigmoid affinities, we use the softmax scores above (the bias is added to
+whichever score selects); GShard's random dispatch of second choices is not done; the router weight
+is N(0, 0.1/D) (Switch's reduced scale, not truncated); f_e counts all k choices (Switch/GShard count
+the first choice only); the bias updates once per forward call (per micro-batch under accumulation);
+Shazeer et al.'s noisy top-k gating is not implemented (jitter is the only router noise).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from layers.mlp import MLP, default_hidden_dim
+
+ROUTERS = ("topk", "switch", "expert_choice")
+SCORE_ORDERS = ("softmax_then_topk", "topk_then_softmax")
+DISPATCHES = ("capacity", "dropless")
+BALANCES = ("aux_loss", "bias", "none")
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert selection bias of auxiliary-loss-free balancing: non-trainable state, carried and
+    checkpointed with the rest of the model's non-Param state, updated in place in training."""
+
+
+def default_expert_dim(d_model: int, active_experts: int) -> int:
+    """The dense MLP's width split over the experts active per token (routed top_k + shared),
+    rounded up to a multiple of 8: the same active FFN parameters as the dense MLP."""
+    return -(-default_hidden_dim(d_model) // active_experts // 8) * 8
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """C = min(N, ceil(capacity_factor * N * k / E)): the most assignments one expert keeps."""
+    return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts)))
+
+
+def total_aux_loss(intermediates) -> Float[Array, ""]:
+    """Sum of every sown "aux_loss" in a State / pytree from nnx.pop or nnx.capture (0 if none)."""
+    leaves = jax.tree_util.tree_leaves_with_path(intermediates)
+    found = [x for path, x in leaves if path and getattr(path[-1], "key", None) == "aux_loss"]
+    return sum(found, jnp.float32(0))
+
+
+def _choose(name, value, valid):
+    if value not in valid:
+        raise ValueError(f"MoE: {name}={value!r} is not one of {', '.join(map(repr, valid))}")
+
+
+class MoE(nnx.Module):
+    def __init__(self, d_model: int, *, num_experts: int = 8, top_k: int = 2, hidden_dim: int | None = None,
+                 router: str = "topk", score_order: str = "softmax_then_topk", renormalize: bool = True,
+                 dispatch: str = "capacity", capacity_factor: float = 1.25, num_shared_experts: int = 0,
+                 balance: str = "aux_loss", balance_loss_weight: float = 0.01, z_loss_weight: float = 0.001,
+                 bias_update_rate: float = 0.001, router_jitter: float = 0.0, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        for name, value, valid in (("router", router, ROUTERS), ("score_order", score_order, SCORE_ORDERS),
+                                   ("dispatch", dispatch, DISPATCHES), ("balance", balance, BALANCES)):
+            _choose(name, value, valid)
+        if num_experts < 1:
+            raise ValueError(f"MoE: num_experts={num_experts} must be >= 1" + (
+                f"; num_shared_experts={num_shared_experts} always-on experts alone are a dense MLP "
+                "(ffn kind 'mlp')" if num_shared_experts > 0 else ""))
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k={top_k} must be between 1 and num_experts={num_experts}")
+        if router == "switch" and top_k != 1:
+            raise ValueError(f"MoE: router='switch' routes each token to one expert; set top_k=1 (got {top_k})")
+        if router == "topk" and top_k == 1 and (renormalize or score_order == "topk_then_softmax"):
+            raise ValueError("MoE: router='topk' with top_k=1 and gates that sum to 1 makes every gate 1, "
+                             "so the router gets no gradient; use router='switch' or renormalize=False")
+        if router == "expert_choice" and balance == "bias":
+            raise ValueError("MoE: balance='bias' does nothing with router='expert_choice' (every expert "
+                             "takes exactly C tokens); use balance='aux_loss' or 'none'")
+        if capacity_factor <= 0:
+            raise ValueError(f"MoE: capacity_factor={capacity_factor} must be > 0")
+        if num_shared_experts < 0:
+            raise ValueError(f"MoE: num_shared_experts={num_shared_experts} must be >= 0")
+        if hidden_dim is not None and hidden_dim < 1:
+            raise ValueError(f"MoE: hidden_dim={hidden_dim} must be >= 1 or None")
+        if min(balance_loss_weight, z_loss_weight, bias_update_rate) < 0:
+            raise ValueError("MoE: balance_loss_weight, z_loss_weight and bias_update_rate must be >= 0")
+        if not 0 <= router_jitter < 1:
+            raise ValueError(f"MoE: router_jitter={router_jitter} must be in [0, 1)")
+        E, F = num_experts, hidden_dim or default_expert_dim(d_model, top_k + num_shared_experts)
+        self.num_experts, self.top_k, self.hidden_dim = E, top_k, F
+        self.router, self.score_order, self.renormalize, self.dispatch = router, score_order, renormalize, dispatch
+        self.capacity_factor, self.num_shared_experts, self.balance = capacity_factor, num_shared_experts, balance
+        self.balance_loss_weight, self.z_loss_weight = balance_loss_weight, z_loss_weight
+        self.bias_update_rate, self.router_jitter, self.dtype = bias_update_rate, router_jitter, dtype
+        self.deterministic = False
+        self.w_router = nnx.Param(nnx.initializers.normal((0.1 / d_model) ** 0.5)(rngs.params(), (d_model, E)))
+        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (E, d_model, F)))
+        self.w_up = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (E, d_model, F)))
+        self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (E, F, d_model)))
+        self.bias = RouterBias(jnp.zeros((E,), jnp.float32))
+        if num_shared_experts:
+            self.shared = MLP(d_model, hidden_dim=num_shared_experts * F, dtype=dtype, rngs=rngs)
+        if router_jitter > 0:
+            self.jitter_rngs = rngs["jitter"].fork()
+
+    def set_view(self, deterministic: bool | None = None):
+        """Lets `nnx.view(model, deterministic=...)` make a train/eval view without mutating model."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+    def _weights(self):
+        return tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+
+    def _experts_batched(self, xb):
+        """Every expert on its own buffer: (E, C, D) -> (E, C, D)."""
+        wg, wu, wd = self._weights()
+        h = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", xb, wg)) * jnp.einsum("ECD,EDF->ECF", xb, wu)
+        return jnp.einsum("ECF,EFD->ECD", h, wd)
+
+    def _experts_grouped(self, xs, group_sizes):
+        """Rows sorted by expert, group_sizes[e] rows for expert e: (M, D) -> (M, D)."""
+        wg, wu, wd = self._weights()
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, group_sizes)) * jax.lax.ragged_dot(xs, wu, group_sizes)
+        return jax.lax.ragged_dot(h, wd, group_sizes)
+
+    def _token_choice(self, logits, probs, k, order, renormalize):
+        """Experts (N, k) int32 and gates (N, k) float32 of each token."""
+        select = logits if order == "topk_then_softmax" else probs
+        if self.balance == "bias":
+            select = select + self.bias[...]  # selection only: the gates below never see the bias
+        _, experts = jax.lax.top_k(select, k)  # (N, k)
+        if order == "topk_then_softmax":
+            return experts, jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1)
+        gates = jnp.take_along_axis(probs, experts, axis=-1)
+        return experts, gates / jnp.sum(gates, -1, keepdims=True) if renormalize else gates
+
+    def _dispatch(self, xf, experts, gates, dropless):
+        """Token-choice dispatch and combine; returns y (N, D) float32, load (E,), dropped fraction."""
+        (N, D), k, E = xf.shape, experts.shape[1], self.num_experts
+        queue = experts.T.reshape(-1)  # (k*N,) choice-major: all first choices by position, then seconds
+        token = jnp.tile(jnp.arange(N), k)  # (k*N,)
+        perm = jnp.argsort(queue, stable=True)  # queue order kept inside each expert
+        load = jnp.bincount(queue, length=E)  # (E,)
+        if dropless:
+            ys = self._experts_grouped(xf[token[perm]], load)  # (k*N, D) sorted by expert
+            y_assign, kept = jnp.zeros_like(ys).at[perm].set(ys), jnp.ones((k * N,), bool)
+        else:
+            C = expert_capacity(N, E, k, self.capacity_factor)
+            starts = jnp.cumsum(load) - load
+            rank = jnp.zeros_like(queue).at[perm].set(jnp.arange(k * N) - starts[queue[perm]])  # place in queue
+            kept = rank < C
+            slot = jnp.where(kept, queue * C + rank, E * C)  # E*C is out of range: dropped
+            buf = jnp.zeros((E * C, D), xf.dtype).at[slot].set(xf[token], mode="drop")  # (E*C, D)
+            out = self._experts_batched(buf.reshape(E, C, D)).reshape(E * C, D)
+            y_assign = out.at[slot].get(mode="fill", fill_value=0)  # (k*N, D)
+        w = gates.T.reshape(-1) * kept  # (k*N,) a dropped assignment has weight 0
+        y = jnp.sum((w[:, None] * y_assign.astype(jnp.float32)).reshape(k, N, D), axis=0)
+        return y, load.astype(jnp.float32), 1.0 - jnp.mean(kept.astype(jnp.float32))
+
+    def _expert_choice(self, xf, probs):
+        """Each expert takes its top-C tokens of all N; returns y (N, D) float32, load, dropped."""
+        N, D = xf.shape
+        C = expert_capacity(N, self.num_experts, self.top_k, self.capacity_factor)
+        g, idx = jax.lax.top_k(probs.T, C)  # (E, C) gates and token indices
+        out = self._experts_batched(xf[idx]).astype(jnp.float32)  # (E, C, D)
+        y = jnp.zeros((N, D), jnp.float32).at[idx.reshape(-1)].add((g[..., None] * out).reshape(-1, D))
+        picked = jnp.zeros((N,), bool).at[idx.reshape(-1)].set(True)
+        load = jnp.full((self.num_experts,), C, jnp.float32)
+        return y, load, 1.0 - jnp.mean(picked.astype(jnp.float32))  # dropped: tokens no expert took
+
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        B, T, D = x.shape
+        xr = x.reshape(B * T, D).astype(jnp.float32)  # (N, D) the router's input, float32
+        xf = xr.astype(self.dtype)  # the experts' input
+        if self.router_jitter > 0 and not self.deterministic:
+            eps = self.router_jitter
+            xr = xr * jax.random.uniform(self.jitter_rngs(), xr.shape, jnp.float32, 1 - eps, 1 + eps)
+        logits = xr @ self.w_router[...]  # (N, E) float32
+        probs = jax.nn.softmax(logits, axis=-1)
+        if self.router == "expert_choice" and T > 1:
+            y, load, dropped = self._expert_choice(xf, probs)
+        else:
+            topk = self.router == "topk"
+            k = self.top_k if self.router != "switch" else 1
+            order = self.score_order if topk else "softmax_then_topk"
+            experts, gates = self._token_choice(logits, probs, k, order, self.renormalize and topk)
+            y, load, dropped = self._dispatch(xf, experts, gates, self.dispatch == "dropless" or T == 1)
+        y = y.reshape(B, T, D).astype(self.dtype)
+        if self.num_shared_experts:
+            y = y + self.shared(x)
+        if not self.deterministic:
+            self._record(logits, probs, load, dropped)
+        return y
+
+    def _record(self, logits, probs, load, dropped):
+        """Training-only side effects: the sown losses/metrics and the balancing-bias update."""
+        E = self.num_experts
+        load = jax.lax.stop_gradient(load)
+        balance_loss = E * jnp.sum(load / jnp.sum(load) * jnp.mean(probs, axis=0))
+        z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        aux = self.z_loss_weight * z_loss
+        if self.balance == "aux_loss":
+            aux = aux + self.balance_loss_weight * balance_loss
+        entropy = -jnp.mean(jnp.sum(probs * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+        self.sow(nnx.Intermediate, "moe", {
+            "aux_loss": aux, "balance_loss": balance_loss, "z_loss": z_loss, "tokens_per_expert": load,
+            "dropped_fraction": jax.lax.stop_gradient(dropped), "router_entropy": jax.lax.stop_gradient(entropy)})
+        if self.balance == "bias":
+            self.bias[...] = self.bias[...] + self.bias_update_rate * jnp.sign(jnp.mean(load) - load)
