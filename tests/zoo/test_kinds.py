@@ -61,3 +61,13 @@ def test_state_does_not_grow_with_max_len(kind):
     small = jax.eval_shape(lambda: model.init_state(1, 128))
     large = jax.eval_shape(lambda: model.init_state(1, 16384))
     assert jax.tree.map(lambda x: x.shape, small) == jax.tree.map(lambda x: x.shape, large)
+
+
+def test_hybrid_layer_pattern_decodes_and_packs():
+    pattern = [TINY["mamba"], {"kind": "attention", "num_heads": 2, "num_kv_heads": 1}]
+    model = tiny_model(layer_pattern=pattern, num_layers=4)
+    assert [type(b.mixer).__name__ for b in model.blocks] == ["Mamba", "Attention", "Mamba", "Attention"]
+    tokens = jax.random.randint(jax.random.key(2), (2, 13), 0, 256)
+    pieces, _ = decode_in_pieces(model, tokens, cuts=[7, 8, 9, 10, 11, 12])
+    assert float(jnp.abs(pieces - forward(model, tokens)).max()) <= 1e-4
+    packed_equals_alone(model, [5, 1, 7])
