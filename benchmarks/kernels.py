@@ -1,21 +1,22 @@
 """Pallas kernels against the machine's ceilings and against the XLA / vendor forms, one table.
 
-    python -m benchmarks.kernels [--kernels flash_attention] [--lengths 1024 2048 4096 8192 16384]
+    python -m benchmarks.kernels [--kernels flash_attention gla selective_scan] [--lengths 1024 2048 ...]
 
 First the ceilings: a large bfloat16 matmul (TFLOP/s) and a large elementwise copy (GB/s read +
 written). Then every entry of KERNELS: it checks its kernel against the reference (max relative
 error of the output and of every gradient at the shortest length) and times forward and
 forward+backward (jitted, median of 5 after a compile), printing TFLOP/s and % of the measured
-matmul rate. A measurement that fails (out of memory, no cuDNN, ...) prints its error in its row
-instead of stopping the run. On GPU it is sized to finish in under 5 minutes on one H200 (an
-estimate: compiles dominate; not yet run on a GPU).
+matmul rate, or for memory-bound kernels (selective scan) GB/s of compulsory traffic and % of the
+measured copy rate. A measurement that fails (out of memory, no cuDNN, ...) prints its error in
+its row instead of stopping the run. On GPU it is sized to finish in under 5 minutes on one H200
+(an estimate made for flash_attention alone, compiles dominating; the gla and selective_scan
+entries are not estimated; nothing here has run on a GPU yet).
 
 Without a GPU it is a smoke run: tiny shapes, the kernels in Pallas interpret mode, so the numbers
 only show that the script works.
 
-Adding a kernel (GLA chunk, selective scan, SSD, ...): write `bench_<name>(ceilings, smoke,
-lengths) -> rows` that builds its inputs, calls `_check` once and `_time_pass` per (impl, T, pass),
-and add it to KERNELS.
+Adding a kernel (SSD, ...): write `bench_<name>(ceilings, smoke, lengths) -> rows` that builds its
+inputs, calls `_check` once and `_time_pass` per (impl, T, pass), and add it to KERNELS.
 """
 
 import argparse
@@ -28,8 +29,10 @@ import numpy as np
 
 from benchmarks.common import print_table, save_json, timeit
 from kernels.attention import attention_reference, flash_attention
+from kernels.gla import gla
+from kernels.selective_scan import selective_scan
 
-COLUMNS = ["kernel", "impl", "T", "pass", "ms", "TFLOP/s", "% matmul", "max rel err"]
+COLUMNS = ["kernel", "impl", "T", "pass", "ms", "TFLOP/s", "% matmul", "GB/s", "% copy", "max rel err"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +69,25 @@ def _check(fast, ref, args, cotangent) -> float:
     return float(max(errs))
 
 
-def _time_pass(row: dict, fn, args, flops: float, ceil: Ceilings) -> dict:
+def _time_pass(row: dict, fn, args, flops: float | None, ceil: Ceilings, nbytes: float | None = None) -> dict:
+    """Times fn(*args); reports TFLOP/s for `flops` and GB/s for `nbytes` (either may be None)."""
     try:
         t = timeit(fn, *args, repeats=5)
     except Exception as e:  # noqa: BLE001 - one failed measurement must not end the run
         return {**row, "ms": f"error: {type(e).__name__}: {str(e).splitlines()[0][:60]}"}
-    tflops = flops / t / 1e12
-    return {**row, "ms": f"{1e3 * t:.2f}", "TFLOP/s": f"{tflops:.3g}",
-            "% matmul": f"{100 * tflops / ceil.matmul_tflops:.0f}"}
+    row = {**row, "ms": f"{1e3 * t:.2f}"}
+    if flops is not None:
+        tflops = flops / t / 1e12
+        row.update({"TFLOP/s": f"{tflops:.3g}", "% matmul": f"{100 * tflops / ceil.matmul_tflops:.0f}"})
+    if nbytes is not None:
+        gbs = nbytes / t / 1e9
+        row.update({"GB/s": f"{gbs:.4g}", "% copy": f"{100 * gbs / ceil.copy_gbs:.0f}"})
+    return row
+
+
+def _print(rows):
+    for r in rows:
+        print("  ".join(f"{c}={r[c]}" for c in COLUMNS if c in r), flush=True)
 
 
 def _vendor_attention(args):
@@ -110,12 +124,76 @@ def bench_flash_attention(ceil: Ceilings, smoke: bool, lengths: list[int]) -> li
             # The backward does 5 matmuls to the forward's 2: 3.5x the forward's FLOPs in all.
             rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), (q, k, v),
                                    3.5 * flops, ceil))
-            for r in rows[-2:]:
-                print("  ".join(f"{c}={r[c]}" for c in COLUMNS if c in r), flush=True)
+            _print(rows[-2:])
     return rows
 
 
-KERNELS = {"flash_attention": bench_flash_attention}
+def bench_gla(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
+    """Gated linear attention, per-channel gates, bf16 (float32 in the smoke run), B=4, H=16,
+    K=V=128: the Pallas kernels against the XLA chunk form and against causal flash attention of
+    the same shape, forward and forward+backward (gradients w.r.t. q, k, v, g; and q, k, v)."""
+    B, H, D, dtype = (1, 2, 16, jnp.float32) if smoke else (4, 16, 128, jnp.bfloat16)
+    max_ref_T = 2048  # the reference scan's backward keeps every step's (B, H, K, V) state
+    rows = []
+    for n, T in enumerate(lengths):
+        keys = jax.random.split(jax.random.key(T), 5)
+        q, k, v, do = (jax.random.normal(key, (B, T, H, D), dtype) for key in keys[:4])
+        g = jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H, D), jnp.float32) + 4).astype(dtype)
+        impls = {"pallas": partial(gla, impl="pallas"), "xla chunk": partial(gla, impl="xla", mode="chunk")}
+        # State products: q S and k^T v, 2 K V FLOPs each per token and head (the intra-chunk terms
+        # add O(C / K) to this); the backward does 5 such products to the forward's 2.
+        flops = 4 * B * T * H * D * D
+        for impl, op in impls.items():
+            f = lambda q, k, v, g, op=op: op(q, k, v, g)[0]
+            row = {"kernel": "gla", "impl": impl, "T": T}
+            if n == 0 and T <= max_ref_T:
+                ref = lambda q, k, v, g: gla(q, k, v, g, impl="reference")[0]
+                row["max rel err"] = f"{_check(f, ref, (q, k, v, g), do):.1e}"
+            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), (q, k, v, g), flops, ceil))
+            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), (q, k, v, g),
+                                   3.5 * flops, ceil))
+            _print(rows[-2:])
+        attn_flops = 4 * B * H * T * T * D / 2
+        row = {"kernel": "gla", "impl": "flash attention (pallas)", "T": T}
+        rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(flash_attention), (q, k, v), attn_flops, ceil))
+        rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(flash_attention, do), (q, k, v),
+                               3.5 * attn_flops, ceil))
+        _print(rows[-2:])
+    return rows
+
+
+def bench_selective_scan(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
+    """Mamba-1 selective scan, x, Δ, B, C in bf16 (float32 in the smoke run), B=4, Dm=1536 (d_model
+    768 expanded twice), N=16: the Pallas kernels against the XLA chunk form. The scan is
+    memory-bound, so rows report GB/s of compulsory traffic (every input read once, every output
+    written once; the saved chunk states and partial sums are not counted) against the copy rate."""
+    Bsz, Dm, N, dtype = (1, 32, 16, jnp.float32) if smoke else (4, 1536, 16, jnp.bfloat16)
+    size = jnp.dtype(dtype).itemsize
+    rows = []
+    for n, T in enumerate(lengths):
+        keys = jax.random.split(jax.random.key(T), 6)
+        x, dy = (jax.random.normal(key, (Bsz, T, Dm), dtype) for key in keys[:2])
+        dt = jax.nn.softplus(jax.random.normal(keys[2], (Bsz, T, Dm), jnp.float32) - 2).astype(dtype)
+        A = -jnp.exp(jax.random.normal(keys[3], (Dm, N), jnp.float32))
+        B, C = (jax.random.normal(key, (Bsz, T, N), dtype) for key in keys[4:])
+        D = jnp.ones((Dm,), jnp.float32)
+        fwd_bytes = size * Bsz * T * (3 * Dm + 2 * N)  # x, Δ, B, C read; y written
+        bwd_bytes = size * Bsz * T * (5 * Dm + 4 * N)  # x, Δ, B, C, dy read; dx, dΔ, dB, dC written
+        for impl, kw in (("pallas", dict(impl="pallas")), ("xla chunk", dict(impl="xla", mode="chunk"))):
+            f = lambda x, dt, A, B, C, D, kw=kw: selective_scan(x, dt, A, B, C, D, **kw)[0]
+            row = {"kernel": "selective_scan", "impl": impl, "T": T}
+            args = (x, dt, A, B, C, D)
+            if n == 0:
+                ref = lambda x, dt, A, B, C, D: selective_scan(x, dt, A, B, C, D, impl="reference")[0]
+                row["max rel err"] = f"{_check(f, ref, args, dy):.1e}"
+            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), args, None, ceil, fwd_bytes))
+            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, dy), args, None, ceil,
+                                   fwd_bytes + bwd_bytes))
+            _print(rows[-2:])
+    return rows
+
+
+KERNELS = {"flash_attention": bench_flash_attention, "gla": bench_gla, "selective_scan": bench_selective_scan}
 
 
 def main():

@@ -10,6 +10,7 @@
 
 import jax
 
+from kernels import AUTO_PALLAS
 from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention, supports
 from kernels.attention.reference import attention_reference
 
@@ -30,6 +31,6 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
     backend = jax.default_backend()
     if impl == "pallas" and backend == "tpu":
         raise ValueError("attention: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
-    if impl == "pallas" or (impl == "auto" and backend == "gpu" and supports(q, k, v)):
+    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
         return flash_attention(q, k, v, **kwargs)
     return attention_reference(q, k, v, **kwargs)

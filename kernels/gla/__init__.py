@@ -2,17 +2,25 @@
 o_t = scale * q_t S_t, with a per-channel log-decay g <= 0 given by the caller.
 
 See reference.py for the equations, chunk.py (stable secondary chunking) and parallel.py (quadratic
-form, O(T^2 K) memory) for the fast forms.
+form, O(T^2 K) memory) for the fast forms, pallas.py for the Pallas kernels (fused chunks, custom_vjp).
+
+impl: "xla" runs the XLA form picked by `mode`; "reference" the token-by-token scan whatever the
+mode; "pallas" the Pallas kernels (Triton on GPU; interpret mode on CPU, slow and meant for tests;
+no TPU kernel, an error there), whose chunk is their own block size, not `chunk_size`; "auto" the
+kernels on GPU when pallas.supports() the call (more than 16 tokens), the XLA form elsewhere.
 """
 
+import jax
 from jaxtyping import Array, Float, Int
 
+from kernels import AUTO_PALLAS
 from kernels.gla.chunk import gla_chunk
+from kernels.gla.pallas import gla_pallas, supports
 from kernels.gla.parallel import gla_parallel
 from kernels.gla.reference import gla_reference, gla_step
 
 _FORMS = {"recurrent": gla_reference, "chunk": gla_chunk, "parallel": gla_parallel}
-_IMPLS = ("auto", "xla")
+_IMPLS = ("auto", "reference", "xla", "pallas")
 
 
 def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -22,8 +30,8 @@ def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, 
     """Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None).
 
     g: log of the forget gate alpha, <= 0 (not checked). mode: "recurrent", "chunk" or "parallel";
-    all give the same result. impl: "auto" or "xla" (both run the XLA forms for now). scale
-    multiplies q; None means K^-1/2 (as flash-linear-attention's chunk_gla).
+    all give the same result. impl: "auto", "reference", "xla" or "pallas" (module docstring).
+    scale multiplies q; None means K^-1/2 (as flash-linear-attention's chunk_gla).
     """
     if mode not in _FORMS:
         raise ValueError(f"gla: mode={mode!r}; valid modes are {sorted(_FORMS)}")
@@ -33,10 +41,17 @@ def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, 
         raise ValueError(f"gla: chunk_size={chunk_size} must be >= 1")
     kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
                   initial_state=initial_state)
-    if mode == "chunk":
-        kwargs["chunk_size"] = chunk_size
-    o, state = _FORMS[mode](q, k, v, g, **kwargs)
+    backend = jax.default_backend()
+    if impl == "pallas" and backend == "tpu":
+        raise ValueError("gla: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
+    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
+        o, state = gla_pallas(q, k, v, g, **kwargs)
+    else:
+        mode = "recurrent" if impl == "reference" else mode
+        if mode == "chunk":
+            kwargs["chunk_size"] = chunk_size
+        o, state = _FORMS[mode](q, k, v, g, **kwargs)
     return o, (state if output_final_state else None)
 
 
-__all__ = ["gla", "gla_step"]
+__all__ = ["gla", "gla_step", "gla_pallas"]

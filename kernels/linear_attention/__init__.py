@@ -2,17 +2,24 @@
 
 Katharopoulos et al., 2020. The op takes q and k with the feature map already applied and has no
 normaliser; see reference.py for the equations, chunk.py and parallel.py for the fast forms.
+impl="pallas" runs the GLA Pallas kernels (kernels/gla/pallas.py) with a zero scalar gate (no decay);
+impl="auto" does so on GPU when they support the call, and runs the XLA form picked by `mode`
+elsewhere; "reference" is the token-by-token scan; "xla" the form picked by `mode`.
 """
 
+import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from kernels import AUTO_PALLAS
+from kernels.gla.pallas import gla_pallas, supports
 from kernels.linear_attention.chunk import linear_attention_chunk
 from kernels.linear_attention.parallel import linear_attention_parallel
 from kernels.linear_attention.reference import linear_attention_reference, linear_attention_step
 
 _FORMS = {"recurrent": linear_attention_reference, "chunk": linear_attention_chunk,
           "parallel": linear_attention_parallel}
-_IMPLS = ("auto", "xla")
+_IMPLS = ("auto", "reference", "xla", "pallas")
 
 
 def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"], *,
@@ -22,8 +29,8 @@ def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
     """Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None).
 
     mode: "recurrent" (token-by-token scan), "chunk" (chunkwise parallel, chunk_size tokens) or
-    "parallel" (quadratic masked form); all give the same result. impl: "auto" or "xla" (the only
-    implementation so far: both run the XLA forms). scale multiplies q (None means 1).
+    "parallel" (quadratic masked form); all give the same result. impl: "auto", "reference", "xla"
+    or "pallas" (module docstring). scale multiplies q (None means 1).
     """
     if mode not in _FORMS:
         raise ValueError(f"linear_attention: mode={mode!r}; valid modes are {sorted(_FORMS)}")
@@ -32,9 +39,16 @@ def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
     if chunk_size < 1:
         raise ValueError(f"linear_attention: chunk_size={chunk_size} must be >= 1")
     kwargs = dict(scale=1.0 if scale is None else scale, segment_ids=segment_ids, initial_state=initial_state)
-    if mode == "chunk":
-        kwargs["chunk_size"] = chunk_size
-    o, state = _FORMS[mode](q, k, v, **kwargs)
+    backend = jax.default_backend()
+    if impl == "pallas" and backend == "tpu":
+        raise ValueError("linear_attention: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
+    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
+        o, state = gla_pallas(q, k, v, jnp.zeros(v.shape[:3], jnp.float32), **kwargs)
+    else:
+        mode = "recurrent" if impl == "reference" else mode
+        if mode == "chunk":
+            kwargs["chunk_size"] = chunk_size
+        o, state = _FORMS[mode](q, k, v, **kwargs)
     return o, (state if output_final_state else None)
 
 

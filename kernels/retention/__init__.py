@@ -1,18 +1,24 @@
 """Retention (RetNet, Sun et al., 2023): S_t = gamma_h S_{t-1} + k_t v_t^T, o_t = scale * q_t S_t.
 
 One fixed decay gamma_h per head, handled in log space inside every form. See reference.py for the
-equations, chunk.py and parallel.py for the fast forms.
+equations, chunk.py and parallel.py for the fast forms. impl="pallas" runs the GLA Pallas kernels
+(kernels/gla/pallas.py) with the scalar gate g = log gamma_h at every token; impl="auto" does so on
+GPU when they support the call, and runs the XLA form picked by `mode` elsewhere; "reference" is
+the token-by-token scan; "xla" the form picked by `mode`.
 """
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from kernels import AUTO_PALLAS
+from kernels.gla.pallas import gla_pallas, supports
 from kernels.retention.chunk import retention_chunk
 from kernels.retention.parallel import retention_parallel
 from kernels.retention.reference import retention_reference, retention_step
 
 _FORMS = {"recurrent": retention_reference, "chunk": retention_chunk, "parallel": retention_parallel}
-_IMPLS = ("auto", "xla")
+_IMPLS = ("auto", "reference", "xla", "pallas")
 
 
 def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -22,8 +28,8 @@ def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     """Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None).
 
     gamma (H,) in (0, 1]: the per-head decay. mode: "recurrent", "chunk" or "parallel"; all give the
-    same result. impl: "auto" or "xla" (both run the XLA forms for now). scale multiplies q; None
-    means K^-1/2 as in the paper (which scales k by the same factor).
+    same result. impl: "auto", "reference", "xla" or "pallas" (module docstring). scale multiplies q;
+    None means K^-1/2 as in the paper (which scales k by the same factor).
     """
     if mode not in _FORMS:
         raise ValueError(f"retention: mode={mode!r}; valid modes are {sorted(_FORMS)}")
@@ -34,9 +40,16 @@ def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     log_gamma = jnp.log(jnp.asarray(gamma, jnp.float32))
     kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
                   initial_state=initial_state)
-    if mode == "chunk":
-        kwargs["chunk_size"] = chunk_size
-    o, state = _FORMS[mode](q, k, v, log_gamma, **kwargs)
+    backend = jax.default_backend()
+    if impl == "pallas" and backend == "tpu":
+        raise ValueError("retention: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
+    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
+        o, state = gla_pallas(q, k, v, jnp.broadcast_to(log_gamma, v.shape[:3]), **kwargs)
+    else:
+        mode = "recurrent" if impl == "reference" else mode
+        if mode == "chunk":
+            kwargs["chunk_size"] = chunk_size
+        o, state = _FORMS[mode](q, k, v, log_gamma, **kwargs)
     return o, (state if output_final_state else None)
 
 
