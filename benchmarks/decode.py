@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode [--contexts 256 1024 4096 16384] [--kinds mha gqa mqa ...]
 
-Each model (d_model 256, 4 layers, 8 heads, batch 1) prefills `context` tokens, then greedy-decodes
+Each model (d_model 256, 4 layers, 8 heads where the kind has heads, batch 1) prefills `context` tokens, then greedy-decodes
 32 tokens inside one jitted lax.scan; the figure is that scan's median time / 32. A Transformer's KV
 cache grows with the context, so its cost per token does too; a recurrent kind's state does not.
 """
@@ -23,6 +23,13 @@ KINDS = {
     "mha": {"kind": "attention", "num_heads": 8},
     "gqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 2},
     "mqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 1},
+    "linear_attention": {"kind": "linear_attention", "num_heads": 8},
+    "retnet": {"kind": "retnet", "num_heads": 8},
+    "gla": {"kind": "gla", "num_heads": 8, "conv_size": 4},
+    "deltanet": {"kind": "deltanet", "num_heads": 8},
+    "gated_deltanet": {"kind": "gated_deltanet", "num_heads": 8},
+    "mamba": {"kind": "mamba"},
+    "mamba2": {"kind": "mamba2", "head_dim": 64},
 }
 STEPS = 32
 
