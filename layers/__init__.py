@@ -22,3 +22,5 @@ from layers.retnet import MultiScaleRetention, RetentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
 from layers.moe import MoE
+from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
+from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix

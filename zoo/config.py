@@ -187,6 +187,12 @@ def check_model(cfg: ModelConfig, path: str = "model"):
         else [f"{path}.mixer"]
     for p, m in zip(where, cfg.layer_pattern or (cfg.mixer,)):
         m.check(cfg.d_model, p)
+    from zoo.registry import LAYER_OF
+
+    carries = [getattr(LAYER_OF[type(m)], "carries_v_first", False) for m in cfg.mixers()]
+    if any(carries) and not carries[0]:
+        raise ValueError(f"{where[0]}: RWKV-7's value residual takes its values from layer 0, so layer 0 "
+                         "must be an rwkv7 layer")
     cfg.ffn.check(cfg.d_model, f"{path}.ffn")
 
 

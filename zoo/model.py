@@ -4,7 +4,8 @@
 
 Every mixer kind plugs in through the registry; the model never looks at which kind it holds. A
 stateful FFN (one with `init_state`, e.g. RWKV's channel mix with its token shift) gets a decode
-state beside its mixer's.
+state beside its mixer's. A mixer with `carries_v_first` (RWKV-7's value residual) receives the
+first layer's values and passes them on: the one place a layer sees another layer.
 """
 
 import jax.numpy as jnp
@@ -24,22 +25,30 @@ class Block(nnx.Module):
         self.ffn_norm, self.ffn = RMSNorm(d_model, eps=eps), ffn
         self.stateful_ffn = hasattr(ffn, "init_state")
 
-    def __call__(self, x, segment_ids=None):
-        x = x + self.mixer(self.mixer_norm(x), segment_ids=segment_ids)
+    def __call__(self, x, segment_ids=None, v_first=None):
+        if getattr(self.mixer, "carries_v_first", False):
+            y, v_first = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, v_first=v_first)
+        else:
+            y = self.mixer(self.mixer_norm(x), segment_ids=segment_ids)
+        x = x + y
         h = self.ffn_norm(x)
-        return x + (self.ffn(h, segment_ids=segment_ids) if self.stateful_ffn else self.ffn(h))
+        return x + (self.ffn(h, segment_ids=segment_ids) if self.stateful_ffn else self.ffn(h)), v_first
 
     def init_state(self, batch_size: int, max_len: int):
         ffn = self.ffn.init_state(batch_size, max_len) if self.stateful_ffn else None
         return self.mixer.init_state(batch_size, max_len), ffn
 
-    def decode(self, x, state, segment_ids=None):
-        y, mixer_state = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids)
+    def decode(self, x, state, segment_ids=None, v_first=None):
+        if getattr(self.mixer, "carries_v_first", False):
+            y, mixer_state, v_first = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids,
+                                                        v_first=v_first)
+        else:
+            y, mixer_state = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids)
         x = x + y
         if not self.stateful_ffn:
-            return x + self.ffn(self.ffn_norm(x)), (mixer_state, None)
+            return x + self.ffn(self.ffn_norm(x)), (mixer_state, None), v_first
         y, ffn_state = self.ffn.decode(self.ffn_norm(x), state[1], segment_ids=segment_ids)
-        return x + y, (mixer_state, ffn_state)
+        return x + y, (mixer_state, ffn_state), v_first
 
 
 class LanguageModel(nnx.Module):
@@ -48,10 +57,12 @@ class LanguageModel(nnx.Module):
         dtype = DTYPES[cfg.dtype]
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                                embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        L = cfg.num_layers
         self.blocks = nnx.List([
-            Block(make_layer(m, cfg.d_model, dtype=dtype, rngs=rngs),
-                  make_layer(cfg.ffn, cfg.d_model, dtype=dtype, rngs=rngs), cfg.d_model, cfg.norm_eps)
-            for m in cfg.mixers()])
+            Block(make_layer(m, cfg.d_model, dtype=dtype, rngs=rngs, layer_id=i, num_layers=L),
+                  make_layer(cfg.ffn, cfg.d_model, dtype=dtype, rngs=rngs, layer_id=i, num_layers=L),
+                  cfg.d_model, cfg.norm_eps)
+            for i, m in enumerate(cfg.mixers())])
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
@@ -63,9 +74,9 @@ class LanguageModel(nnx.Module):
 
     def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None
                  ) -> Float[Array, "B T V"]:
-        x = self.embed(tokens)
+        x, v_first = self.embed(tokens), None
         for block in self.blocks:
-            x = block(x, segment_ids=segment_ids)
+            x, v_first = block(x, segment_ids=segment_ids, v_first=v_first)
         return self.logits(x)
 
     def init_state(self, batch_size: int, max_len: int) -> tuple:
@@ -74,9 +85,9 @@ class LanguageModel(nnx.Module):
     def decode(self, tokens: Int[Array, "B T"], state: tuple, *,
                segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T V"], tuple]:
         """Run T >= 1 tokens from `state` (prefill or one step); returns logits and the new state."""
-        x = self.embed(tokens)
+        x, v_first = self.embed(tokens), None
         new_state = []
         for block, s in zip(self.blocks, state):
-            x, s = block.decode(x, s, segment_ids=segment_ids)
+            x, s, v_first = block.decode(x, s, segment_ids=segment_ids, v_first=v_first)
             new_state.append(s)
         return self.logits(x), tuple(new_state)

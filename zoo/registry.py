@@ -8,6 +8,7 @@ config's dotted path.
 """
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -35,9 +36,14 @@ def build_kind(table: dict, data, path: str):
     return build(table[data["kind"]], data, path)
 
 
-def make_layer(cfg, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+def make_layer(cfg, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs, layer_id: int = 0, num_layers: int = 1):
+    """The layer of a config. Layers whose initialisation depends on depth (RWKV) also get
+    `layer_id` and `num_layers`, which are not config keys."""
+    cls = LAYER_OF[type(cfg)]
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    return LAYER_OF[type(cfg)](d_model, **kwargs, dtype=dtype, rngs=rngs)
+    if "layer_id" in inspect.signature(cls).parameters:
+        kwargs.update(layer_id=layer_id, num_layers=num_layers)
+    return cls(d_model, **kwargs, dtype=dtype, rngs=rngs)
 
 
 class Kind:
@@ -225,13 +231,56 @@ class MoEConfig(Kind):
         super().check(d_model, path)
 
 
+@dataclass(frozen=True)
+class RWKV6Config(Kind):
+    """RWKV-6 "Finch" time mix (Peng et al. 2024): data-dependent token shift and decay, bonus u."""
+    KIND: ClassVar[str] = "rwkv6"
+    head_dim: int = 64
+    mix_lora_dim: int = 32
+    decay_lora_dim: int = 64
+    mode: Mode = "chunk"
+    chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class RWKV7Config(Kind):
+    """RWKV-7 "Goose" time mix (Peng et al. 2025): generalised delta rule with vector decay and
+    in-context learning rate, value residual from layer 0 (LoRA ranks null = the official sizes)."""
+    KIND: ClassVar[str] = "rwkv7"
+    head_dim: int = 64
+    decay_lora_dim: int | None = None
+    icl_lora_dim: int | None = None
+    value_lora_dim: int | None = None
+    gate_lora_dim: int | None = None
+    mode: Mode = "chunk"
+    chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class RWKV6ChannelMixConfig(Kind):
+    """RWKV-6 channel mix: token-shifted squared-ReLU FFN with a receptance gate (hidden null = 3.5 D)."""
+    KIND: ClassVar[str] = "rwkv6_channel_mix"
+    hidden_dim: int | None = None
+
+
+@dataclass(frozen=True)
+class RWKV7ChannelMixConfig(Kind):
+    """RWKV-7 channel mix: token-shifted squared-ReLU FFN (hidden null = 4 D)."""
+    KIND: ClassVar[str] = "rwkv7_channel_mix"
+    hidden_dim: int | None = None
+
+
 register(MIXERS, AttentionConfig, layers.Attention)
 register(MIXERS, LinearAttentionConfig, layers.LinearAttention)
 register(MIXERS, RetNetConfig, layers.MultiScaleRetention)
 register(MIXERS, GLAConfig, layers.GatedLinearAttention)
 register(MIXERS, MambaConfig, layers.Mamba)
 register(MIXERS, Mamba2Config, layers.Mamba2)
+register(MIXERS, RWKV6Config, layers.RWKV6TimeMix)
+register(MIXERS, RWKV7Config, layers.RWKV7TimeMix)
 register(MIXERS, DeltaNetConfig, layers.DeltaNet)
 register(MIXERS, GatedDeltaNetConfig, layers.GatedDeltaNet)
 register(FFNS, MLPConfig, layers.MLP)
 register(FFNS, MoEConfig, layers.MoE)
+register(FFNS, RWKV6ChannelMixConfig, layers.RWKV6ChannelMix)
+register(FFNS, RWKV7ChannelMixConfig, layers.RWKV7ChannelMix)

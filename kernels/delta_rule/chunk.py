@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from kernels.linalg import unit_lower_inverse
 from kernels.segments import document_starts
 
 
@@ -53,8 +54,7 @@ def intra_chunk_terms(q, k, v, beta, g, doc, first):
     A = (beta[..., :, None] * jnp.einsum("...ik,...jk->...ij", k, k) * D) * ~jnp.eye(C, dtype=bool)
     decay_in = jnp.where(first, jnp.exp(G), 0.0)  # (..., C): c_i Gamma_i
     rhs = jnp.concatenate([beta[..., None] * v, (beta * decay_in)[..., None] * k], axis=-1)
-    L = A + jnp.eye(C, dtype=A.dtype)
-    sol = jax.scipy.linalg.solve_triangular(L, rhs, lower=True, unit_diagonal=True)
+    sol = unit_lower_inverse(-A) @ rhs  # (I + A)^{-1} rhs
     Ut, W = sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]
     P = jnp.einsum("...ik,...jk->...ij", q, k) * D
     Qs = decay_in[..., None] * q

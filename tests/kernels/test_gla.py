@@ -14,7 +14,6 @@ from tests.util import assert_close
 
 # Compiles dominate these tests: skip XLA's backend optimisations (the same float32 math, about a
 # third less CPU time).
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 # B, T, H, K, V, chunk_size, packed. T=63/C=16 pads the last chunk; T=40/C=32 runs two sub-chunks
 # per chunk (the secondary-chunking path); T=1 is a single token.
@@ -37,7 +36,7 @@ def packed_ids(B, T, seed=0):
     return jnp.asarray(np.sort(np.random.RandomState(seed).randint(0, 4, (B, T)), axis=1), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "chunk_size"), compiler_options=FAST_COMPILE)
+@functools.partial(jax.jit, static_argnames=("mode", "chunk_size"))
 def outputs_and_grads(q, k, v, g, S0, wo, ws, segment_ids, *, mode, chunk_size):
     """(o, S) and the gradients of a random projection of both w.r.t. q, k, v, g and S0."""
     def loss(q, k, v, g, S0):
@@ -47,9 +46,8 @@ def outputs_and_grads(q, k, v, g, S0, wo, ws, segment_ids, *, mode, chunk_size):
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, g, S0)
 
 
-reference = jax.jit(gla_reference, static_argnames=("scale",), compiler_options=FAST_COMPILE)
-run = jax.jit(gla, static_argnames=("mode", "chunk_size", "output_final_state", "scale"),
-              compiler_options=FAST_COMPILE)
+reference = jax.jit(gla_reference, static_argnames=("scale",))
+run = jax.jit(gla, static_argnames=("mode", "chunk_size", "output_final_state", "scale"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}K{}V{}C{}".format(*c[:6]))

@@ -24,7 +24,6 @@ from tests.util import assert_close
 BS = BlockSizes(block_t=16, block_v=16)
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled kernels)")
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _inputs(B, T, G, H, K, V, scalar, seed=0):
@@ -55,7 +54,7 @@ def _reference(q, k, v, g, S0, seg, scale):
     return gla_reference(q, k, v, g, scale=scale, segment_ids=seg, initial_state=S0)
 
 
-@functools.partial(jax.jit, static_argnames=("pallas", "block_sizes"), compiler_options=FAST_COMPILE)
+@functools.partial(jax.jit, static_argnames=("pallas", "block_sizes"))
 def _outputs_and_grads(q, k, v, g, S0, wo, ws, seg, *, pallas, block_sizes=BS):
     """(o, S) and the gradients of sum(o wo) + sum(S ws) w.r.t. q, k, v, g, S0; the reference in
     float32 from the same (possibly rounded) inputs."""

@@ -23,7 +23,6 @@ from tests.util import assert_close
 BS = BlockSizes(block_t=16, block_v=16)
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled kernels)")
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 NAMES = ("x", "dt", "A", "B", "C", "D", "h0")
 
 
@@ -46,7 +45,7 @@ def _packed(Bsz, T, seed=0):
     return jnp.asarray(ids, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("pallas", "block_sizes"), compiler_options=FAST_COMPILE)
+@functools.partial(jax.jit, static_argnames=("pallas", "block_sizes"))
 def _outputs_and_grads(args, wy, wh, seg, *, pallas, block_sizes=BS):
     """(y, h_T) and the gradients of sum(y wy) + sum(h_T wh) w.r.t. every input; the reference in
     float32 from the same (possibly rounded) inputs."""

@@ -16,7 +16,6 @@ from tests.util import assert_close
 
 # Compiles dominate these tests: skip XLA's backend optimisations (the same float32 math, about a
 # third less CPU time).
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 B, T, D, P, CUT = 2, 20, 16, 12, 5  # batch, length, width, prefill length, document start in row 0
 SEG = np.zeros((B, T), np.int32)
@@ -31,7 +30,7 @@ def protocol_outputs(layer, x, x_alone):
     """Everything the protocol checks, from one jitted function of the layer's state."""
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
-    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    @functools.partial(jax.jit)
     def run(params, rest, x, x_alone):
         def model(mode="chunk"):
             m = nnx.merge(graphdef, params, rest)

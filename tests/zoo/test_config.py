@@ -44,6 +44,8 @@ def test_overrides_reach_nested_keys():
     ({"model": {"ffn": {"kind": "moe", "num_experts": 0, "top_k": 0, "num_shared_experts": 1}}},
      "model.ffn.num_shared_experts"),
     ({"model": {"ffn": {"kind": "moe", "router": "hash"}}}, "model.ffn.router: expected one of"),
+    ({"model": {"d_model": 32, "layer_pattern": [{"kind": "attention"}, {"kind": "rwkv7", "head_dim": 16}]}},
+     "model.layer_pattern[0]: RWKV-7's value residual"),
 ])
 def test_errors_name_the_field(data, field):
     with pytest.raises(ValueError) as e:

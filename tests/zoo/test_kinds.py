@@ -12,6 +12,8 @@ from zoo.registry import MIXERS
 
 # Small instances of each kind; chunk_size 4 so that T = 13 spans several ragged chunks.
 TINY = {
+    "rwkv6": {"kind": "rwkv6", "head_dim": 16, "mix_lora_dim": 4, "decay_lora_dim": 4, "chunk_size": 4},
+    "rwkv7": {"kind": "rwkv7", "head_dim": 16, "chunk_size": 4},
     "mamba": {"kind": "mamba", "state_size": 4, "chunk_size": 4},
     "mamba2": {"kind": "mamba2", "state_size": 8, "head_dim": 16, "chunk_size": 4},
     "linear_attention": {"kind": "linear_attention", "num_heads": 2, "feature_map": "hedgehog", "chunk_size": 4},
@@ -32,10 +34,17 @@ def _modes(kind):
     return typing.get_args(hints["mode"]) if "mode" in hints else ()
 
 
+FFN = {"rwkv6": {"kind": "rwkv6_channel_mix"}, "rwkv7": {"kind": "rwkv7_channel_mix"}}
+
+
+def model_of(kind, **mixer):
+    return tiny_model({**TINY[kind], **mixer}, ffn=FFN.get(kind, {"kind": "mlp"}))
+
+
 @pytest.mark.parametrize("kind", TINY)
 def test_modes_give_the_same_logits(kind):
     tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, 256)
-    logits = {m: forward(tiny_model({**TINY[kind], "mode": m}), tokens) for m in _modes(kind)}
+    logits = {m: forward(model_of(kind, mode=m), tokens) for m in _modes(kind)}
     assert len(logits) >= 2
     ref = logits.pop("recurrent")
     for mode, out in logits.items():
@@ -44,7 +53,7 @@ def test_modes_give_the_same_logits(kind):
 
 @pytest.mark.parametrize("kind", TINY)
 def test_prefill_then_token_by_token_equals_full_pass(kind):
-    model = tiny_model(TINY[kind])
+    model = model_of(kind)
     tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, 256)
     pieces, _ = decode_in_pieces(model, tokens, cuts=[7, 8, 9, 10, 11, 12])
     assert float(jnp.abs(pieces - forward(model, tokens)).max()) <= 1e-4
@@ -52,12 +61,12 @@ def test_prefill_then_token_by_token_equals_full_pass(kind):
 
 @pytest.mark.parametrize("kind", TINY)
 def test_packed_batch_equals_documents_alone(kind):
-    packed_equals_alone(tiny_model(TINY[kind]), [5, 1, 7, 3])
+    packed_equals_alone(model_of(kind), [5, 1, 7, 3])
 
 
 @pytest.mark.parametrize("kind", RECURRENT)
 def test_state_does_not_grow_with_max_len(kind):
-    model = tiny_model(TINY[kind])
+    model = model_of(kind)
     small = jax.eval_shape(lambda: model.init_state(1, 128))
     large = jax.eval_shape(lambda: model.init_state(1, 16384))
     assert jax.tree.map(lambda x: x.shape, small) == jax.tree.map(lambda x: x.shape, large)

@@ -1,0 +1,153 @@
+"""WKV6 chunkwise-parallel form (plain JAX), numerically stable for any decay.
+
+The recurrence (reference.py) o_t = r_t^T (S_{t-1} + diag(u) k_t v_t^T), S_t = diag(w_t) S_{t-1} +
+k_t v_t^T is cut into chunks of C tokens. With G_t = sum_{i<=t} log w_i inside a chunk (G_{-1} = 0)
+and S_0 the state entering the chunk:
+
+    o_t = (r_t * exp(G_{t-1}))^T S_0                                    inter-chunk
+        + sum_{s<t} [sum_k r_tk k_sk exp(G_{t-1,k} - G_{s,k})] v_s         intra-chunk
+        + (r_t * u * k_t)^T 1 v_t                                           bonus
+    S_C = diag(exp(G_{C-1})) S_0 + sum_s (k_s * exp(G_{C-1} - G_s)) v_s^T
+
+Stability: the decay is per channel, so the intra-chunk scores cannot be one matmul of r * exp(G)
+with k * exp(-G) (exp(-G) overflows for fast decays). `decayed_scores` follows the two-level scheme
+of flash-linear-attention's chunk_rwkv6/chunk_gla: inside each sub-chunk of SUB = 16 tokens the decay
+between t and s is taken pairwise, and across sub-chunks it is split at the sub-chunk edges, so every
+exp() has an argument <= 0. Departure from fla: each such argument is a sum of log decays over its
+exact interval (cumulative sums of same-sign terms), never a difference G_t - G_s of two cumulative
+sums, which loses all precision on a slow decay that follows a very fast one in the same chunk.
+
+Document resets are masks, never fake decays: a score is kept only inside one document, S_0 is read
+only by tokens of the document it belongs to, and only keys of the chunk's last document reach S_C.
+Padding to a multiple of C uses r = k = v = 0 and log w = 0, which leaves the state untouched; C is
+chunk_size, capped at T rounded up to a multiple of 16 (a short call pads less).
+The state update between chunks is a lax.scan over T / C steps.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kernels.segments import document_starts
+
+SUB = 16  # sub-chunk length of the pairwise (exact) part of `decayed_scores`
+
+
+def chunk_length(chunk_size: int, length: int) -> int:
+    """The chunk length used: chunk_size, but no longer than the sequence rounded up to whole sub-chunks."""
+    return min(chunk_size, SUB * -(-length // SUB))
+
+
+def to_chunks(x: Float[Array, "B T H D"], chunk_size: int) -> Float[Array, "B H N C D"]:
+    """float32, zero-padded to a multiple of chunk_size, cut into (N, C) chunks per head."""
+    B, T, H, D = x.shape
+    N = -(-T // chunk_size)
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, N * chunk_size - T), (0, 0), (0, 0)))
+    return x.reshape(B, N, chunk_size, H, D).transpose(0, 3, 1, 2, 4)
+
+
+def from_chunks(x: Float[Array, "B H N C D"], length: int) -> Float[Array, "B T H D"]:
+    B, H, N, C, D = x.shape
+    return x.transpose(0, 2, 3, 1, 4).reshape(B, N * C, H, D)[:, :length]
+
+
+def chunk_masks(segment_ids: Int[Array, "B T"] | None, batch: int, length: int, chunk_size: int):
+    """Document masks per chunk, each with a size-1 head axis for broadcasting (float32 0/1):
+    cont (B, 1, N, C): token t still belongs to the document of the state entering its chunk;
+    same (B, 1, N, C, C): tokens t and s belong to the same document;
+    last (B, 1, N, C): token s belongs to the chunk's last document (it reaches the chunk's end state);
+    carry (B, 1, N): the entering state survives to the chunk's end (no document starts in the chunk)."""
+    N = -(-length // chunk_size)
+    if segment_ids is None:
+        doc = jnp.zeros((batch, length), jnp.int32)
+    else:
+        doc = jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)  # document index
+    doc = jnp.pad(doc, ((0, 0), (0, N * chunk_size - length)), mode="edge")  # padding joins the last one
+    entering = jnp.concatenate([doc[:, :1], doc[:, :-1]], axis=1)[:, ::chunk_size]  # (B, N)
+    doc = doc.reshape(batch, N, chunk_size)
+    cont = doc == entering[..., None]
+    same = doc[..., :, None] == doc[..., None, :]
+    last = doc == doc[..., -1:]
+    f = lambda m: m[:, None].astype(jnp.float32)
+    return f(cont), f(same), f(last), f(cont[..., -1])
+
+
+def cumsum_exclusive(log_w: Float[Array, "... C K"], *, reverse: bool = False) -> Float[Array, "... C K"]:
+    """sum_{i < t} log_w_i (reverse: sum_{i > t}) along the C axis. Sums of same-sign terms taken
+    directly, never as a difference of two cumulative sums, so small ones stay exact next to large ones."""
+    if reverse:
+        return jnp.flip(cumsum_exclusive(jnp.flip(log_w, -2)), -2)
+    return jnp.cumsum(jnp.pad(log_w[..., :-1, :], ((0, 0),) * (log_w.ndim - 2) + ((1, 0), (0, 0))), axis=-2)
+
+
+def decayed_scores(q: Float[Array, "... C K"], k: Float[Array, "... C K"], log_w: Float[Array, "... C K"], *,
+                   inclusive: bool) -> Float[Array, "... C C"]:
+    """A[t, s] = sum_k q[t, k] k[s, k] prod_{s < i <= t'} w[i, k] on s <= t', else 0, where t' = t if
+    inclusive else t - 1. q, k and log_w have one shape.
+
+    Every exponent is a sum of log decays (<= 0) over the exact interval, never a difference of
+    cumulative sums: no overflow, and no cancellation when a huge decay precedes small ones."""
+    lead = q.shape[:-2]
+    C, K = q.shape[-2:]
+    # Leading dimensions flattened into one keeps every intermediate at rank <= 5: XLA:CPU in jaxlib
+    # 0.10.2 and 0.11 crashes or hangs on rank >= 7 multiply-reduce fusions (jax-ml/jax#39257).
+    q, k, log_w = (x.reshape(-1, C, K) for x in (q, k, log_w))  # (Z, C, K)
+    c = SUB if C % SUB == 0 else C
+    n = C // c
+    split = lambda x: x.reshape(-1, n, c, K)
+    qs, ks, lws = split(q), split(k), split(log_w)  # (Z, n, c, K)
+    i = jnp.arange(c)
+    # Diagonal sub-blocks, pairwise: D[t, s] = sum_{s < m <= t'} log_w[m], a cumsum over m of the
+    # log decays masked to m > s, read at t' (shifted by one token when exclusive).
+    after = (i[:, None] > i[None, :])[:, :, None]  # (m, s, 1)
+    D = jnp.cumsum(jnp.where(after, lws[:, :, :, None, :], 0.0), axis=2)  # (Z, n, t, s, K)
+    if not inclusive:
+        D = jnp.pad(D[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0)))
+    keep = ((i[:, None] >= i[None, :]) if inclusive else after[..., 0])[:, :, None]  # (t, s, 1)
+    diag = jnp.einsum("zntk,znsk,zntsk->znts", qs, ks, jnp.where(keep, jnp.exp(D), 0.0))
+    out = jnp.einsum("znts,nm->zntms", diag, jnp.eye(n, dtype=diag.dtype))  # block diagonal
+    if n > 1:
+        # Key s in sub-chunk j, query t in sub-chunk i > j: the interval (s, t'] splits into the rest
+        # of j, the whole sub-chunks strictly between, and the start of i up to t'.
+        head = jnp.cumsum(lws, axis=-2) if inclusive else cumsum_exclusive(lws)  # (Z, n, c, K)
+        tail = cumsum_exclusive(lws, reverse=True)
+        j = jnp.arange(n)
+        between = (j[None, :, None] < j[None, None, :]) & (j[None, None, :] < j[:, None, None])  # (i, j, m)
+        mid = jnp.einsum("ijm,zmk->zijk", between.astype(lws.dtype), jnp.sum(lws, axis=-2))  # (Z, i, j, K)
+        before = (j[:, None] > j[None, :])[:, None, :, None]  # (i, 1, j, 1)
+        expo = jnp.where(before, head[:, :, :, None, :] + mid[:, :, None, :, :], 0.0)  # (Z, i, t, j, K)
+        qd = qs[:, :, :, None, :] * jnp.where(before, jnp.exp(expo), 0.0)
+        kd = ks * jnp.exp(tail)  # (Z, j, s, K)
+        out = out + jnp.einsum("zitjk,zjsk->zitjs", qd, kd)
+    return out.reshape(lead + (C, C))
+
+
+def wkv6_chunk(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
+               log_w: Float[Array, "B T H K"], u: Float[Array, "H K"], *,
+               segment_ids: Int[Array, "B T"] | None = None,
+               initial_state: Float[Array, "B H K V"] | None = None, chunk_size: int = 64):
+    """Returns (o (B, T, H, V) in r's dtype, S_T (B, H, K, V) float32)."""
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    chunk_size = chunk_length(chunk_size, T)
+    rc, kc, vc, lw = (to_chunks(x, chunk_size) for x in (r, k, v, log_w))  # (B, H, N, C, D)
+    cont, same, last, carry = chunk_masks(segment_ids, B, T, chunk_size)
+    Gm = cumsum_exclusive(lw)  # (B, H, N, C, K): G_{t-1}
+    G_end = jnp.sum(lw, axis=-2)  # (B, H, N, K): G_{C-1}
+
+    A = decayed_scores(rc, kc, lw, inclusive=False) * same  # (B, H, N, C, C)
+    bonus = jnp.sum(rc * u.astype(jnp.float32)[:, None, None] * kc, axis=-1, keepdims=True)  # (B, H, N, C, 1)
+    o = jnp.einsum("bhnts,bhnsv->bhntv", A, vc) + bonus * vc
+    r_in = rc * jnp.exp(Gm) * cont[..., None]  # reads S_0
+    k_out = kc * jnp.exp(cumsum_exclusive(lw, reverse=True)) * last[..., None]  # writes S_C
+    dS = jnp.einsum("bhnsk,bhnsv->bhnkv", k_out, vc)  # (B, H, N, K, V)
+    g_end = jnp.exp(G_end) * carry[..., None]  # (B, H, N, K)
+
+    def step(S, inp):
+        g, d = inp
+        return g[..., None] * S + d, S
+
+    S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    S_T, S_in = jax.lax.scan(step, S0, (jnp.moveaxis(g_end, 2, 0), jnp.moveaxis(dS, 2, 0)))
+    o = o + jnp.einsum("bhntk,nbhkv->bhntv", r_in, S_in)
+    return from_chunks(o, T).astype(r.dtype), S_T

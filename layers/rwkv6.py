@@ -1,0 +1,203 @@
+"""RWKV-6 "Finch" time mixing and channel mixing (Peng et al., 2024, "Eagle and Finch: RWKV with
+Matrix-Valued States and Dynamic Recurrence", arXiv:2404.05892), with the official initialisation
+of BlinkDL/RWKV-LM (RWKV-v5/src/model.py, RWKV_Tmix_x060 / RWKV_CMix_x060 and generate_init_weight).
+
+Time mixing, per token (x_{t-1} is the previous token, zero at a document start):
+
+    lora_q(x)      = lambda_q + tanh(x A_q) B_q
+    ddlerp_q(a, b) = a + (b - a) * lora_q(a + (b - a) * mu_x)          q in {w, k, v, r, g}
+    r, k, v = ddlerp_{r,k,v}(x_t, x_{t-1}) W_{r,k,v},   g = silu(ddlerp_g(x_t, x_{t-1}) W_g)
+    d_t = lora_d(ddlerp_w(x_t, x_{t-1})),   w_t = exp(-exp(d_t))
+    o_t = WKV6(r, k, v, w, u)  (kernels/wkv6),   y = (GroupNorm_H(o) * g) W_o
+
+Channel mixing:  k = relu(lerp_k W_k)^2,  y = sigmoid(lerp_r W_r) * (k W_v),  lerp_q = x + (x_{t-1} - x) mu_q.
+
+Code names -> paper symbols (-> official names):
+    mu_x -> mu_x (time_maa_x);  mu[0..4] -> lambda_{w,k,v,r,g} of the mix LoRA (time_maa_{w,k,v,r,g});
+    mix_a, mix_b -> A, B of the five mix LoRAs, stacked (time_maa_w1, time_maa_w2);
+    decay_base, decay_a, decay_b -> lambda_d, A_d, B_d (time_decay, time_decay_w1, time_decay_w2);
+    bonus -> u (time_faaaa);  w_r, w_k, w_v, w_g, w_o -> W_r, W_k, W_v, W_g, W_o;
+    ln_weight, ln_bias -> the per-head GroupNorm (ln_x).
+
+Initialisation (official; layer_id/num_layers set the depth ratios r0 = layer_id / (num_layers - 1),
+r1 = 1 - layer_id / num_layers): mu's = 1 - (i/D)^{r1} (v: minus 0.3 r0 more; r, g: exponent r1/2),
+A = 0, B ~ U(-0.01, 0.01), lambda_d = -6 + 5 (i/(D-1))^{0.7 + 1.3 r0}, u = r0 (1 - i/(D-1)) + zigzag,
+W_r, W_v orthogonal, W_k, W_g orthogonal * 0.1, W_o = 0, GroupNorm weight ((1+layer_id)/num_layers)^0.7.
+Channel mix: mu_k = mu_r = 1 - (i/D)^{r1}, W_k orthogonal, W_r = W_v = 0.
+
+Departures from the official code, all deliberate:
+- num_layers = 1 makes r0 = 0/0 there; here r0 = 0.
+- GroupNorm eps = 1e-5 * head_dim (official: 1e-5 * head_size_divisor^2 = 64e-5, equal at head_dim 64).
+- Channel-mix hidden size: 3.5 d_model rounded down to a multiple of 32 as official, but at least 32.
+- Packed documents: the token shift reads zero at a document start (as at the sequence start) and
+  the WKV state restarts from zero, so a packed row equals its documents run alone.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jaxtyping import Array, Float, Int
+
+from kernels.segments import document_starts
+from kernels.wkv6 import wkv6
+
+
+@struct.dataclass
+class RWKVTimeMixState:
+    shift: Float[Array, "B D"]  # (B, D) float32: the previous token's input, for the token shift
+    wkv: Float[Array, "B H K V"]  # (B, H, K, V) float32: the WKV recurrent state
+
+
+@struct.dataclass
+class RWKVChannelMixState:
+    shift: Float[Array, "B D"]  # (B, D) float32: the previous token's input, for the token shift
+
+
+def depth_ratios(layer_id: int, num_layers: int) -> tuple[float, float]:
+    """(r0, r1) = (layer_id / (num_layers - 1), 1 - layer_id / num_layers), r0 = 0 for one layer."""
+    if not 0 <= layer_id < num_layers:
+        raise ValueError(f"layer_id={layer_id} must be in [0, num_layers={num_layers})")
+    return (layer_id / (num_layers - 1) if num_layers > 1 else 0.0), 1.0 - layer_id / num_layers
+
+
+def token_shift(x: Float[Array, "B T D"], last: Float[Array, "B D"], segment_ids: Int[Array, "B T"] | None):
+    """(x_{t-1} for every t, the new last token). x_{-1} is `last`; at a document start it is zero."""
+    prev = jnp.concatenate([last[:, None].astype(x.dtype), x[:, :-1]], axis=1)  # (B, T, D)
+    if segment_ids is not None:
+        prev = jnp.where(document_starts(segment_ids)[..., None], 0, prev)
+    return prev, x[:, -1].astype(jnp.float32)
+
+
+def head_group_norm(o: Float[Array, "B T H V"], weight, bias, eps: float) -> Float[Array, "B T D"]:
+    """GroupNorm with one group per head (float32), flattened to (B, T, H*V)."""
+    B, T, H, V = o.shape
+    o = o.astype(jnp.float32)
+    mean = o.mean(-1, keepdims=True)
+    var = jnp.square(o - mean).mean(-1, keepdims=True)
+    return ((o - mean) * jax.lax.rsqrt(var + eps)).reshape(B, T, H * V) * weight + bias
+
+
+def orthogonal(key, shape, gain: float = 1.0):
+    return jax.nn.initializers.orthogonal(scale=gain)(key, shape, jnp.float32)
+
+
+def param(value) -> nnx.Param:
+    """A float32 parameter from a host (numpy) constant."""
+    return nnx.Param(jnp.asarray(value, jnp.float32))
+
+
+def check_mode(mode: str, chunk_size: int, modes=("recurrent", "chunk", "parallel")):
+    if mode not in modes:
+        raise ValueError(f"mode={mode!r} must be one of {modes}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+
+
+class RWKV6TimeMix(nnx.Module):
+    """The RWKV-6 time-mixing block (the sequence mixer). `mode` ("chunk", "recurrent" or "parallel")
+    picks the WKV6 algorithm of __call__; decode uses "chunk" for T > 1 and the recurrence for T = 1.
+    `layer_id` (default 0) and `num_layers` (default 1) only shape the official depth-dependent
+    initialisation. State: the previous token (B, D) and the WKV state (B, H, K, K), both float32."""
+
+    def __init__(self, d_model: int, *, head_dim: int = 64, layer_id: int = 0, num_layers: int = 1,
+                 mix_lora_dim: int = 32, decay_lora_dim: int = 64, mode: str = "chunk", chunk_size: int = 64,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        if head_dim < 1 or d_model % head_dim:
+            raise ValueError(f"head_dim={head_dim} does not divide d_model={d_model}")
+        if mix_lora_dim < 1 or decay_lora_dim < 1:
+            raise ValueError(f"mix_lora_dim={mix_lora_dim} and decay_lora_dim={decay_lora_dim} must be >= 1")
+        check_mode(mode, chunk_size)
+        r0, r1 = depth_ratios(layer_id, num_layers)
+        D, H = d_model, d_model // head_dim
+        self.num_heads, self.head_dim, self.mode, self.chunk_size, self.dtype = H, head_dim, mode, chunk_size, dtype
+        self.eps = 1e-5 * head_dim
+        ddd = np.arange(D) / D  # the constant inits in numpy, cast once by `param`
+        n = np.arange(D) / max(D - 1, 1)
+        self.mu_x = param(1.0 - ddd ** r1)
+        self.mu = param(np.stack([1.0 - ddd ** r1, 1.0 - ddd ** r1, 1.0 - (ddd ** r1 + 0.3 * r0),
+                                  1.0 - ddd ** (0.5 * r1), 1.0 - ddd ** (0.5 * r1)]))  # (5, D): w k v r g
+        self.mix_a = nnx.Param(jnp.zeros((D, 5 * mix_lora_dim), jnp.float32))
+        self.mix_b = nnx.Param(jax.random.uniform(rngs.params(), (5, mix_lora_dim, D), jnp.float32, -0.01, 0.01))
+        self.decay_base = param(-6.0 + 5.0 * n ** (0.7 + 1.3 * r0))
+        self.decay_a = nnx.Param(jnp.zeros((D, decay_lora_dim), jnp.float32))
+        self.decay_b = nnx.Param(jax.random.uniform(rngs.params(), (decay_lora_dim, D), jnp.float32, -0.01, 0.01))
+        zigzag = ((np.arange(D) + 1) % 3 - 1) * 0.1
+        self.bonus = param((r0 * (1.0 - n) + zigzag).reshape(H, head_dim))
+        self.w_r = nnx.Param(orthogonal(rngs.params(), (D, D)))
+        self.w_k = nnx.Param(orthogonal(rngs.params(), (D, D), 0.1))
+        self.w_v = nnx.Param(orthogonal(rngs.params(), (D, D)))
+        self.w_g = nnx.Param(orthogonal(rngs.params(), (D, D), 0.1))
+        self.w_o = nnx.Param(jnp.zeros((D, D), jnp.float32))
+        self.ln_weight = param(np.full(D, ((1 + layer_id) / num_layers) ** 0.7))
+        self.ln_bias = param(np.zeros(D))
+
+    def init_state(self, batch_size: int, max_len: int) -> RWKVTimeMixState:
+        """max_len is ignored: the state has a fixed size."""
+        D = self.num_heads * self.head_dim
+        return RWKVTimeMixState(shift=jnp.zeros((batch_size, D), jnp.float32),
+                                wkv=jnp.zeros((batch_size, self.num_heads, self.head_dim, self.head_dim), jnp.float32))
+
+    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
+                 ) -> Float[Array, "B T D"]:
+        return self._forward(x, self.init_state(x.shape[0], x.shape[1]), segment_ids, self.mode)[0]
+
+    def decode(self, x: Float[Array, "B T D"], state: RWKVTimeMixState, *,
+               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], RWKVTimeMixState]:
+        return self._forward(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
+
+    def _forward(self, x, state, segment_ids, mode):
+        B, T, D = x.shape
+        H, K, dt = self.num_heads, self.head_dim, self.dtype
+        p = lambda w: w[...].astype(dt)
+        x = x.astype(dt)
+        prev, last = token_shift(x, state.shift, segment_ids)
+        xx = prev - x  # (B, T, D)
+        m = jnp.tanh((x + xx * p(self.mu_x)) @ p(self.mix_a)).reshape(B, T, 5, -1)
+        m = jnp.einsum("BTFR,FRD->FBTD", m, p(self.mix_b)) + p(self.mu)[:, None, None]  # (5, B, T, D)
+        xw, xk, xv, xr, xg = x + xx * m
+        heads = lambda y: y.reshape(B, T, H, K)  # (B, T, H, K)
+        r, k, v = heads(xr @ p(self.w_r)), heads(xk @ p(self.w_k)), heads(xv @ p(self.w_v))
+        g = jax.nn.silu(xg @ p(self.w_g))
+        d = self.decay_base[...] + (jnp.tanh(xw @ p(self.decay_a)) @ p(self.decay_b)).astype(jnp.float32)
+        o, wkv = wkv6(r, k, v, heads(-jnp.exp(d)), self.bonus[...], segment_ids=segment_ids,
+                      initial_state=state.wkv, output_final_state=True, mode=mode, chunk_size=self.chunk_size)
+        o = head_group_norm(o, self.ln_weight[...], self.ln_bias[...], self.eps).astype(dt)
+        return (o * g) @ p(self.w_o), RWKVTimeMixState(shift=last, wkv=wkv)
+
+
+class RWKV6ChannelMix(nnx.Module):
+    """The RWKV-6 channel-mixing FFN. It shifts tokens too, so it carries a decode state and follows
+    the mixer protocol: __call__(x, *, segment_ids), init_state(batch_size, max_len), decode(...)."""
+
+    def __init__(self, d_model: int, *, hidden_dim: int | None = None, layer_id: int = 0, num_layers: int = 1,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        hidden_dim = max(32, int(d_model * 3.5) // 32 * 32) if hidden_dim is None else hidden_dim
+        if hidden_dim < 1:
+            raise ValueError(f"hidden_dim={hidden_dim} must be >= 1")
+        _, r1 = depth_ratios(layer_id, num_layers)
+        self.dtype = dtype
+        ddd = np.arange(d_model) / d_model
+        self.mu_k = param(1.0 - ddd ** r1)
+        self.mu_r = param(1.0 - ddd ** r1)
+        self.w_k = nnx.Param(orthogonal(rngs.params(), (d_model, hidden_dim)))
+        self.w_r = nnx.Param(jnp.zeros((d_model, d_model), jnp.float32))
+        self.w_v = nnx.Param(jnp.zeros((hidden_dim, d_model), jnp.float32))
+
+    def init_state(self, batch_size: int, max_len: int) -> RWKVChannelMixState:
+        """max_len is ignored: the state has a fixed size."""
+        return RWKVChannelMixState(shift=jnp.zeros((batch_size, self.mu_k.shape[0]), jnp.float32))
+
+    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
+                 ) -> Float[Array, "B T D"]:
+        return self.decode(x, self.init_state(x.shape[0], x.shape[1]), segment_ids=segment_ids)[0]
+
+    def decode(self, x: Float[Array, "B T D"], state: RWKVChannelMixState, *,
+               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], RWKVChannelMixState]:
+        p = lambda w: w[...].astype(self.dtype)
+        x = x.astype(self.dtype)
+        prev, last = token_shift(x, state.shift, segment_ids)
+        xx = prev - x
+        k = jnp.square(jax.nn.relu((x + xx * p(self.mu_k)) @ p(self.w_k)))  # (B, T, F)
+        y = jax.nn.sigmoid((x + xx * p(self.mu_r)) @ p(self.w_r)) * (k @ p(self.w_v))
+        return y, RWKVChannelMixState(shift=last)
