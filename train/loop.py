@@ -14,7 +14,6 @@ import math
 import signal
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -266,7 +265,3 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
 
 def default_run_dir(cfg: Config, config_path) -> Path:
     return Path(cfg.train.run_dir) if cfg.train.run_dir else Path("runs") / Path(config_path).stem
-
-
-def with_run_dir(cfg: Config, run_dir) -> Config:
-    return replace(cfg, train=replace(cfg.train, run_dir=str(run_dir)))

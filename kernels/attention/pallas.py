@@ -346,7 +346,7 @@ def flash_attention(
     interpret=None runs the kernel in interpret mode everywhere but on GPU.
     """
     B, T, H, K = q.shape
-    S, G, V = k.shape[1], k.shape[2], v.shape[-1]
+    S, V = k.shape[1], v.shape[-1]
     backend = jax.default_backend()
     blocks = block_sizes or default_block_sizes(backend)
     fitted = tuple(_fit(getattr(blocks, f.name), T if f.name.startswith("block_q") else S)
