@@ -9,6 +9,7 @@ the resumed run is bitwise the run that was never stopped (on the same machine).
 write a checkpoint before exiting.
 """
 
+import contextlib
 import json
 import math
 import signal
@@ -133,6 +134,18 @@ def plot(run_dir: Path):
     plt.close(fig)
 
 
+def _progress_bar(steps: int, start: int):
+    """A rich progress bar (step, loss, lr, tokens/s) when stdout is a terminal; None otherwise."""
+    if not sys.stdout.isatty():
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   TextColumn("{task.fields[status]}"))
+    bar.add_task("train", total=steps, completed=start, status="")
+    return bar
+
+
 class _Signals:
     """Turns SIGTERM / SIGINT into a flag the loop checks after each step."""
 
@@ -209,7 +222,10 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
 
     last, step_time, eval_time, wall0 = {}, 0.0, 0.0, time.perf_counter()
     window_start, window_tokens = wall0, 0
-    with _Signals() as signals, metrics_path.open("a") as metrics_file:
+    bar = _progress_bar(t.steps, start) if log is print else None
+    if bar:
+        log = bar.console.print
+    with bar or contextlib.nullcontext(), _Signals() as signals, metrics_path.open("a") as metrics_file:
         for step in range(start + 1, t.steps + 1):
             batch = batches.train_batch(step, t.batch_size)
             batch = {k: v.reshape(t.grad_accum, micro, *v.shape[1:]) for k, v in batch.items()}
@@ -218,6 +234,8 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
             finite = bool(m["finite"])  # waits for the step
             step_time += time.perf_counter() - t0
             window_tokens += t.batch_size * t.seq_len
+            if bar:
+                bar.update(0, completed=step)
             if t.redraw_features_every and step % t.redraw_features_every == 0:  # a function of (seed, step)
                 rest = redraw_features(graphdef, params, rest, jax.random.fold_in(jax.random.key(t.seed), step))
             if not finite:
@@ -245,6 +263,9 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
                                                            f"({last['val_bpb']:.3f} bpb)" if "val_loss" in last else ""))
                 if "sample" in last:
                     log("  sample: " + last["sample"].replace("\n", "\n  "))
+                if bar:
+                    bar.update(0, status=f"loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
+                                        f"{last['tokens_per_s']:,.0f} tok/s")
                 window_start, window_tokens = time.perf_counter(), 0
             if step % t.checkpoint_every == 0 or final or signals.received:
                 save(step)

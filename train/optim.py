@@ -21,10 +21,14 @@ def schedule(t: TrainConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, decay], [t.warmup_steps])
 
 
+NO_DECAY = ("embed", "A_log")  # the embedding table; an SSM's decay rates (Mamba's A_log is a matrix)
+
+
 def decays(params):
-    """True for the weights that get weight decay: matrices, except the embedding table."""
+    """True for the weights that get weight decay: matrices, except the embedding table and A_log.
+    Norm weights, biases, dt_bias, D and other vectors are never decayed."""
     def rule(path, x):
-        return x.ndim >= 2 and "embed" not in jax.tree_util.keystr(path)
+        return x.ndim >= 2 and not any(name in jax.tree_util.keystr(path) for name in NO_DECAY)
     return jax.tree_util.tree_map_with_path(rule, params)
 
 

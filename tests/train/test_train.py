@@ -184,3 +184,12 @@ def test_performer_features_are_redrawn_as_a_function_of_step(tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(b)))
     assert not all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(c)))
     assert not all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(rest)))
+
+
+def test_weight_decay_skips_norms_biases_embeddings_and_ssm_decays():
+    cfg = from_dict({"model": {"d_model": 32, "num_layers": 1, "mixer": {"kind": "mamba", "state_size": 4}}})
+    params = nnx.to_pure_dict(nnx.state(LanguageModel(cfg.model, rngs=nnx.Rngs(0)), nnx.Param))
+    flags = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(optim.decays(params))}
+    decayed = {k for k, v in flags.items() if v}
+    assert any("in_proj" in k or "out_proj" in k for k in decayed) and any("w_up" in k for k in decayed)
+    assert not any(name in k for k in decayed for name in ("embed", "norm", "A_log", "dt_bias", "'D'", "bias"))
