@@ -71,13 +71,13 @@ def _inputs(op, T):
 OPS = {  # name -> (function, forms, longest T for the quadratic form)
     "linear_attention": (linear_attention, ("recurrent", "parallel", "chunk"), 8192),
     "retention": (retention, ("recurrent", "parallel", "chunk"), 8192),
-    "gla": (gla, ("recurrent", "parallel", "chunk"), 1024),
+    "gla": (gla, ("recurrent", "parallel", "chunk"), 512),
     "deltanet": (delta_rule, ("recurrent", "parallel", "chunk"), 2048),
     "gated_deltanet": (delta_rule, ("recurrent", "parallel", "chunk"), 2048),
-    "wkv6": (wkv6, ("recurrent", "chunk"), 0),
-    "wkv7": (wkv7, ("recurrent", "chunk"), 0),
+    "wkv6": (wkv6, ("recurrent", "parallel", "chunk"), 2048),
+    "wkv7": (wkv7, ("recurrent", "parallel", "chunk"), 1024),
     "mamba": (selective_scan, ("recurrent", "parallel", "chunk"), 1 << 30),
-    "mamba2": (ssd, ("recurrent", "parallel", "chunk"), 4096),
+    "mamba2": (ssd, ("recurrent", "parallel", "chunk"), 1024),
 }
 
 

@@ -144,14 +144,11 @@ def test_attention_layer_pallas_equals_reference_call_and_decode():
 
 
 def test_language_model_with_pallas_mixer():
-    """Needs zoo's AttentionConfig.impl to accept "pallas"; skips until it does."""
+    """`model.mixer.impl: pallas` (interpret mode on CPU) gives impl=reference's logits and decode."""
     from tests.util import tiny_model
 
     mixer = {"kind": "attention", "num_heads": 4, "num_kv_heads": 2}
-    try:
-        fast = tiny_model({**mixer, "impl": "pallas"})
-    except ValueError as e:
-        pytest.skip(f"config does not accept impl='pallas' yet: {e}")
+    fast = tiny_model({**mixer, "impl": "pallas"})
     ref = tiny_model({**mixer, "impl": "reference"})
     call = nnx.jit(lambda model, tokens: model(tokens))
     decode = nnx.jit(lambda model, tokens, state: model.decode(tokens, state))
