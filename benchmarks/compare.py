@@ -1,6 +1,6 @@
 """Validation loss of every config after the same training budget, one table.
 
-    python -m benchmarks.compare [--configs configs/a.yaml ...] [--steps 300] [overrides ...]
+    python -m benchmarks.compare [--configs configs/a.yaml ...] [--steps 300] [--set key=value ...]
 
 Each config trains from scratch with the same steps, batch, sequence length and seed (overrides
 apply to all), in runs/compare/<name>; the table gives parameters, final validation loss in nats per
@@ -24,7 +24,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", nargs="+", default=sorted(str(c) for c in Path("configs").glob("*.yaml")))
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("--set", nargs="*", default=[], dest="overrides", help="dotted.key=value for every config")
     args = p.parse_args()
     rows = []
     for path in args.configs:
