@@ -18,6 +18,13 @@ def document_starts(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T"]:
     return jnp.pad(change, ((0, 0), (1, 0)))
 
 
+def document_index(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> Int[Array, "B T"]:
+    """Number of document starts at or before t: 0 for the document the incoming state belongs to."""
+    if segment_ids is None:
+        return jnp.zeros((batch, length), jnp.int32)
+    return jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
+
+
 def positions_in_document(segment_ids: Int[Array, "B T"] | None, batch: int, length: int,
                           start: Int[Array, "B"] | None = None) -> Int[Array, "B T"]:
     """Position of each token inside its document: counts up from `start` (default 0) and restarts

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kernels.linalg import unit_lower_inverse
-from kernels.segments import document_starts
+from kernels.segments import document_index
 
 
 def intra_chunk_terms(q, k, v, beta, g, doc, first):
@@ -60,13 +60,6 @@ def intra_chunk_terms(q, k, v, beta, g, doc, first):
     Qs = decay_in[..., None] * q
     Kd = D[..., -1, :, None] * k
     return P, Qs, Ut, W, Kd, decay_in[..., -1]
-
-
-def document_index(segment_ids: Int[Array, "B T"] | None, B: int, T: int) -> Int[Array, "B T"]:
-    """d_t: number of document starts at or before t (0 for the document the initial state is in)."""
-    if segment_ids is None:
-        return jnp.zeros((B, T), jnp.int32)
-    return jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
 
 
 def _heads_first(x, n_pad):

@@ -17,7 +17,8 @@ at all, so it suits short sequences on wide hardware.
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.delta_rule.chunk import document_index, intra_chunk_terms
+from kernels.delta_rule.chunk import intra_chunk_terms
+from kernels.segments import document_index
 
 
 def delta_rule_parallel(

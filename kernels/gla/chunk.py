@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import document_index
 
 SUB_CHUNK = 16
 
@@ -54,8 +54,7 @@ def gla_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     b = jnp.cumsum(g, axis=2)  # (B, N, C, H, K), <= 0, non-increasing along the chunk
     b_last = b[:, :, -1]  # (B, N, H, K)
 
-    doc = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
-           else jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32))
+    doc = document_index(segment_ids, B, T)
     doc = jnp.pad(doc, ((0, 0), (0, N * C - T)), mode="edge").reshape(B, N, C)
     state_doc = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), doc[:, :-1, -1]], axis=1)  # (B, N)
 

@@ -15,7 +15,7 @@ a cross-check; use "chunk" for long sequences. doc(t) counts the document starts
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import document_index
 
 
 def gla_parallel(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -27,8 +27,7 @@ def gla_parallel(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Floa
     q = q * scale
     S0 = (jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    doc = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
-           else jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32))
+    doc = document_index(segment_ids, B, T)
 
     t = jnp.arange(T)
     after_j = (t[:, None] > t[None, :])[None, :, :, None, None]  # (1, T_t, T_j, 1, 1)

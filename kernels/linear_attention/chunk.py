@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import document_index
 
 
 def linear_attention_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
@@ -38,8 +38,7 @@ def linear_attention_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"
     S0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
 
-    doc = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
-           else jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32))
+    doc = document_index(segment_ids, B, T)
     doc = jnp.pad(doc, ((0, 0), (0, N * C - T)), mode="edge").reshape(B, N, C)
     # The document the state carried into chunk n belongs to: that of the token before the chunk.
     state_doc = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), doc[:, :-1, -1]], axis=1)  # (B, N)

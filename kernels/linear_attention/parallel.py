@@ -10,7 +10,7 @@ document. Costs O(T^2) time and memory per head: meant for short sequences and a
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import document_index
 
 
 def linear_attention_parallel(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
@@ -23,8 +23,7 @@ def linear_attention_parallel(q: Float[Array, "B T H K"], k: Float[Array, "B T H
     q = q * scale
     S0 = (jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    doc = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
-           else jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32))
+    doc = document_index(segment_ids, B, T)
 
     mask = jnp.tril(jnp.ones((T, T), bool)) & (doc[:, :, None] == doc[:, None, :])  # (B, T, T)
     scores = jnp.einsum("bihk,bjhk->bhij", q, k) * mask[:, None]

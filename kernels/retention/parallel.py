@@ -15,7 +15,7 @@ O(T^2) time and memory per head.
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import document_index
 
 
 def retention_parallel(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -29,8 +29,7 @@ def retention_parallel(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v
     log_gamma = log_gamma.astype(jnp.float32)
     S0 = (jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    doc = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
-           else jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32))
+    doc = document_index(segment_ids, B, T)
 
     t = jnp.arange(T, dtype=jnp.float32)
     lag = t[:, None] - t[None, :]  # (T, T): i - j
