@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 from kernels.attention import attention
 from kernels.segments import document_starts, positions_in_document
 from layers.rotary import apply_rotary
+from layers.sharding import constrain
 
 
 @struct.dataclass
@@ -59,6 +60,9 @@ class Attention(nnx.Module):
         q = jnp.einsum("BTD,DHK->BTHK", x, self.wq[...].astype(self.dtype))
         k = jnp.einsum("BTD,DGK->BTGK", x, self.wk[...].astype(self.dtype))
         v = jnp.einsum("BTD,DGK->BTGK", x, self.wv[...].astype(self.dtype))
+        # On a mesh: heads split over `tensor`, rows over the batch axes (no-op on one device).
+        q = constrain(q, ("batch", None, "heads", None))
+        k, v = (constrain(a, ("batch", None, "kv_heads", None)) for a in (k, v))
         return apply_rotary(q, positions, self.rope_base), apply_rotary(k, positions, self.rope_base), v
 
     def _out(self, o):

@@ -99,6 +99,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from layers.mlp import MLP, default_hidden_dim
+from layers.sharding import constrain
 
 ROUTERS = ("topk", "switch", "expert_choice")
 SCORE_ORDERS = ("softmax_then_topk", "topk_then_softmax")
@@ -194,10 +195,12 @@ class MoE(nnx.Module):
         return tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
 
     def _experts_batched(self, xb):
-        """Every expert on its own buffer: (E, C, D) -> (E, C, D)."""
+        """Every expert on its own buffer: (E, C, D) -> (E, C, D). On a mesh the buffers are split
+        over the `expert` axis, beside their experts' weights (no-op on one device)."""
         wg, wu, wd = self._weights()
+        xb = constrain(xb, ("expert", None, None))
         h = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", xb, wg)) * jnp.einsum("ECD,EDF->ECF", xb, wu)
-        return jnp.einsum("ECF,EFD->ECD", h, wd)
+        return constrain(jnp.einsum("ECF,EFD->ECD", h, wd), ("expert", None, None))
 
     def _experts_grouped(self, xs, group_sizes):
         """Rows sorted by expert, group_sizes[e] rows for expert e: (M, D) -> (M, D)."""

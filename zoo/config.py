@@ -54,6 +54,19 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class MeshConfig:
+    """train.mesh: devices along each axis of the device mesh; their product must be the device
+    count, and one axis may be -1 for the devices the others leave. data: batch rows, each device a
+    whole model; fsdp: batch rows, and parameters and optimiser state sharded over the model width
+    (ZeRO-3); tensor: heads and FFN width (Megatron); expert: MoE experts (and batch rows outside
+    them). The default puts every device on data, so one device needs no setting at all."""
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """train: steps; batch_size; seq_len; seed (weights, data order and sampling); lr (peak),
     min_lr_ratio, warmup_steps, schedule (cosine|linear|constant after warmup); weight_decay (not
@@ -62,7 +75,7 @@ class TrainConfig:
     keep_checkpoints; sample_tokens (bytes sampled at each evaluation, 0 = none);
     redraw_features_every (Performer: new random features every N steps, 0 = fixed); run_dir (default
     runs/<config stem>); on_nonfinite (stop: end the run naming the step, keeping the last good
-    checkpoint; skip: drop the update and count it)."""
+    checkpoint; skip: drop the update and count it); mesh (devices per mesh axis, see train.mesh)."""
     steps: int = 1000
     batch_size: int = 32
     seq_len: int = 128
@@ -85,6 +98,7 @@ class TrainConfig:
     redraw_features_every: int = 0
     run_dir: str | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,8 @@ def _convert(value, tp, path: str):
         return tuple(value)
     if tp is Any:
         return value
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
@@ -208,6 +224,13 @@ def _check_train(cfg: Config):
         raise ValueError(f"train.grad_accum: {t.grad_accum} does not divide train.batch_size={t.batch_size}")
     if t.warmup_steps < 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ValueError("train.warmup_steps must be >= 0 and train.min_lr_ratio in [0, 1]")
+    sizes = dataclasses.asdict(t.mesh)
+    for axis, n in sizes.items():
+        if n != -1 and n < 1:
+            raise ValueError(f"train.mesh.{axis}: expected a positive number of devices or -1 (the rest), got {n}")
+    if list(sizes.values()).count(-1) > 1:
+        raise ValueError(f"train.mesh: at most one axis may be -1 (the devices the others leave), got "
+                         f"{', '.join(f'{a}={n}' for a, n in sizes.items())}")
 
 
 def from_dict(data: dict) -> Config:

@@ -6,6 +6,11 @@ Every mixer kind plugs in through the registry; the model never looks at which k
 stateful FFN (one with `init_state`, e.g. RWKV's channel mix with its token shift) gets a decode
 state beside its mixer's. A mixer with `carries_v_first` (RWKV-7's value residual) receives the
 first layer's values and passes them on: the one place a layer sees another layer.
+
+On a device mesh (zoo/sharding.py) the residual stream is held with its rows split over the batch
+axes and its width whole, and the logits with the vocabulary split over `tensor`: the hints that
+make XLA gather FSDP-sharded weights rather than split activations by width. On one device they
+are no-ops.
 """
 
 import jax.numpy as jnp
@@ -13,10 +18,12 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from layers import RMSNorm
+from layers.sharding import constrain
 from zoo.config import ModelConfig
 from zoo.registry import make_layer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+RESIDUAL = ("batch", None, None)  # (B, T, D): rows over the batch axes, the width whole
 
 
 class Block(nnx.Module):
@@ -70,13 +77,15 @@ class LanguageModel(nnx.Module):
     def logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         x = self.norm(x)
         w = self.embed.embedding[...].T if self.head is None else self.head[...]
-        return jnp.einsum("BTD,DV->BTV", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("BTD,DV->BTV", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", None, "vocab"))
 
     def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None
                  ) -> Float[Array, "B T V"]:
-        x, v_first = self.embed(tokens), None
+        x, v_first = constrain(self.embed(tokens), RESIDUAL), None
         for block in self.blocks:
             x, v_first = block(x, segment_ids=segment_ids, v_first=v_first)
+            x = constrain(x, RESIDUAL)
         return self.logits(x)
 
     def init_state(self, batch_size: int, max_len: int) -> tuple:
@@ -85,9 +94,10 @@ class LanguageModel(nnx.Module):
     def decode(self, tokens: Int[Array, "B T"], state: tuple, *,
                segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T V"], tuple]:
         """Run T >= 1 tokens from `state` (prefill or one step); returns logits and the new state."""
-        x, v_first = self.embed(tokens), None
+        x, v_first = constrain(self.embed(tokens), RESIDUAL), None
         new_state = []
         for block, s in zip(self.blocks, state):
             x, s, v_first = block.decode(x, s, segment_ids=segment_ids, v_first=v_first)
+            x = constrain(x, RESIDUAL)
             new_state.append(s)
         return self.logits(x), tuple(new_state)

@@ -1,0 +1,53 @@
+"""Logical axis names and the one table that maps them to device-mesh axes.
+
+Parameters and activations are described with logical names (what a dimension *is*) and the table
+below says which mesh axes split it, as in MaxText and T5X:
+
+    batch    -> data, fsdp, expert   rows of a batch: every axis but tensor splits them
+    embed    -> fsdp                 the model width of a weight: FSDP (ZeRO-3) shards it
+    heads    -> tensor               attention/mixer heads and inner channels (Megatron columns)
+    kv_heads -> tensor               key/value heads of grouped-query attention (whole if fewer)
+    mlp      -> tensor               the FFN hidden width
+    vocab    -> tensor               the vocabulary of the embedding and the logits
+    expert   -> expert               MoE experts
+    None     -> (replicated)
+
+The mesh axes are `train.mesh` in the run config; the parameter rules are in zoo/sharding.py.
+`constrain` is the activation hint layers use; it is a no-op without a multi-device mesh in
+context (`jax.set_mesh`), so single-device code traces exactly as before.
+"""
+
+import jax
+from jax.sharding import PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # outermost (slowest links) first
+LOGICAL_TO_MESH = {
+    "batch": ("data", "fsdp", "expert"),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "expert": ("expert",),
+}
+# Split only where the mesh axis divides them, else kept whole: MQA's single key/value head is
+# copied to every tensor rank (as Megatron and vLLM do) rather than making tensor parallelism an error.
+WHOLE_WHEN_INDIVISIBLE = {"kv_heads"}
+
+
+def constrain(x: jax.Array, axes: tuple) -> jax.Array:
+    """`jax.lax.with_sharding_constraint` of x by logical `axes` (one name or None per dimension),
+    against the mesh in context. A hint, not a requirement: a mesh axis that does not divide its
+    dimension (a batch of one row while decoding) is left out, and without a mesh nothing happens."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    spec = []
+    for dim, name in zip(x.shape, axes, strict=True):
+        kept, size = [], 1
+        for a in LOGICAL_TO_MESH[name] if name else ():
+            if a in mesh.axis_names and dim % (size * mesh.shape[a]) == 0:
+                kept.append(a)
+                size *= mesh.shape[a]
+        spec.append(tuple(kept) or None)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
