@@ -4,7 +4,9 @@ Prompts of different lengths are left-padded into one (B, P) batch; the padding 
 (segment 0, the prompt segment 1), so attention never sees it and a recurrent layer restarts from a
 zero state at the prompt's first token: each row gets exactly what it gets alone. The loop is a
 `lax.while_loop` that stops when every row has hit `stop_token` or `max_new_tokens`; one compile per
-(batch, padded prompt length, max_new_tokens, sampling flags).
+(batch, padded prompt length, max_new_tokens, sampling flags). A model whose parameters are sharded
+over a device mesh (zoo/sharding.py) decodes the same way: jit partitions prefill and loop from the
+parameters' shardings, and the tokens are those of one device.
 """
 
 import functools
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from zoo import tokenizer
 
@@ -92,6 +95,8 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
                     jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p or 1.0),
                     jnp.int32(-2 if stop_token is None else stop_token), max_new_tokens=max_new_tokens,
                     top_k=top_k, greedy=temperature == 0, use_top_p=top_p is not None)
+    if not out.is_fully_addressable:  # params spread over several processes: every one gets all rows
+        out = multihost_utils.process_allgather(out)
     rows = []
     for row in np.asarray(out).tolist():
         row = [t for t in row if t >= 0]

@@ -1,16 +1,22 @@
-"""python -m train CONFIG [dotted.key=value ...]"""
+"""python -m train CONFIG [dotted.key=value ...]
+
+On several hosts, start the same command on each with JAX_COORDINATOR_ADDRESS=host0:port,
+JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=0..N-1 (or under SLURM, Open MPI or Kubernetes with
+JAX_COORDINATOR_ADDRESS alone: jax reads the rest from the cluster); see README, Many devices.
+"""
 
 import argparse
 import dataclasses
+import os
 import sys
 
-from zoo.config import DataConfig, ModelConfig, TrainConfig, load_config
+from zoo.config import DataConfig, MeshConfig, ModelConfig, TrainConfig, load_config
 from zoo.registry import FFNS, MIXERS
 
 
 def _help() -> str:
     parts = ["Config sections (YAML keys; override any with dotted.key=value):"]
-    for cls in (ModelConfig, DataConfig, TrainConfig):
+    for cls in (ModelConfig, DataConfig, TrainConfig, MeshConfig):
         parts.append("  " + " ".join(cls.__doc__.split()))
         parts.append("    defaults: " + ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls)
                                                   if f.default is not dataclasses.MISSING))
@@ -22,6 +28,18 @@ def _help() -> str:
     return "\n".join(parts)
 
 
+def initialize_distributed():
+    """Join a multi-process run (`jax.distributed.initialize`) when JAX_COORDINATOR_ADDRESS is set;
+    the process count and id come from JAX_NUM_PROCESSES / JAX_PROCESS_ID, else from the cluster."""
+    if not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return
+    import jax
+
+    env = {k: int(os.environ[v]) for k, v in (("num_processes", "JAX_NUM_PROCESSES"),
+                                              ("process_id", "JAX_PROCESS_ID")) if os.environ.get(v)}
+    jax.distributed.initialize(**env)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m train", description="Pretrain a zoo model from a YAML config.",
                                      epilog=_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,6 +48,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        initialize_distributed()  # before anything asks jax for its devices
         from train.loop import default_run_dir, run  # after the config checks: imports jax
         run(cfg, default_run_dir(cfg, args.config))
     except ValueError as e:

@@ -99,8 +99,10 @@ class Batches:
             if len(s) <= self.seq_len + 1:
                 raise ValueError(f"train.seq_len: {self.seq_len} does not fit the {name} split ({len(s)} tokens)")
 
-    def _windows(self, stream, rng, n):
+    def _windows(self, stream, rng, n, rows):
         starts = rng.integers(0, len(stream) - self.seq_len - 1, size=n)
+        if rows is not None:  # draw all n starts, keep these rows: the same batch on any number of hosts
+            starts = starts[rows]
         w = stream[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
         x, y = w[:, :-1], w[:, 1:]
         batch = {"x": x, "y": y, "mask": np.ones(x.shape, np.float32)}
@@ -109,9 +111,17 @@ class Batches:
             batch["mask"] = (x != EOD).astype(np.float32)
         return batch
 
-    def train_batch(self, step: int, batch_size: int) -> dict:
-        return self._windows(self.train, np.random.default_rng([self.seed, 0, step]), batch_size)
+    def train_batch(self, step: int, batch_size: int, rows: np.ndarray | None = None) -> dict:
+        """The batch of `step`; `rows` (indices into it) reads only those rows: one host's share."""
+        return self._windows(self.train, np.random.default_rng([self.seed, 0, step]), batch_size, rows)
 
-    def val_batch(self, i: int, batch_size: int) -> dict:
+    def val_batch(self, i: int, batch_size: int, rows: np.ndarray | None = None) -> dict:
         """The i-th validation batch: the same windows at every evaluation."""
-        return self._windows(self.val, np.random.default_rng([self.seed, 1, i]), batch_size)
+        return self._windows(self.val, np.random.default_rng([self.seed, 1, i]), batch_size, rows)
+
+
+def process_rows(sharding, shape: tuple, axis: int) -> np.ndarray:
+    """Indices along `axis` of a global array of `shape` that this process's devices hold under
+    `sharding`, ascending: the rows this host reads (all of them with one process)."""
+    held = sharding.addressable_devices_indices_map(shape).values()
+    return np.unique(np.concatenate([np.arange(shape[axis])[index[axis]] for index in held]))

@@ -7,11 +7,18 @@ folder, a run resumes from its latest complete checkpoint: parameters, optimiser
 data position and every random draw are functions of (seed, step), so nothing else needs saving and
 the resumed run is bitwise the run that was never stopped (on the same machine). SIGTERM and Ctrl-C
 write a checkpoint before exiting.
+
+On several devices (`train.mesh`, zoo/sharding.py) the same loop runs under `jax.set_mesh`: the
+model is built by one jit whose outputs carry the parameters' NamedShardings, the optimiser state
+follows its parameters, each batch is split by rows over the batch axes, and XLA partitions the
+step. With several processes (hosts), each reads only the rows its devices hold, and only process 0
+writes the config, metrics and plot (orbax writes every process's shards of a checkpoint).
 """
 
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -24,13 +31,15 @@ import optax
 import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import infer
 from train import optim
-from train.data import Batches, load_streams
+from train.data import Batches, load_streams, process_rows
 from zoo.checkpoint import manager, restore_latest
 from zoo.config import Config, to_dict
 from zoo.model import LanguageModel
+from zoo.sharding import as_numpy, batch_sharding, describe, init_on_mesh, make_mesh, shardings_like_params
 
 
 def _forward(graphdef, params, rest, batch, train: bool):
@@ -54,8 +63,9 @@ def _forward(graphdef, params, rest, batch, train: bool):
     return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), aux, layer_metrics, new_rest
 
 
-def make_train_step(graphdef, tx):
+def make_train_step(graphdef, tx, out_shardings=None):
     """step(params, rest, opt_state, batch) with batch leaves shaped (micro_batches, b, T).
+    `out_shardings` (params, rest, opt_state, metrics) keeps a sharded state where it was.
 
     Gradients of the summed token loss (plus each micro-batch's aux loss weighted by its tokens) are
     accumulated over micro-batches and divided by the total token count once, so k micro-batches
@@ -83,7 +93,46 @@ def make_train_step(graphdef, tx):
                    "layers": jax.tree.map(lambda x: x / k, layer_metrics)}
         return optax.apply_updates(params, updates), rest, opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 2))
+    return jax.jit(step, donate_argnums=(0, 2), out_shardings=out_shardings)
+
+
+def init_state(cfg: Config, tx, mesh: Mesh):
+    """(graphdef, params, rest, opt_state, shardings) of a new run with optimiser `tx` on `mesh`.
+    The model and the optimiser state are made inside jit with the rules' shardings as outputs, so
+    no device ever holds more than its shards; `shardings` = NamedShardings of (params, rest,
+    opt_state)."""
+    graphdef, params, rest, (param_sh, rest_sh) = init_on_mesh(
+        lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), mesh)
+    opt_sh = shardings_like_params(jax.eval_shape(tx.init, params), param_sh, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    return graphdef, params, rest, opt_state, (param_sh, rest_sh, opt_sh)
+
+
+def batch_placer(cfg: Config, mesh: Mesh):
+    """(train_batch(batches, step), val_batch(batches, i)): global arrays of the step's batch as
+    (micro_batches, b, T), rows split over the batch axes, of which this process reads only its own."""
+    t = cfg.train
+    k, micro = t.grad_accum, t.batch_size // t.grad_accum
+    split = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))
+    if micro % split:
+        raise ValueError(f"train.batch_size: {t.batch_size} rows (train.grad_accum={k} micro-batches of {micro}) "
+                         f"do not split over the batch axes of train.mesh ({describe(mesh)}: data x fsdp x expert "
+                         f"= {split} devices); use a micro-batch that is a multiple of {split}")
+    train_sh, val_sh = batch_sharding(mesh, 3, axis=1), batch_sharding(mesh, 2)
+    local = process_rows(train_sh, (k, micro, t.seq_len), axis=1)
+    rows = (np.arange(k)[:, None] * micro + local).reshape(-1)  # this process's rows of the whole batch
+    val_rows = process_rows(val_sh, (t.batch_size, t.seq_len), axis=0)
+
+    def train_batch(batches: Batches, step: int) -> dict:
+        b = batches.train_batch(step, t.batch_size, rows=rows)
+        return {n: jax.make_array_from_process_local_data(train_sh, v.reshape(k, len(local), t.seq_len),
+                                                          (k, micro, t.seq_len)) for n, v in b.items()}
+
+    def val_batch(batches: Batches, i: int) -> dict:
+        b = batches.val_batch(i, t.batch_size, rows=val_rows)
+        return {n: jax.make_array_from_process_local_data(val_sh, v, (t.batch_size, t.seq_len)) for n, v in b.items()}
+
+    return train_batch, val_batch
 
 
 def _layer_metrics(layers: dict) -> dict:
@@ -166,19 +215,29 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-def run(cfg: Config, run_dir, *, log=print) -> dict:
-    """Train `cfg` in `run_dir` (resuming if it holds a checkpoint); returns the last metrics.
-    Exits with 128 + signal number after a SIGTERM / SIGINT checkpoint, 1 on a non-finite loss."""
+def run(cfg: Config, run_dir, *, log=print, mesh: Mesh | None = None) -> dict:
+    """Train `cfg` in `run_dir` (resuming if it holds a checkpoint) on `mesh` (default: train.mesh
+    over every device); returns the last metrics. Exits with 128 + signal number after a SIGTERM /
+    SIGINT checkpoint, 1 on a non-finite loss."""
+    mesh = make_mesh(cfg.train.mesh) if mesh is None else mesh
+    with jax.set_mesh(mesh):
+        return _run(cfg, Path(run_dir), mesh, log)
+
+
+def _run(cfg: Config, run_dir: Path, mesh: Mesh, log) -> dict:
     t = cfg.train
-    run_dir = Path(run_dir)
+    primary = jax.process_index() == 0  # the one process that writes files and prints
+    if not primary:
+        log = lambda *_: None  # noqa: E731
+    train_batch, val_batch = batch_placer(cfg, mesh)
     _check_run_dir(run_dir, cfg)
     batches = Batches(*load_streams(cfg.data), seq_len=t.seq_len, seed=t.seed, packing=cfg.data.packing)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if primary:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
-    graphdef, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(t.seed)), nnx.Param, ...)
     tx = optim.optimizer(t)
-    opt_state = tx.init(params)
+    graphdef, params, rest, opt_state, (param_sh, rest_sh, opt_sh) = init_state(cfg, tx, mesh)
     lr_at = optim.schedule(t)
     mngr = manager(run_dir / "checkpoints", keep=t.keep_checkpoints)
     targets = {"params": nnx.to_pure_dict(params), "rest": nnx.to_pure_dict(rest), "opt_state": opt_state, "meta": {}}
@@ -194,13 +253,14 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
         log(f"resumed from {run_dir}/checkpoints/{start}")
     start = start or 0
     metrics_path = run_dir / "metrics.jsonl"
-    kept = [line for line in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
-            if json.loads(line)["step"] <= start]
-    metrics_path.write_text("".join(line + "\n" for line in kept))
+    if primary:
+        kept = [line for line in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
+                if json.loads(line)["step"] <= start]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
 
-    step_fn = make_train_step(graphdef, tx)
-    eval_fn = jax.jit(lambda p, r, b: _forward(graphdef, p, r, b, train=False)[:2])
-    micro = t.batch_size // t.grad_accum
+    replicated = NamedSharding(mesh, PartitionSpec())
+    step_fn = make_train_step(graphdef, tx, (param_sh, rest_sh, opt_sh, replicated))
+    eval_fn = jax.jit(lambda p, r, b: _forward(graphdef, p, r, b, train=False)[:2], out_shardings=replicated)
 
     def save(step):
         state = {"params": ocp.args.StandardSave(nnx.to_pure_dict(params)),
@@ -211,7 +271,7 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
         mngr.save(step, args=ocp.args.Composite(**state), force=True)
 
     def evaluate():
-        sums = [eval_fn(params, rest, batches.val_batch(i, t.batch_size)) for i in range(t.eval_batches)]
+        sums = [jax.tree.map(as_numpy, eval_fn(params, rest, val_batch(batches, i))) for i in range(t.eval_batches)]
         loss = float(sum(s for s, _ in sums) / sum(c for _, c in sums))
         out = {"val_loss": loss, "val_bpb": loss / math.log(2)}
         if t.sample_tokens:
@@ -225,19 +285,21 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
     bar = _progress_bar(t.steps, start) if log is print else None
     if bar:
         log = bar.console.print
-    with bar or contextlib.nullcontext(), _Signals() as signals, metrics_path.open("a") as metrics_file:
+    metrics_out = metrics_path.open("a") if primary else open(os.devnull, "w")
+    with bar or contextlib.nullcontext(), _Signals() as signals, metrics_out as metrics_file:
         for step in range(start + 1, t.steps + 1):
-            batch = batches.train_batch(step, t.batch_size)
-            batch = {k: v.reshape(t.grad_accum, micro, *v.shape[1:]) for k, v in batch.items()}
+            batch = train_batch(batches, step)
             t0 = time.perf_counter()
             params, rest, opt_state, m = step_fn(params, rest, opt_state, batch)
-            finite = bool(m["finite"])  # waits for the step
+            m = jax.tree.map(as_numpy, m)  # waits for the step
+            finite = bool(m["finite"])
             step_time += time.perf_counter() - t0
             window_tokens += t.batch_size * t.seq_len
             if bar:
                 bar.update(0, completed=step)
             if t.redraw_features_every and step % t.redraw_features_every == 0:  # a function of (seed, step)
-                rest = redraw_features(graphdef, params, rest, jax.random.fold_in(jax.random.key(t.seed), step))
+                rest = jax.device_put(redraw_features(graphdef, params, rest,
+                                                      jax.random.fold_in(jax.random.key(t.seed), step)), rest_sh)
             if not finite:
                 if t.on_nonfinite == "stop":
                     mngr.wait_until_finished()
@@ -280,7 +342,8 @@ def run(cfg: Config, run_dir, *, log=print) -> dict:
         last["overhead"] = 1 - step_time / max(wall - eval_time, 1e-9)
         log(f"done: {t.steps} steps; {last['overhead']:.1%} of training time outside the jitted step "
             f"(data, logging, checkpoints; evaluation excluded)")
-        plot(run_dir)
+        if primary:
+            plot(run_dir)
     return last
 
 

@@ -1,5 +1,8 @@
 """Orbax checkpoints of a run: `runs/<name>/checkpoints/<step>/{params,rest,opt_state,meta}`.
 
+Sharded arrays are written shard by shard (each process its own) and read back into whatever
+shardings the restore targets carry, so a checkpoint moves between meshes and onto one device.
+
 Orbax writes each step into a temporary folder and renames it when complete, so a process killed
 mid-write leaves no folder that looks finished. A step folder that still fails to restore (copied
 half, truncated by hand) is skipped with a warning and the next older one is used.
@@ -12,9 +15,11 @@ import jax
 import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
+from jax.sharding import Mesh
 
 from zoo.config import from_dict
 from zoo.model import LanguageModel
+from zoo.sharding import init_on_mesh
 
 
 def manager(directory: Path, keep: int | None = None, create: bool = True) -> ocp.CheckpointManager:
@@ -42,14 +47,18 @@ def restore_latest(mngr: ocp.CheckpointManager, targets: dict):
     return None, None
 
 
-def load_model(run_dir, step: int | None = None):
-    """(config, model with the latest (or given) checkpoint's parameters, step) from a run folder."""
+def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None):
+    """(config, model with the latest (or given) checkpoint's parameters, step) from a run folder.
+    On a `mesh` each parameter is read straight into its shards there (the zoo/sharding.py rules),
+    whichever mesh wrote the checkpoint; without one, onto the default device."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").exists():
         raise ValueError(f"{run_dir} is not a run folder (no config.yaml)")
     cfg = from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    model = LanguageModel(cfg.model, rngs=nnx.Rngs(0))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if mesh is None:
+        graphdef, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    else:
+        graphdef, params, rest, _ = init_on_mesh(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
     targets = {"params": nnx.to_pure_dict(params)}
     if jax.tree.leaves(nnx.to_pure_dict(rest)):
         targets["rest"] = nnx.to_pure_dict(rest)

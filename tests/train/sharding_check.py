@@ -1,0 +1,126 @@
+"""The multi-device checks of tests/train/test_sharding.py, run with 8 simulated CPU devices, in
+two parts the test starts side by side (compiles dominate; each part shares one start-up). Each
+prints one JSON object:
+
+  losses[arch][mesh]   10 training losses; mesh "one" is one device (a 1-device mesh)
+  resume[where]        (a) losses of steps 6-10 after restoring the step-5 checkpoint written on
+                       fsdp=4 data=2, on tensor=2 data=4 and on one device
+  bytes[what]          (a) bytes of parameters / optimiser state on each device under fsdp=8, and total
+  tokens[where]        (a) sampled tokens of the checkpointed model, one device and tensor=4 data=2
+  errors[what]         (a) the messages of a mesh of the wrong size and of an axis that does not divide
+
+python tests/train/sharding_check.py RUN_DIR a|b
+"""
+
+import json
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from infer import generate  # noqa: E402
+from train import optim  # noqa: E402
+from train.data import Batches, load_streams  # noqa: E402
+from train.loop import batch_placer, init_state, make_train_step, run  # noqa: E402
+from zoo.checkpoint import load_model  # noqa: E402
+from zoo.config import MeshConfig, from_dict  # noqa: E402
+from zoo.sharding import as_numpy, bytes_per_device, make_mesh  # noqa: E402
+
+MIXERS = {"transformer": {"kind": "attention", "num_heads": 4}, "gla": {"kind": "gla", "num_heads": 4},
+          "mamba": {"kind": "mamba", "state_size": 4}, "moe": {"kind": "attention", "num_heads": 4}}
+MESHES = {"data=8": MeshConfig(data=8), "fsdp=4 data=2": MeshConfig(fsdp=4, data=2),
+          "tensor=2 fsdp=2 data=2": MeshConfig(tensor=2, fsdp=2, data=2), "expert=4 data=2": MeshConfig(expert=4, data=2)}
+
+
+def config(arch: str, mesh: MeshConfig, **train):
+    ffn = {"kind": "moe", "num_experts": 8, "top_k": 2} if arch == "moe" else {"kind": "mlp"}
+    return from_dict({
+        "model": {"d_model": 32, "num_layers": 1, "max_seq_len": 16, "mixer": MIXERS[arch], "ffn": ffn},
+        "train": {"batch_size": 8, "seq_len": 16, "lr": 3e-3, "warmup_steps": 2, "schedule": "constant", "steps": 10,
+                  "log_every": 1, "eval_every": 100, "eval_batches": 1, "sample_tokens": 0,
+                  "mesh": {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor, "expert": mesh.expert},
+                  **train}})
+
+
+def train_losses(cfg, mesh, streams) -> list[float]:
+    """The loop's own pieces (init_state, batch_placer, make_train_step) without evaluation."""
+    with jax.set_mesh(mesh):
+        tx = optim.optimizer(cfg.train)
+        graphdef, params, rest, opt_state, shardings = init_state(cfg, tx, mesh)
+        step = make_train_step(graphdef, tx, (*shardings, jax.sharding.NamedSharding(mesh, jax.P())))
+        train_batch, _ = batch_placer(cfg, mesh)
+        batches = Batches(*streams, seq_len=cfg.train.seq_len, seed=cfg.train.seed, packing=False)
+        out = []
+        for i in range(1, cfg.train.steps + 1):
+            params, rest, opt_state, m = step(params, rest, opt_state, train_batch(batches, i))
+            out.append(float(as_numpy(m["loss"])))
+    return out
+
+
+def logged_losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def part_a(root: Path, one, streams) -> dict:
+    """Transformer and MoE losses, checkpoints moving between meshes, FSDP bytes, sharded decoding."""
+    out = {"losses": {}, "resume": {}, "bytes": {}, "tokens": {}, "errors": {}}
+    quiet = lambda *_: None  # noqa: E731
+    for arch, meshes in (("transformer", ["data=8", "tensor=2 fsdp=2 data=2"]), ("moe", ["expert=4 data=2"])):
+        out["losses"][arch] = {"one": train_losses(config(arch, MeshConfig()), one, streams)}
+        for name in meshes:
+            out["losses"][arch][name] = train_losses(config(arch, MESHES[name]), make_mesh(MESHES[name]), streams)
+    # The fsdp=4 data=2 run goes through the whole loop and leaves checkpoints at steps 5 and 10;
+    # without step 10, a run started on its folder resumes from step 5.
+    run(config("transformer", MESHES["fsdp=4 data=2"], checkpoint_every=5), root / "written", log=quiet)
+    out["losses"]["transformer"]["fsdp=4 data=2"] = logged_losses(root / "written")
+    shutil.rmtree(root / "written" / "checkpoints" / "10")
+    for where, mesh_cfg, mesh in (("tensor=2 data=4", MeshConfig(tensor=2, data=4), None), ("one", MeshConfig(), one)):
+        shutil.copytree(root / "written", root / where)
+        run(config("transformer", mesh_cfg), root / where, log=quiet, mesh=mesh)
+        out["resume"][where] = logged_losses(root / where)[5:]
+
+    fsdp = make_mesh(MeshConfig(fsdp=8))
+    cfg = config("transformer", MeshConfig(fsdp=8))
+    with jax.set_mesh(fsdp):
+        _, params, _, opt_state, _ = init_state(cfg, optim.optimizer(cfg.train), fsdp)
+    for what, tree in (("params", params), ("opt_state", opt_state)):
+        out["bytes"][what] = {"per_device": sorted(bytes_per_device(tree).values()),
+                              "total": sum(x.nbytes for x in jax.tree.leaves(tree))}
+
+    prompts = [[10], [84, 104, 101, 32]]
+    for where, mesh in (("one", None), ("tensor=4 data=2", make_mesh(MeshConfig(tensor=4, data=2)))):
+        _, model, _ = load_model(root / "one", mesh=mesh)
+        out["tokens"][where] = generate(model, prompts, max_new_tokens=12, temperature=1.0, seed=3)
+    out["tp_wq_spec"] = str(model.blocks[0].mixer.wq[...].sharding.spec)
+
+    tx = optim.optimizer(config("transformer", MeshConfig()).train)
+    for what, make in (("mesh size", lambda: make_mesh(MeshConfig(data=4, fsdp=1))),
+                       ("indivisible", lambda: init_state(config("transformer", MeshConfig(tensor=8)), tx,
+                                                          make_mesh(MeshConfig(tensor=8))))):
+        try:
+            make()
+            out["errors"][what] = None
+        except ValueError as e:
+            out["errors"][what] = str(e)
+    return out
+
+
+def part_b(root: Path, one, streams) -> dict:
+    """GLA and Mamba losses on the three meshes."""
+    out = {"losses": {}}
+    for arch in ("gla", "mamba"):
+        out["losses"][arch] = {"one": train_losses(config(arch, MeshConfig()), one, streams)}
+        for name in ("data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"):
+            out["losses"][arch][name] = train_losses(config(arch, MESHES[name]), make_mesh(MESHES[name]), streams)
+    return out
+
+
+if __name__ == "__main__":
+    one_device = make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
+    corpus = load_streams(config("transformer", MeshConfig()).data)
+    part = {"a": part_a, "b": part_b}[sys.argv[2]]
+    print(json.dumps({"devices": jax.device_count(), **part(Path(sys.argv[1]), one_device, corpus)}))

@@ -1,0 +1,81 @@
+"""Training on a mesh of 8 simulated CPU devices gives the losses of one device; checkpoints move
+between meshes; FSDP splits the state; a tensor-parallel model decodes the same tokens.
+
+The checks run in subprocesses (tests/train/sharding_check.py) so that this process keeps one
+device; both halves start at once, since their compiles are single-threaded.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+TOL = 1e-5  # relative difference of float32 losses
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           # Faster compiles of the tiny models (both sides of every comparison compile alike).
+           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+    procs = {}
+    for part in ("a", "b"):
+        folder = tmp_path_factory.mktemp(f"part_{part}")
+        procs[part] = subprocess.Popen([sys.executable, str(ROOT / "tests/train/sharding_check.py"), str(folder), part],
+                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = {"losses": {}}
+    for part, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        got = json.loads(stdout.splitlines()[-1])
+        assert got["devices"] == 8
+        out["losses"].update(got.pop("losses"))
+        out.update(got)
+    return out
+
+
+def _rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("arch, meshes", [
+    ("transformer", ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]),
+    ("gla", ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]),
+    ("mamba", ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]),
+    ("moe", ["expert=4 data=2"])])
+def test_meshes_train_like_one_device(results, arch, meshes):
+    losses = results["losses"][arch]
+    one = losses["one"]
+    assert len(one) == 10 and one[-1] < one[0] - 0.1  # it trains
+    for mesh in meshes:
+        assert _rel(losses[mesh], one) < TOL, (arch, mesh, losses[mesh], one)
+
+
+def test_checkpoint_moves_between_meshes_and_onto_one_device(results):
+    reference = results["losses"]["transformer"]["one"][5:]  # steps 6-10 of the run never stopped
+    for where in ("tensor=2 data=4", "one"):
+        assert _rel(results["resume"][where], reference) < TOL, where
+
+
+def test_fsdp_holds_an_eighth_of_the_state_per_device(results):
+    for what in ("params", "opt_state"):
+        per_device, total = results["bytes"][what]["per_device"], results["bytes"][what]["total"]
+        assert len(per_device) == 8
+        # About 1/8: only the norms' weights and the optimiser's step counters are replicated.
+        assert total / 8 <= min(per_device) and max(per_device) < 1.05 * total / 8, (what, per_device, total)
+
+
+def test_tensor_parallel_decoding_gives_the_tokens_of_one_device(results):
+    assert results["tp_wq_spec"] == "P(None, 'tensor', None)"  # the heads really are split
+    assert results["tokens"]["tensor=4 data=2"] == results["tokens"]["one"]
+    assert all(len(row) == 12 for row in results["tokens"]["one"])
+
+
+def test_mesh_errors_name_what_does_not_fit(results):
+    size, indivisible = results["errors"]["mesh size"], results["errors"]["indivisible"]
+    assert "data=4" in size and "8 (cpu)" in size
+    assert all(s in indivisible for s in ("train.mesh.tensor=8", "blocks/0/mixer/w", "(32, 4, 8)", "size 4"))
