@@ -96,7 +96,7 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
                     jnp.int32(-2 if stop_token is None else stop_token), max_new_tokens=max_new_tokens,
                     top_k=top_k, greedy=temperature == 0, use_top_p=top_p is not None)
     if not out.is_fully_addressable:  # params spread over several processes: every one gets all rows
-        out = multihost_utils.process_allgather(out)
+        out = multihost_utils.process_allgather(out, tiled=True)
     rows = []
     for row in np.asarray(out).tolist():
         row = [t for t in row if t >= 0]

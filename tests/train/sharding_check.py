@@ -2,9 +2,11 @@
 two parts the test starts side by side (compiles dominate; each part shares one start-up). Each
 prints one JSON object:
 
-  losses[arch][mesh]   10 training losses; mesh "one" is one device (a 1-device mesh)
+  losses[arch][mesh]   10 training losses; mesh "one" is one device (a 1-device mesh); (a) the
+                       Transformer, (b) GLA, Mamba and MoE
   resume[where]        (a) losses of steps 6-10 after restoring the step-5 checkpoint written on
-                       fsdp=4 data=2, on tensor=2 data=4 and on one device
+                       fsdp=4 data=2, on tensor=2 data=4 and on one device, and whether the run
+                       did resume (kept the written lines of steps 1-5)
   bytes[what]          (a) bytes of parameters / optimiser state on each device under fsdp=8, and total
   tokens[where]        (a) sampled tokens of the checkpointed model, one device and tensor=4 data=2
   errors[what]         (a) the messages of a mesh of the wrong size and of an axis that does not divide
@@ -13,34 +15,36 @@ python tests/train/sharding_check.py RUN_DIR a|b
 """
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-import shutil  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from infer import generate  # noqa: E402
-from train import optim  # noqa: E402
-from train.data import Batches, load_streams  # noqa: E402
-from train.loop import batch_placer, init_state, make_train_step, run  # noqa: E402
-from zoo.checkpoint import load_model  # noqa: E402
-from zoo.config import MeshConfig, from_dict  # noqa: E402
-from zoo.sharding import as_numpy, bytes_per_device, make_mesh  # noqa: E402
+from infer import generate
+from train import optim
+from train.data import Batches, load_streams
+from train.loop import batch_placer, init_state, make_train_step, run
+from zoo.checkpoint import load_model
+from zoo.config import MeshConfig, from_dict
+from zoo.sharding import as_numpy, bytes_per_device, make_mesh
 
 MIXERS = {"transformer": {"kind": "attention", "num_heads": 4}, "gla": {"kind": "gla", "num_heads": 4},
           "mamba": {"kind": "mamba", "state_size": 4}, "moe": {"kind": "attention", "num_heads": 4}}
 MESHES = {"data=8": MeshConfig(data=8), "fsdp=4 data=2": MeshConfig(fsdp=4, data=2),
-          "tensor=2 fsdp=2 data=2": MeshConfig(tensor=2, fsdp=2, data=2), "expert=4 data=2": MeshConfig(expert=4, data=2)}
+          "tensor=2 fsdp=2 data=2": MeshConfig(tensor=2, fsdp=2, data=2),
+          "expert=4 data=2": MeshConfig(expert=4, data=2)}
+THREE = ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]  # the meshes of every dense model
 
 
 def config(arch: str, mesh: MeshConfig, **train):
+    """The tiny run of every check (also the test's two-process run): 10 steps of 8 x 16 bytes; the
+    Transformer's steps are two micro-batches of 8 (train.grad_accum), each split over the mesh."""
     ffn = {"kind": "moe", "num_experts": 8, "top_k": 2} if arch == "moe" else {"kind": "mlp"}
+    batch = {"batch_size": 16, "grad_accum": 2} if arch == "transformer" else {"batch_size": 8}
     return from_dict({
         "model": {"d_model": 32, "num_layers": 1, "max_seq_len": 16, "mixer": MIXERS[arch], "ffn": ffn},
-        "train": {"batch_size": 8, "seq_len": 16, "lr": 3e-3, "warmup_steps": 2, "schedule": "constant", "steps": 10,
+        "train": {**batch, "seq_len": 16, "lr": 3e-3, "warmup_steps": 2, "schedule": "constant", "steps": 10,
                   "log_every": 1, "eval_every": 100, "eval_batches": 1, "sample_tokens": 0,
                   "mesh": {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor, "expert": mesh.expert},
                   **train}})
@@ -61,27 +65,28 @@ def train_losses(cfg, mesh, streams) -> list[float]:
     return out
 
 
-def logged_losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+def logged(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def part_a(root: Path, one, streams) -> dict:
-    """Transformer and MoE losses, checkpoints moving between meshes, FSDP bytes, sharded decoding."""
+    """Transformer losses, checkpoints moving between meshes, FSDP bytes, sharded decoding."""
     out = {"losses": {}, "resume": {}, "bytes": {}, "tokens": {}, "errors": {}}
     quiet = lambda *_: None  # noqa: E731
-    for arch, meshes in (("transformer", ["data=8", "tensor=2 fsdp=2 data=2"]), ("moe", ["expert=4 data=2"])):
-        out["losses"][arch] = {"one": train_losses(config(arch, MeshConfig()), one, streams)}
-        for name in meshes:
-            out["losses"][arch][name] = train_losses(config(arch, MESHES[name]), make_mesh(MESHES[name]), streams)
+    out["losses"]["transformer"] = {name: train_losses(config("transformer", MESHES[name]), make_mesh(MESHES[name]),
+                                                       streams) for name in ("data=8", "tensor=2 fsdp=2 data=2")}
+    out["losses"]["transformer"]["one"] = train_losses(config("transformer", MeshConfig()), one, streams)
     # The fsdp=4 data=2 run goes through the whole loop and leaves checkpoints at steps 5 and 10;
     # without step 10, a run started on its folder resumes from step 5.
     run(config("transformer", MESHES["fsdp=4 data=2"], checkpoint_every=5), root / "written", log=quiet)
-    out["losses"]["transformer"]["fsdp=4 data=2"] = logged_losses(root / "written")
+    written = logged(root / "written")
+    out["losses"]["transformer"]["fsdp=4 data=2"] = [r["loss"] for r in written]
     shutil.rmtree(root / "written" / "checkpoints" / "10")
     for where, mesh_cfg, mesh in (("tensor=2 data=4", MeshConfig(tensor=2, data=4), None), ("one", MeshConfig(), one)):
         shutil.copytree(root / "written", root / where)
         run(config("transformer", mesh_cfg), root / where, log=quiet, mesh=mesh)
-        out["resume"][where] = logged_losses(root / where)[5:]
+        rows = logged(root / where)  # a resumed run keeps the metrics lines of steps 1-5 as written
+        out["resume"][where] = {"losses": [r["loss"] for r in rows[5:]], "resumed": rows[:5] == written[:5]}
 
     fsdp = make_mesh(MeshConfig(fsdp=8))
     cfg = config("transformer", MeshConfig(fsdp=8))
@@ -110,16 +115,17 @@ def part_a(root: Path, one, streams) -> dict:
 
 
 def part_b(root: Path, one, streams) -> dict:
-    """GLA and Mamba losses on the three meshes."""
+    """GLA and Mamba losses on the three meshes, MoE's on expert=4 data=2."""
     out = {"losses": {}}
-    for arch in ("gla", "mamba"):
+    for arch, meshes in (("gla", THREE), ("mamba", THREE), ("moe", ["expert=4 data=2"])):
         out["losses"][arch] = {"one": train_losses(config(arch, MeshConfig()), one, streams)}
-        for name in ("data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"):
+        for name in meshes:
             out["losses"][arch][name] = train_losses(config(arch, MESHES[name]), make_mesh(MESHES[name]), streams)
     return out
 
 
 if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)
     one_device = make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
     corpus = load_streams(config("transformer", MeshConfig()).data)
     part = {"a": part_a, "b": part_b}[sys.argv[2]]

@@ -1,40 +1,69 @@
 """Training on a mesh of 8 simulated CPU devices gives the losses of one device; checkpoints move
-between meshes; FSDP splits the state; a tensor-parallel model decodes the same tokens.
+between meshes; FSDP splits the state; a tensor-parallel model decodes the same tokens; two
+processes of 4 devices each, launched as the README says, train like one device.
 
-The checks run in subprocesses (tests/train/sharding_check.py) so that this process keeps one
-device; both halves start at once, since their compiles are single-threaded.
+The checks run in subprocesses (tests/train/sharding_check.py, and `python -m train` twice) so
+that this process keeps one device; they all start at once, since their compiles are
+single-threaded.
 """
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tests.train.sharding_check import config
+from zoo.config import MeshConfig, to_dict
 
 ROOT = Path(__file__).parents[2]
 TOL = 1e-5  # relative difference of float32 losses
+# Faster compiles of the tiny models (both sides of every comparison compile alike).
+FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           # Faster compiles of the tiny models (both sides of every comparison compile alike).
-           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": FAST}
     procs = {}
     for part in ("a", "b"):
         folder = tmp_path_factory.mktemp(f"part_{part}")
         procs[part] = subprocess.Popen([sys.executable, str(ROOT / "tests/train/sharding_check.py"), str(folder), part],
                                        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = {"losses": {}}
-    for part, proc in procs.items():
+    hosts = tmp_path_factory.mktemp("hosts")
+    cfg = config("transformer", MeshConfig(fsdp=4, data=2), sample_tokens=4, run_dir=str(hosts / "run"))
+    (hosts / "run.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+    port = _free_port()
+    for pid in (0, 1):  # the multi-host launch of the README, with two local processes as hosts
+        host_env = {**env, "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+                    "JAX_PROCESS_ID": str(pid), "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+                    "XLA_FLAGS": f"{FAST} --xla_force_host_platform_device_count=4"}
+        procs[f"host{pid}"] = subprocess.Popen([sys.executable, "-m", "train", str(hosts / "run.yaml")],
+                                               cwd=ROOT, env=host_env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, text=True)
+    out = {"losses": {}, "hosts": {}}
+    for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
+        assert proc.returncode == 0, (name, (stderr or stdout)[-3000:])
+        if name.startswith("host"):
+            out["hosts"][name] = stdout
+            continue
         got = json.loads(stdout.splitlines()[-1])
         assert got["devices"] == 8
         out["losses"].update(got.pop("losses"))
         out.update(got)
+    out["hosts"]["metrics"] = [json.loads(line) for line in (hosts / "run" / "metrics.jsonl").read_text().splitlines()]
+    out["hosts"]["checkpoints"] = sorted(p.name for p in (hosts / "run" / "checkpoints").iterdir())
     return out
 
 
@@ -58,7 +87,8 @@ def test_meshes_train_like_one_device(results, arch, meshes):
 def test_checkpoint_moves_between_meshes_and_onto_one_device(results):
     reference = results["losses"]["transformer"]["one"][5:]  # steps 6-10 of the run never stopped
     for where in ("tensor=2 data=4", "one"):
-        assert _rel(results["resume"][where], reference) < TOL, where
+        assert results["resume"][where]["resumed"], where
+        assert _rel(results["resume"][where]["losses"], reference) < TOL, where
 
 
 def test_fsdp_holds_an_eighth_of_the_state_per_device(results):
@@ -78,4 +108,14 @@ def test_tensor_parallel_decoding_gives_the_tokens_of_one_device(results):
 def test_mesh_errors_name_what_does_not_fit(results):
     size, indivisible = results["errors"]["mesh size"], results["errors"]["indivisible"]
     assert "data=4" in size and "8 (cpu)" in size
-    assert all(s in indivisible for s in ("train.mesh.tensor=8", "blocks/0/mixer/w", "(32, 4, 8)", "size 4"))
+    # 4 heads over 8 tensor ranks: the message names the axis, its size, the parameter and its shape.
+    assert all(s in indivisible for s in ("train.mesh.tensor=8", "(heads, size 4)", "parameter blocks/0/mixer/w",
+                                          "(shape ("))
+
+
+def test_two_processes_train_like_one_device(results):
+    rows = results["hosts"]["metrics"]  # written by process 0 alone: one line per step
+    assert [r["step"] for r in rows] == list(range(1, 11)) and "sample" in rows[-1]
+    assert _rel([r["loss"] for r in rows], results["losses"]["transformer"]["one"]) < TOL
+    assert results["hosts"]["checkpoints"] == ["10"]
+    assert "step     10/10  loss" in results["hosts"]["host0"] and "/10  loss" not in results["hosts"]["host1"]
