@@ -30,20 +30,21 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import layers
-from layers.deltanet import _DeltaRuleMixer
 from layers.sharding import LOGICAL_TO_MESH, MESH_AXES, WHOLE_WHEN_INDIVISIBLE
 from zoo.config import MeshConfig
 from zoo.model import LanguageModel
 
 REPLICATED = ()  # any rank, every dimension whole on every device
 COLUMNS, ROWS = ("embed", "heads"), ("heads", "embed")  # into heads / out of heads (Megatron)
+DELTA_RULE = [("[qkvg]_proj/kernel", COLUMNS), ("o_proj/kernel", ROWS), ("[ab]_proj/kernel", ("embed", None)),
+              ("A_log", REPLICATED), ("dt_bias", REPLICATED)]  # DeltaNet and Gated DeltaNet
 RULES: dict[type, list[tuple[str, tuple]]] = {
     LanguageModel: [("embed/embedding", ("vocab", "embed")), ("head", ("embed", "vocab"))],
     layers.RMSNorm: [("weight", REPLICATED)],
     layers.ShortConvolution: [("weight", (None, "heads")), ("bias", ("heads",))],
-    layers.MLP: [("w_[gu][ap]*", ("embed", "mlp")), ("w_down", ("mlp", "embed"))],
-    layers.MoE: [("w_router", ("embed", None)), ("w_[gu][ap]*", ("expert", "embed", "mlp")),
-                 ("w_down", ("expert", "mlp", "embed"))],
+    layers.MLP: [("w_gate", ("embed", "mlp")), ("w_up", ("embed", "mlp")), ("w_down", ("mlp", "embed"))],
+    layers.MoE: [("w_router", ("embed", None)), ("w_gate", ("expert", "embed", "mlp")),
+                 ("w_up", ("expert", "embed", "mlp")), ("w_down", ("expert", "mlp", "embed"))],
     layers.Attention: [("wq", ("embed", "heads", None)), ("w[kv]", ("embed", "kv_heads", None)),
                        ("wo", ("heads", None, "embed"))],
     layers.LinearAttention: [("[qkv]_proj/kernel", COLUMNS), ("o_proj/kernel", ROWS),
@@ -52,8 +53,8 @@ RULES: dict[type, list[tuple[str, tuple]]] = {
     layers.GatedLinearAttention: [("[qkvg]_proj/kernel", COLUMNS), ("o_proj/kernel", ROWS),
                                   ("gk_down/kernel", ("embed", None)), ("gk_up/kernel", (None, "heads")),
                                   ("gk_up/bias", ("heads",))],
-    _DeltaRuleMixer: [("[qkvg]_proj/kernel", COLUMNS), ("o_proj/kernel", ROWS),
-                      ("[ab]_proj/kernel", ("embed", None)), ("A_log", REPLICATED), ("dt_bias", REPLICATED)],
+    layers.DeltaNet: DELTA_RULE,
+    layers.GatedDeltaNet: DELTA_RULE,
     layers.Mamba: [("in_proj/kernel", ("embed", None)), ("x_proj/kernel", ("heads", None)),
                    ("dt_proj/kernel", (None, "heads")), ("dt_bias", ("heads",)), ("A_log", ("heads", None)),
                    ("D", ("heads",)), ("out_proj/kernel", ROWS)],

@@ -18,7 +18,8 @@ from zoo.sharding import RULES, logical_axes, make_mesh, partition_spec
 CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
 # Options that add parameters beyond a kind's defaults.
 EXTRA = {"linear_attention": [{"feature_map": "hedgehog"}, {"feature_map": "performer"}],
-         "gla": [{"conv_size": 4, "use_output_gate": False}], "deltanet": [{"use_output_gate": True, "use_beta": False}],
+         "gla": [{"conv_size": 4, "use_output_gate": False}],
+         "deltanet": [{"use_output_gate": True, "use_beta": False}],
          "mamba": [{"conv_size": 0}], "mamba2": [{"conv_size": 0}], "attention": [{"num_kv_heads": 1}]}
 
 
@@ -58,9 +59,8 @@ def test_every_config_shards_on_a_mesh_of_every_axis(path):
     cfg = load_config(path)
     model = nnx.eval_shape(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)))
     axes = logical_axes(model)
-    sizes = {"fsdp": 2, "tensor": 2, "expert": 2}
     for p, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        partition_spec("/".join(map(str, p)), param.shape, axes[p], mesh(**sizes))
+        partition_spec("/".join(map(str, p)), param.shape, axes[p], mesh(fsdp=2, tensor=2, expert=2))
 
 
 def test_rules_split_heads_and_width_as_documented():
@@ -74,9 +74,9 @@ def test_rules_split_heads_and_width_as_documented():
     assert spec["embed/embedding"] == PartitionSpec("tensor", "fsdp")
     assert spec["norm/weight"] == PartitionSpec(None)
     # A parent's rule wins: Mamba-2 keeps its fused convolution whole, Mamba splits its channels.
-    m2 = {"/".join(map(str, p)): a for p, a in logical_axes(abstract_model({"kind": "mamba2"}, {"kind": "mlp"})).items()}
-    m1 = {"/".join(map(str, p)): a for p, a in logical_axes(abstract_model({"kind": "mamba"}, {"kind": "mlp"})).items()}
-    assert m2["blocks/0/mixer/conv/weight"] == (None, None) and m1["blocks/0/mixer/conv/weight"] == (None, "heads")
+    path = ("blocks", 0, "mixer", "conv", "weight")
+    conv = {kind: logical_axes(abstract_model({"kind": kind}, {"kind": "mlp"}))[path] for kind in ("mamba", "mamba2")}
+    assert conv == {"mamba2": (None, None), "mamba": (None, "heads")}
 
 
 def test_a_parameter_without_a_rule_is_an_error_naming_it():
