@@ -7,9 +7,10 @@ from pathlib import Path
 import jax
 
 
-def timeit(fn, *args, repeats: int = 5) -> float:
-    """Median seconds of fn(*args) after one warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
+def timeit(fn, *args, repeats: int = 5, warmup: bool = True) -> float:
+    """Median seconds of fn(*args), after one warm-up (compile) call unless `warmup` is False."""
+    if warmup:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -2,10 +2,11 @@
 
     python -m benchmarks.ops [--ops gla mamba ...] [--lengths 512 1024 2048 4096 8192]
 
-B=1, H=4, head dim 64 (Mamba: Dm=256, N=16; SSD: P=64, N=64), float32, jitted, median of 3 after a
-compile. fwd+bwd is the gradient of sum(o) with respect to every floating input. A quadratic
+B=1, H=4, head dim 64 (Mamba: Dm=256, N=16; SSD: P=64, N=64), float32, jitted; each figure is the
+minimum of 5 runs after a compile, the runs of all of an op's forms and lengths interleaved. fwd+bwd is the gradient of sum(o) with respect to every floating input. A quadratic
 ("parallel") form is skipped where its (T, T) intermediates would not fit in memory ("-"). The
-ratio columns divide by the chunk form's time in the same run.
+ratio columns divide by the chunk form's time in the same run; chunk_fwdbwd_vs_T/2 is the chunk form's
+growth from the previous (half) length, 2.0 when linear.
 """
 
 import argparse
@@ -81,7 +82,8 @@ OPS = {  # name -> (function, forms, longest T for the quadratic form)
 }
 
 
-def _timed(fn, args, mode):
+def _jitted(fn, args, mode):
+    """Jitted forward and forward+backward of one form, compiled, with their float inputs."""
     floats = [i for i, a in enumerate(args) if a is not None]
 
     def fwd(*xs):
@@ -93,7 +95,36 @@ def _timed(fn, args, mode):
     xs = [args[i] for i in floats]
     f = jax.jit(fwd)
     fb = jax.jit(jax.grad(lambda *xs: jnp.sum(fwd(*xs)), argnums=tuple(range(len(xs)))))
-    return timeit(f, *xs, repeats=3), timeit(fb, *xs, repeats=3)
+    for g in (f, fb):
+        jax.block_until_ready(g(*xs))
+    return f, fb, xs
+
+
+def measure(op: str, lengths: list[int], repeats: int = 5) -> list[dict]:
+    """One op's forms at every length, the runs interleaved and the minimum of `repeats` taken: on a
+    shared machine other work only ever adds time, and interleaving exposes every form to it alike."""
+    fn, forms, max_parallel = OPS[op]
+    cases = {(T, form): _jitted(fn, _inputs(op, T), form)
+             for T in lengths for form in forms if form != "parallel" or T <= max_parallel}
+    best = {key: [float("inf")] * 2 for key in cases}
+    for _ in range(repeats):
+        for key, (f, fb, xs) in cases.items():
+            for i, g in enumerate((f, fb)):
+                best[key][i] = min(best[key][i], timeit(g, *xs, repeats=1, warmup=False))
+    rows = []
+    for T in lengths:
+        row = {"op": op, "T": T}
+        for form in forms:
+            f, fb = best.get((T, form), ("-", "-"))
+            row[f"{form}_fwd_ms"], row[f"{form}_fwdbwd_ms"] = [x if x == "-" else round(1e3 * x, 2) for x in (f, fb)]
+        for form in forms:
+            if form != "chunk" and row[f"{form}_fwdbwd_ms"] != "-":
+                row[f"{form}/chunk_fwdbwd"] = round(row[f"{form}_fwdbwd_ms"] / row["chunk_fwdbwd_ms"], 2)
+        if rows and 2 * rows[-1]["T"] == T:  # linear in T would be 2.0
+            row["chunk_fwdbwd_vs_T/2"] = round(row["chunk_fwdbwd_ms"] / rows[-1]["chunk_fwdbwd_ms"], 2)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 def main():
@@ -101,23 +132,7 @@ def main():
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     args = p.parse_args()
-    rows = []
-    for op in args.ops:
-        fn, forms, max_parallel = OPS[op]
-        for T in args.lengths:
-            row = {"op": op, "T": T}
-            inputs = _inputs(op, T)
-            for form in forms:
-                if form == "parallel" and T > max_parallel:
-                    row[f"{form}_fwd_ms"] = row[f"{form}_fwdbwd_ms"] = "-"
-                    continue
-                f, fb = _timed(fn, inputs, form)
-                row[f"{form}_fwd_ms"], row[f"{form}_fwdbwd_ms"] = round(1e3 * f, 2), round(1e3 * fb, 2)
-            for form in forms:
-                if form != "chunk" and row[f"{form}_fwdbwd_ms"] != "-":
-                    row[f"{form}/chunk_fwdbwd"] = round(row[f"{form}_fwdbwd_ms"] / row["chunk_fwdbwd_ms"], 2)
-            rows.append(row)
-            print(row, flush=True)
+    rows = [row for op in args.ops for row in measure(op, args.lengths)]
     print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}, B={B}, H={H}, head dim {K}, float32")
     columns = ["op", "T"] + [c for c in rows[0] if c not in ("op", "T")]
     for c in sorted({c for r in rows for c in r} - set(columns)):

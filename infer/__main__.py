@@ -1,4 +1,8 @@
-"""python -m infer RUN_DIR_OR_CONFIG --prompt "ROMEO:" --max-new-tokens 200"""
+"""python -m infer RUN_DIR_OR_CONFIG --prompt "ROMEO:" --max-new-tokens 200
+
+Early exit (a model trained with model.exits): --exit-threshold 0.9 --exit-measure margin [--show-exits],
+or self-speculative decoding: --speculative 4 [--draft-layers 2].
+"""
 
 import argparse
 import sys
@@ -17,6 +21,13 @@ def main(argv=None):
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", default=None, help="stop at this character (one byte)")
+    p.add_argument("--exit-threshold", type=float, default=None, help="early exit: confidence in [0, 1] to stop at")
+    p.add_argument("--exit-measure", default="softmax", help="softmax, margin, saturation or classifier")
+    p.add_argument("--exit-decay", type=float, default=0.0, help="CALM's threshold decay along the output")
+    p.add_argument("--exit-level", default="token", help="token (per token and row) or sequence (one depth)")
+    p.add_argument("--speculative", type=int, default=None, help="self-speculative decoding: draft length k")
+    p.add_argument("--draft-layers", type=int, default=None, help="the exit layer that drafts (default: the first)")
+    p.add_argument("--show-exits", action="store_true", help="print the layer each generated token used")
     args = p.parse_args(argv)
     try:
         from flax import nnx
@@ -33,12 +44,22 @@ def main(argv=None):
             model = zoo.LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
             print(f"# {args.source}: random weights", file=sys.stderr)
         prompts = args.prompt or ["\n"]
-        outs = infer.generate_text(model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop,
-                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        temperature = 0.0 if args.speculative else args.temperature
+        outs, info = infer.generate_text(
+            model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop, temperature=temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, exit_threshold=args.exit_threshold,
+            exit_measure=args.exit_measure, exit_decay=args.exit_decay, exit_level=args.exit_level,
+            speculative=args.speculative, draft_layers=args.draft_layers, return_info=True)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    for prompt, out in zip(prompts, outs):
+    for prompt, out, layers in zip(prompts, outs, info["exit_layers"]):
         print(prompt + out)
+        if args.show_exits:
+            print(f"# layers used per token (mean {sum(layers) / max(len(layers), 1):.2f} of "
+                  f"{len(model.blocks)}): {' '.join(map(str, layers))}")
+    if "acceptance" in info:
+        print(f"# self-speculative: {info['acceptance']:.1%} of drafted tokens accepted in {info['rounds']} rounds",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

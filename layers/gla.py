@@ -10,7 +10,11 @@ Hardware-Efficient Training", the GLA Transformer layer).
 Code names: gk_down / gk_up are W_a1 (d_model x gate_low_rank_dim) and W_a2 (with bias b_a);
 gate_logit_normalizer is tau (16 in the paper); g_proj is W_r; expand_k / expand_v set the key and
 value widths (d_model / 2 and d_model in the paper). The recurrence runs in kernels.gla (recurrent,
-chunk or parallel, all equal).
+chunk or parallel, all equal); `impl` picks its implementation ("auto", "reference", "xla" or
+"pallas", see kernels/gla) on every path: the training call, a multi-token decode and the
+single-token decode step. impl="reference" runs the token-by-token scan whatever the mode;
+impl="pallas" runs the Pallas kernels, whose chunk is their own block size (mode and chunk_size are
+then unused), and is an error on TPU (no kernel there), raised by the constructor.
 
 Departures from the paper, named (all as in the authors' flash-linear-attention layer):
 - norm_h is an RMSNorm per head with a weight shared by the heads (the paper writes LayerNorm),
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
+from kernels import check_impl
 from kernels.gla import gla
 from layers.conv import ShortConvolution
 from layers.norm import GatedRMSNorm, RMSNorm
@@ -46,12 +51,13 @@ class GatedLinearAttention(nnx.Module):
     """Args: num_heads, expand_k / expand_v (key and value widths as multiples of d_model; the heads
     must divide both), gate_low_rank_dim, gate_logit_normalizer (tau), conv_size (0 = no short
     convolution), use_output_gate, norm_eps, mode ("recurrent" | "chunk" | "parallel"), chunk_size,
-    dtype (compute dtype; parameters stay float32)."""
+    impl ("auto" | "reference" | "xla" | "pallas", the op's implementation), dtype (compute dtype;
+    parameters stay float32)."""
 
     def __init__(self, d_model: int, *, num_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
                  gate_low_rank_dim: int = 16, gate_logit_normalizer: float = 16.0, conv_size: int = 0,
                  use_output_gate: bool = True, norm_eps: float = 1e-5, mode: str = "chunk", chunk_size: int = 64,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         key_dim, value_dim = int(d_model * expand_k), int(d_model * expand_v)
         if key_dim < 1 or value_dim < 1 or key_dim % num_heads or value_dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide the key width {key_dim} (d_model * expand_k) "
@@ -65,9 +71,10 @@ class GatedLinearAttention(nnx.Module):
             raise ValueError(f"mode={mode!r}; expected one of {MODES}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+        check_impl(impl, "GLA")
         self.num_heads, self.key_dim, self.value_dim = num_heads, key_dim, value_dim
         self.gate_logit_normalizer, self.use_output_gate = gate_logit_normalizer, use_output_gate
-        self.mode, self.chunk_size, self.dtype = mode, chunk_size, dtype
+        self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
         xavier = nnx.initializers.variance_scaling(2 ** -5, "fan_avg", "uniform")  # gain 2^-2.5
         linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, kernel_init=xavier,
                                                      rngs=rngs)
@@ -116,7 +123,7 @@ class GatedLinearAttention(nnx.Module):
         g = (jax.nn.log_sigmoid(logits) / self.gate_logit_normalizer).reshape(B, T, H, -1)  # (B, T, H, K)
         q, k, v = q.reshape(B, T, H, -1), k.reshape(B, T, H, -1), v.reshape(B, T, H, -1)
         o, S = gla(q, k, v, g, segment_ids=segment_ids, initial_state=state.S, output_final_state=True,
-                   mode=mode, chunk_size=self.chunk_size)  # o: (B, T, H, V)
+                   mode=mode, chunk_size=self.chunk_size, impl=self.impl)  # o: (B, T, H, V)
         o = self.norm(o, self.g_proj(x).reshape(B, T, H, -1)) if self.use_output_gate else self.norm(o)
         y = self.o_proj(o.reshape(B, T, self.value_dim))
         return y, GLAState(S, *windows)

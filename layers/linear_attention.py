@@ -33,7 +33,13 @@ resets. Feature maps phi (F is the feature dim the op sees):
   half separately; we follow flash-linear-attention's single softmax over both halves (without its
   factor 2 on z).
 
-The query scale is 1: with the normaliser it cancels.
+The query scale is 1: with the normaliser it cancels. `impl` picks the op's implementation ("auto",
+"reference", "xla" or "pallas", see kernels/linear_attention) on every path: the training call, a
+multi-token decode and the single-token decode step. Every feature map and normalize setting works
+with every impl (the feature map and the normaliser column are applied outside the op);
+impl="reference" runs the token-by-token scan whatever the mode; impl="pallas" runs the GLA Pallas
+kernels with a zero scalar gate, whose chunk is their own block size (mode and chunk_size are then
+unused), and is an error on TPU (no kernel there), raised by the constructor.
 """
 
 import math
@@ -43,6 +49,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
+from kernels import check_impl
 from kernels.linear_attention import linear_attention
 from kernels.segments import positions_in_document
 
@@ -78,11 +85,13 @@ class LinearAttention(nnx.Module):
     """Args: num_heads (divides d_model; head dim K = d_model / num_heads), feature_map (one of
     FEATURE_MAPS), normalize (divide by phi(q) z + eps), num_features (performer's m; None = K),
     cosformer_max_len (cosformer's M), eps, mode ("recurrent" | "chunk" | "parallel"), chunk_size,
-    dtype (compute dtype; parameters stay float32)."""
+    impl ("auto" | "reference" | "xla" | "pallas", the op's implementation), dtype (compute dtype;
+    parameters stay float32)."""
 
     def __init__(self, d_model: int, *, num_heads: int = 4, feature_map: str = "elu", normalize: bool = True,
                  num_features: int | None = None, cosformer_max_len: int = 2048, eps: float = 1e-6,
-                 mode: str = "chunk", chunk_size: int = 64, dtype=jnp.float32, rngs: nnx.Rngs):
+                 mode: str = "chunk", chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         if d_model % num_heads:
             raise ValueError(f"num_heads={num_heads} does not divide d_model={d_model}")
         if feature_map not in FEATURE_MAPS:
@@ -95,9 +104,11 @@ class LinearAttention(nnx.Module):
             raise ValueError(f"num_features={num_features} must be >= 1")
         if cosformer_max_len < 1 or chunk_size < 1:
             raise ValueError(f"cosformer_max_len={cosformer_max_len} and chunk_size={chunk_size} must be >= 1")
+        check_impl(impl, "LinearAttention")
         self.num_heads, self.head_dim = num_heads, d_model // num_heads
         self.feature_map, self.normalize, self.eps = feature_map, normalize, eps
         self.cosformer_max_len, self.mode, self.chunk_size, self.dtype = cosformer_max_len, mode, chunk_size, dtype
+        self.impl = impl
         linear = lambda: nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = linear(), linear(), linear(), linear()
         K, H = self.head_dim, num_heads
@@ -166,7 +177,7 @@ class LinearAttention(nnx.Module):
         if self.normalize:
             v = jnp.concatenate([v, jnp.ones((B, T, H, 1), v.dtype)], axis=-1)  # (B, T, H, K + 1)
         o, S = linear_attention(phi_q, phi_k, v, segment_ids=segment_ids, initial_state=state.S,
-                                output_final_state=True, mode=mode, chunk_size=self.chunk_size)
+                                output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
         o = o.astype(jnp.float32)
         if self.normalize:
             o = o[..., :K] / (o[..., K:] + self.eps)

@@ -24,7 +24,12 @@ lecun-normal init instead of PyTorch's U(±1/sqrt(fan_in)) and the conv bias sta
 of PyTorch's uniform; `conv_size=0` drops the convolution (SiLU only). The layer's `mode` picks the
 selective-scan form for the training path; "auto" (the default) is the form measured fastest on the
 backend (on CPU the sequential scan; see kernels/selective_scan). `decode` runs `step` (one token,
-`selective_scan_step`) for T = 1 and the "auto" form for a prefill of T > 1.
+`selective_scan_step`) for T = 1 and the "auto" form for a prefill of T > 1. `impl` ("auto",
+"reference", "xla" or "pallas", see kernels/selective_scan) picks the op's implementation for the
+training call and a multi-token decode; the single-token step is always the plain
+`selective_scan_step` (the op has no impl there). impl="reference" runs the token-by-token scan
+whatever the mode; impl="pallas" runs the Pallas kernels (mode and chunk_size then unused) and is an
+error on TPU (no kernel there), raised by the constructor.
 """
 
 import math
@@ -34,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
+from kernels import check_impl
 from kernels.selective_scan import MODES, selective_scan, selective_scan_step
 from layers.conv import ShortConvolution
 
@@ -54,7 +60,8 @@ def inverse_softplus_dt(key, shape, dt_min: float, dt_max: float, dt_init_floor:
 class Mamba(nnx.Module):
     def __init__(self, d_model: int, *, state_size: int = 16, expand: int = 2, conv_size: int = 4,
                  dt_rank: int | str = "auto", dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 mode: str = "auto", chunk_size: int = 64, dtype=jnp.float32, rngs: nnx.Rngs):
+                 mode: str = "auto", chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         if d_model < 1 or state_size < 1 or expand < 1:
             raise ValueError(f"Mamba: d_model={d_model}, state_size={state_size} and expand={expand} must be >= 1")
         if dt_rank == "auto":
@@ -69,9 +76,10 @@ class Mamba(nnx.Module):
             raise ValueError(f"Mamba: mode={mode!r}; expected one of {MODES + ('auto',)}")
         if chunk_size < 1:
             raise ValueError(f"Mamba: chunk_size={chunk_size} must be >= 1")
+        check_impl(impl, "Mamba")
         Di, N, R = expand * d_model, state_size, dt_rank
         self.d_inner, self.state_size, self.dt_rank = Di, N, R
-        self.mode, self.chunk_size, self.dtype = mode, chunk_size, dtype
+        self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
 
         def linear(i, o, **kw):
             return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs, **kw)
@@ -117,7 +125,7 @@ class Mamba(nnx.Module):
         else:
             y, ssm = selective_scan(u, delta, A, B, C, self.D[...], segment_ids=segment_ids,
                                     initial_state=state.ssm, output_final_state=True, mode=mode,
-                                    chunk_size=self.chunk_size)
+                                    chunk_size=self.chunk_size, impl=self.impl)
         y = y * jax.nn.silu(z)
         return self.out_proj(y), MambaState(ssm, conv)
 

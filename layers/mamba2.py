@@ -25,7 +25,12 @@ channels, where the official module normalises after gating, RMSNorm(y * SiLU(z)
 state, no `d_ssm` < Di partial SSM and no MLP branch in in_proj (`d_mlp`); the linear layers use
 Flax's lecun-normal init instead of PyTorch's U(±1/sqrt(fan_in)) and the conv bias starts at zero;
 `conv_size=0` drops the convolution (SiLU only). The layer's `mode` picks the SSD form of the
-training path; `decode` runs `step` (`ssd_step`) for T = 1 and the chunked form for T > 1.
+training path; `decode` runs `step` (`ssd_step`) for T = 1 and the chunked form for T > 1. `impl`
+("auto", "reference", "xla" or "pallas", see kernels/ssd) picks the op's implementation for the
+training call and a multi-token decode; the single-token step is always the plain `ssd_step` (the
+op has no impl there). impl="reference" runs the token-by-token scan whatever the mode;
+impl="pallas" runs the Pallas kernels, whose chunk is their own block size (mode and chunk_size then
+unused), and is an error on TPU (no kernel there), raised by the constructor.
 """
 
 import jax
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
+from kernels import check_impl
 from kernels.ssd import MODES, ssd, ssd_step
 from layers.conv import ShortConvolution
 from layers.mamba import inverse_softplus_dt
@@ -49,7 +55,8 @@ class Mamba2(nnx.Module):
     def __init__(self, d_model: int, *, state_size: int = 64, expand: int = 2, head_dim: int = 64,
                  num_groups: int = 1, conv_size: int = 4, chunk_size: int = 64, mode: str = "chunk",
                  dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 A_init_range: tuple[float, float] = (1.0, 16.0), dtype=jnp.float32, rngs: nnx.Rngs):
+                 A_init_range: tuple[float, float] = (1.0, 16.0), impl: str = "auto", dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         if min(d_model, state_size, expand, head_dim, num_groups) < 1:
             raise ValueError(f"Mamba2: d_model={d_model}, state_size={state_size}, expand={expand}, "
                              f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")
@@ -71,9 +78,10 @@ class Mamba2(nnx.Module):
             raise ValueError(f"Mamba2: mode={mode!r}; expected one of {MODES}")
         if chunk_size < 1:
             raise ValueError(f"Mamba2: chunk_size={chunk_size} must be >= 1")
+        check_impl(impl, "Mamba2")
         G, N = num_groups, state_size
         self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size = Di, H, head_dim, G, N
-        self.mode, self.chunk_size, self.dtype = mode, chunk_size, dtype
+        self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
 
         def linear(i, o):
             return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
@@ -120,7 +128,7 @@ class Mamba2(nnx.Module):
             y = y[:, None].astype(xs.dtype)  # (B, 1, H, P)
         else:
             y, ssm = ssd(xs, dt, A, B, C, self.D[...], segment_ids=segment_ids, initial_state=state.ssm,
-                         output_final_state=True, mode=mode, chunk_size=self.chunk_size)
+                         output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
         y = self.norm(y.reshape(Bsz, T, Di), z)
         return self.out_proj(y), Mamba2State(ssm, conv)
 

@@ -9,7 +9,12 @@ Transformer for Large Language Models", gated multi-scale retention).
 Dimensions follow the paper's parameter allocation: query/key width d_model (expand_k=1), value and
 gate width 2 d_model (expand_v=2), so that with the FFN narrowed to 2 d_model a block keeps a
 Transformer block's 12 d_model^2 parameters. The recurrence runs in kernels.retention (recurrent,
-chunk or parallel, all equal).
+chunk or parallel, all equal); `impl` picks its implementation ("auto", "reference", "xla" or
+"pallas", see kernels/retention) on every path: the training call, a multi-token decode and the
+single-token decode step. impl="reference" runs the token-by-token scan whatever the mode;
+impl="pallas" runs the GLA Pallas kernels with a scalar gate, whose chunk is their own block size
+(mode and chunk_size are then unused), and is an error on TPU (no kernel there), raised by the
+constructor.
 
 Departures from the paper, named:
 - positions: rotary embeddings (layers.rotary.apply_rotary, rotate-half layout, base `rotary_base`)
@@ -24,11 +29,13 @@ Departures from the paper, named:
   W_K, W_V, W_G; flash-linear-attention uses it for W_O as well, and so do we), no biases.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
+from kernels import check_impl
 from kernels.retention import retention
 from kernels.segments import positions_in_document
 from layers.norm import GatedRMSNorm
@@ -50,11 +57,12 @@ def _xavier(gain: float):
 class MultiScaleRetention(nnx.Module):
     """Args: num_heads, expand_k / expand_v (query-key and value widths as multiples of d_model; the
     heads must divide both and the key head dim must be even), rotary_base, norm_eps, mode
-    ("recurrent" | "chunk" | "parallel"), chunk_size, dtype (compute dtype; parameters stay float32)."""
+    ("recurrent" | "chunk" | "parallel"), chunk_size, impl ("auto" | "reference" | "xla" | "pallas", the
+    op's implementation), dtype (compute dtype; parameters stay float32)."""
 
     def __init__(self, d_model: int, *, num_heads: int = 4, expand_k: float = 1.0, expand_v: float = 2.0,
                  rotary_base: float = 10000.0, norm_eps: float = 1e-5, mode: str = "chunk", chunk_size: int = 64,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         key_dim, value_dim = int(d_model * expand_k), int(d_model * expand_v)
         if key_dim % num_heads or value_dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide the key width {key_dim} (d_model * expand_k) "
@@ -65,8 +73,10 @@ class MultiScaleRetention(nnx.Module):
             raise ValueError(f"mode={mode!r}; expected one of {MODES}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+        check_impl(impl, "RetNet")
         self.num_heads, self.key_dim, self.value_dim = num_heads, key_dim, value_dim
         self.rotary_base, self.mode, self.chunk_size, self.dtype = rotary_base, mode, chunk_size, dtype
+        self.impl = impl
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, kernel_init=_xavier(2 ** -2.5),
                                          rngs=rngs)
         self.q_proj, self.k_proj = linear(d_model, key_dim), linear(d_model, key_dim)
@@ -102,7 +112,8 @@ class MultiScaleRetention(nnx.Module):
         k = apply_rotary(self.k_proj(x).reshape(B, T, H, -1), pos, self.rotary_base)
         v = self.v_proj(x).reshape(B, T, H, -1)  # (B, T, H, V)
         o, S = retention(q, k, v, jnp.asarray(self.gamma, jnp.float32), segment_ids=segment_ids,
-                         initial_state=state.S, output_final_state=True, mode=mode, chunk_size=self.chunk_size)
+                         initial_state=state.S, output_final_state=True, mode=mode, chunk_size=self.chunk_size,
+                         impl=self.impl)
         o = self.norm(o, self.g_proj(x).reshape(B, T, H, -1))  # RMSNorm per head, times swish(gate)
         y = self.o_proj(o.reshape(B, T, self.value_dim))
         return y, RetentionState(S=S, pos=pos[:, -1] + 1)

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import infer
 from train import optim
 from train.data import Batches, load_streams, process_rows
+from train.exits import fit_exit_classifiers
 from zoo.checkpoint import manager, restore_latest
 from zoo.config import Config, to_dict
 from zoo.model import LanguageModel
@@ -45,12 +46,14 @@ from zoo.sharding import as_numpy, batch_sharding, describe, init_on_mesh, make_
 def _forward(graphdef, params, rest, batch, train: bool):
     """One batch: (sum of token losses, counted tokens, aux loss, layer metrics, new rest).
 
+    Early exits add their weighted mean losses to `aux` and report them as `exit<l>_loss`.
+
     Layers report training-time losses and metrics by sowing nnx.Intermediate values (MoE: its
     balance and z losses, loads, drops); `aux_loss` entries are added to the loss. Non-parameter
     state that a layer updates in training (MoE's balancing bias) comes back as the new `rest`."""
     model = nnx.merge(graphdef, params, rest, copy=True)  # copy: layers may write state under grad
     model.train() if train else model.eval()
-    logits = model(batch["x"], segment_ids=batch.get("segment_ids"))
+    logits, hidden = model(batch["x"], segment_ids=batch.get("segment_ids"), return_exits=True)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     sown = nnx.to_pure_dict(nnx.pop(model, nnx.Intermediate))
     layer_metrics = {}
@@ -59,6 +62,10 @@ def _forward(graphdef, params, rest, batch, train: bool):
         layer_metrics.setdefault(f"{names[-2]}_{names[-1]}", []).append(value)
     layer_metrics = {k: jnp.stack(v) for k, v in layer_metrics.items()}  # (layers, ...)
     aux = sum((jnp.sum(v) for k, v in layer_metrics.items() if k.endswith("_aux_loss")), jnp.float32(0))
+    for j, (h, w) in enumerate(zip(hidden, model.cfg.exits.weights if hidden else ())):  # early exits
+        exit_ce = optax.softmax_cross_entropy_with_integer_labels(model.exit_logits(j, h), batch["y"])
+        layer_metrics[f"exit{model.exit_layers[j]}_loss"] = jnp.sum(exit_ce * batch["mask"]) / jnp.sum(batch["mask"])
+        aux = aux + w * layer_metrics[f"exit{model.exit_layers[j]}_loss"]
     new_rest = nnx.state(model, nnx.Not(nnx.Param))
     return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), aux, layer_metrics, new_rest
 
@@ -329,6 +336,15 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log) -> dict:
                     bar.update(0, status=f"loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
                                         f"{last['tokens_per_s']:,.0f} tok/s")
                 window_start, window_tokens = time.perf_counter(), 0
+            fit_steps = cfg.model.exits.classifier_steps if cfg.model.exits else 0
+            if final and fit_steps:  # on the frozen model, before the last checkpoint
+                model = nnx.merge(graphdef, params, rest)
+                losses = fit_exit_classifiers(  # whole batches as (B, T), rows still split over the mesh
+                    model, lambda i: {n: v.reshape(t.batch_size, t.seq_len)
+                                      for n, v in train_batch(batches, step + 1 + i).items()}, steps=fit_steps)
+                params = nnx.state(model, nnx.Param)
+                log(f"exit classifiers: binary cross-entropy {losses[0]:.4f} -> {losses[-1]:.4f} "
+                    f"in {fit_steps} steps")
             if step % t.checkpoint_every == 0 or final or signals.received:
                 save(step)
             if signals.received:

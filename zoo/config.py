@@ -19,12 +19,27 @@ import yaml
 
 
 @dataclass(frozen=True)
+class ExitsConfig:
+    """model.exits: early exits. layers (an exit after each of these many blocks, 1..num_layers-1; the
+    final layer is always the last exit); weights (the loss weight of each exit, added to the final
+    loss in training); own_head (each exit gets its own LM head instead of sharing the final one);
+    layer_dropout (LayerSkip: in training, block i is skipped for a row with probability
+    layer_dropout * i / (num_layers - 1), rising with depth); classifier_steps (after the last
+    training step, fit the exit classifiers on the frozen model for this many steps; 0 = none)."""
+    layers: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    own_head: bool = False
+    layer_dropout: float = 0.0
+    classifier_steps: int = 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """model: vocab_size; d_model (residual width); num_layers; max_seq_len (longest sequence the
     model accepts in training); mixer (the sequence mixer, picked by `kind`); ffn (`kind: mlp|moe`);
     layer_pattern (optional list of mixer configs, repeated over the layers; replaces `mixer`);
     tie_embeddings (LM head shares the embedding matrix); norm_eps; dtype (compute dtype;
-    parameters stay float32)."""
+    parameters stay float32); exits (optional early exits, see ExitsConfig)."""
     vocab_size: int = 256
     d_model: int = 128
     num_layers: int = 4
@@ -35,6 +50,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     dtype: Literal["float32", "bfloat16"] = "float32"
+    exits: ExitsConfig | None = None
 
     def mixers(self) -> tuple:
         """The mixer config of each layer."""
@@ -175,6 +191,7 @@ def _build_model(data, path: str) -> ModelConfig:
 
     data = dict(data or {})
     mixer, ffn, pattern = data.pop("mixer", None), data.pop("ffn", None), data.pop("layer_pattern", None)
+    exits = data.pop("exits", None)
     cfg = build(ModelConfig, data, path)
     if pattern is not None and mixer is not None:
         raise ValueError(f"{path}.layer_pattern: give either model.mixer or model.layer_pattern, not both")
@@ -185,7 +202,8 @@ def _build_model(data, path: str) -> ModelConfig:
     cfg = dataclasses.replace(
         cfg, layer_pattern=pattern,
         mixer=None if pattern else build_kind(MIXERS, mixer or {"kind": "attention"}, f"{path}.mixer"),
-        ffn=build_kind(FFNS, ffn or {"kind": "mlp"}, f"{path}.ffn"))
+        ffn=build_kind(FFNS, ffn or {"kind": "mlp"}, f"{path}.ffn"),
+        exits=None if exits is None else build(ExitsConfig, exits, f"{path}.exits"))
     check_model(cfg, path)
     return cfg
 
@@ -210,6 +228,23 @@ def check_model(cfg: ModelConfig, path: str = "model"):
         raise ValueError(f"{where[0]}: RWKV-7's value residual takes its values from layer 0, so layer 0 "
                          "must be an rwkv7 layer")
     cfg.ffn.check(cfg.d_model, f"{path}.ffn")
+    if cfg.exits is not None:
+        _check_exits(cfg.exits, cfg.num_layers, f"{path}.exits")
+
+
+def _check_exits(e: ExitsConfig, num_layers: int, path: str):
+    if not e.layers:
+        raise ValueError(f"{path}.layers: expected at least one exit layer (1..{num_layers - 1})")
+    if list(e.layers) != sorted(set(e.layers)) or not 1 <= e.layers[0] <= e.layers[-1] < num_layers:
+        raise ValueError(f"{path}.layers: expected increasing layer counts in 1..{num_layers - 1} "
+                         f"(model.num_layers={num_layers}; the last layer is always an exit), got {list(e.layers)}")
+    if len(e.weights) != len(e.layers) or any(w < 0 for w in e.weights):
+        raise ValueError(f"{path}.weights: expected one non-negative loss weight per exit layer "
+                         f"({len(e.layers)}), got {list(e.weights)}")
+    if not 0 <= e.layer_dropout < 1:
+        raise ValueError(f"{path}.layer_dropout: expected a probability in [0, 1), got {e.layer_dropout}")
+    if e.classifier_steps < 0:
+        raise ValueError(f"{path}.classifier_steps: expected >= 0, got {e.classifier_steps}")
 
 
 def _check_train(cfg: Config):

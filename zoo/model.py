@@ -7,12 +7,20 @@ stateful FFN (one with `init_state`, e.g. RWKV's channel mix with its token shif
 state beside its mixer's. A mixer with `carries_v_first` (RWKV-7's value residual) receives the
 first layer's values and passes them on: the one place a layer sees another layer.
 
+Early exits (`model.exits`): after block l of each configured layer count, an exit norm and the LM
+head (shared, or its own) give next-token logits from the hidden state there; `__call__(...,
+return_exits=True)` also returns those hidden states for the training loss. Each exit also has a
+linear confidence classifier (zero until fitted afterwards on the frozen model, train/exits.py).
+LayerSkip's layer dropout skips block i for a row with probability p * i / (L - 1) in training
+(no rescaling, as LayerSkip); `model.eval()` turns it off.
+
 On a device mesh (zoo/sharding.py) the residual stream is held with its rows split over the batch
 axes and its width whole, and the logits with the vocabulary split over `tensor`: the hints that
 make XLA gather FSDP-sharded weights rather than split activations by width. On one device they
 are no-ops.
 """
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
@@ -73,6 +81,22 @@ class LanguageModel(nnx.Module):
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
+        exits = cfg.exits
+        self.exit_layers = exits.layers if exits else ()
+        if exits:
+            E = len(exits.layers)
+            self.exit_norms = nnx.List([RMSNorm(cfg.d_model, eps=cfg.norm_eps) for _ in range(E)])
+            self.exit_heads = nnx.Param(nnx.initializers.normal(cfg.d_model ** -0.5)(
+                rngs.params(), (E, cfg.d_model, cfg.vocab_size))) if exits.own_head else None
+            self.exit_classifier = nnx.Param(jnp.zeros((E, cfg.d_model + 1), jnp.float32))  # weights, bias
+            self.layer_dropout, self.deterministic = exits.layer_dropout, False
+            if exits.layer_dropout > 0:
+                self.dropout_rngs = rngs["layer_dropout"].fork()
+
+    def set_view(self, deterministic: bool | None = None):
+        """Lets `nnx.view(model, deterministic=...)` make a train/eval view without mutating model."""
+        if deterministic is not None and self.exit_layers:
+            self.deterministic = deterministic
 
     def logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         x = self.norm(x)
@@ -80,13 +104,34 @@ class LanguageModel(nnx.Module):
         logits = jnp.einsum("BTD,DV->BTV", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", None, "vocab"))
 
-    def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T V"]:
+    def exit_logits(self, j: int, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """Next-token logits from the hidden state `h` at exit j (an index into `exit_layers`)."""
+        x = self.exit_norms[j](h)
+        w = self.embed.embedding[...].T if self.head is None else self.head[...]
+        w = w if self.exit_heads is None else self.exit_heads[j]
+        return jnp.einsum("BTD,DV->BTV", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+    def exit_classifier_logits(self, j: int, h: Float[Array, "B T D"]) -> Float[Array, "B T"]:
+        """The learned exit classifier: the logit of P(exit j already predicts the full model's token)."""
+        wb = self.exit_classifier[j]
+        return self.exit_norms[j](h).astype(jnp.float32) @ wb[:-1] + wb[-1]
+
+    def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None,
+                 return_exits: bool = False):
+        """Logits (B, T, V); with return_exits, also the hidden state at each exit (a tuple of (B, T, D))."""
         x, v_first = constrain(self.embed(tokens), RESIDUAL), None
-        for block in self.blocks:
-            x, v_first = block(x, segment_ids=segment_ids, v_first=v_first)
-            x = constrain(x, RESIDUAL)
-        return self.logits(x)
+        hidden = []
+        drop = self.exit_layers and self.layer_dropout > 0 and not self.deterministic
+        L = len(self.blocks)
+        for i, block in enumerate(self.blocks):
+            y, v_first = block(x, segment_ids=segment_ids, v_first=v_first)
+            if drop and i > 0:
+                keep = jax.random.bernoulli(self.dropout_rngs(), 1 - self.layer_dropout * i / (L - 1), x.shape[:1])
+                y = jnp.where(keep[:, None, None], y, x)
+            x = constrain(y, RESIDUAL)
+            if i + 1 in self.exit_layers:
+                hidden.append(x)
+        return (self.logits(x), tuple(hidden)) if return_exits else self.logits(x)
 
     def init_state(self, batch_size: int, max_len: int) -> tuple:
         return tuple(block.init_state(batch_size, max_len) for block in self.blocks)

@@ -134,6 +134,7 @@ class LinearAttentionConfig(Kind):
     eps: float = 1e-6
     mode: Mode = "chunk"
     chunk_size: int = 64
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ class RetNetConfig(Kind):
     norm_eps: float = 1e-5
     mode: Mode = "chunk"
     chunk_size: int = 64
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,7 @@ class GLAConfig(Kind):
     norm_eps: float = 1e-5
     mode: Mode = "chunk"
     chunk_size: int = 64
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,7 @@ class MambaConfig(Kind):
     dt_init_floor: float = 1e-4
     mode: Literal["auto", "recurrent", "chunk", "parallel"] = "auto"
     chunk_size: int = 64
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,7 @@ class Mamba2Config(Kind):
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     A_init_range: tuple[float, float] = (1.0, 16.0)
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
 
 @dataclass(frozen=True)

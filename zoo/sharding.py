@@ -39,7 +39,8 @@ COLUMNS, ROWS = ("embed", "heads"), ("heads", "embed")  # into heads / out of he
 DELTA_RULE = [("[qkvg]_proj/kernel", COLUMNS), ("o_proj/kernel", ROWS), ("[ab]_proj/kernel", ("embed", None)),
               ("A_log", REPLICATED), ("dt_bias", REPLICATED)]  # DeltaNet and Gated DeltaNet
 RULES: dict[type, list[tuple[str, tuple]]] = {
-    LanguageModel: [("embed/embedding", ("vocab", "embed")), ("head", ("embed", "vocab"))],
+    LanguageModel: [("embed/embedding", ("vocab", "embed")), ("head", ("embed", "vocab")),
+                    ("exit_heads", (None, "embed", "vocab")), ("exit_classifier", REPLICATED)],
     layers.RMSNorm: [("weight", REPLICATED)],
     layers.ShortConvolution: [("weight", (None, "heads")), ("bias", ("heads",))],
     layers.MLP: [("w_gate", ("embed", "mlp")), ("w_up", ("embed", "mlp")), ("w_down", ("mlp", "embed"))],

@@ -12,10 +12,11 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 SHRINK = ["model.d_model=64", "model.num_layers=1", "train.steps=12", "train.batch_size=4", "train.seq_len=32",
           "train.lr=1e-2", "train.warmup_steps=2", "train.log_every=1", "train.eval_every=12", "train.eval_batches=1",
           "train.checkpoint_every=12", "train.sample_tokens=0"]
+EXITS = ["model.num_layers=2", "model.exits.layers=[1]", "model.exits.weights=[0.5]", "model.exits.classifier_steps=2"]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_trains_and_its_loss_falls(path, tmp_path):
-    run(load_config(path, SHRINK), tmp_path, log=lambda _: None)
+    run(load_config(path, SHRINK + (EXITS if "exits:" in path.read_text() else [])), tmp_path, log=lambda _: None)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3

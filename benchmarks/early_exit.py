@@ -1,0 +1,146 @@
+"""What early exit buys and costs, on a model trained with exits (configs/early_exit.yaml).
+
+    python -m train configs/early_exit.yaml && python -m benchmarks.early_exit runs/early_exit
+
+1. Quality against depth: validation text is fed token by token through the exit decoder (teacher
+   forcing, so every setting sees the same text) at a sweep of thresholds for each measure. For each
+   setting: the mean layers used, agreement (the chosen token equals the full model's greedy token),
+   and the validation loss of the chosen exit's distribution, in nats per byte. Two ways of keeping the
+   skipped layers' state are compared: `propagate` (the decoder's choice: later blocks run on the
+   exited hidden state) and `full_state` (the later blocks' states come from the full-depth hidden
+   states, an ideal that saves nothing and shows what propagation costs).
+2. Speed: tokens/s of self-speculative greedy decoding against plain greedy (same tokens), batch 1,
+   with the acceptance rate; and of a fixed depth per sequence (the layers past it are skipped).
+
+Writes runs/bench/early_exit.json and runs/bench/early_exit.png (layers used against agreement and loss).
+"""
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import infer
+from benchmarks.common import print_table, save_json
+from infer import early_exit
+from train.data import Batches, load_streams
+from zoo.checkpoint import load_model
+
+THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "measure", "propagate"))
+def teacher_forced(graphdef, params, tokens, threshold, *, measure: str, propagate: bool):
+    """Chosen logits (B, T, V) and layers used (B, T) when feeding `tokens` one at a time."""
+    model = nnx.merge(graphdef, params)
+    model.eval()
+    rule = lambda j, h, h_prev, z: ((early_exit.confidence(model, measure, j, h, h_prev, z) >= threshold)
+                                    & (threshold < 1))
+
+    def step(state, tok):
+        logits, used, state = early_exit.exit_pass(model, tok[:, None], state, stop_rule=rule, freeze=propagate)
+        return state, (logits, used)
+
+    state = model.init_state(tokens.shape[0], tokens.shape[1])
+    _, (logits, used) = jax.lax.scan(step, state, tokens.T)
+    return logits.transpose(1, 0, 2), used.T
+
+
+def quality(graphdef, params, x, y, full_top):
+    rows = []
+    for measure in early_exit.MEASURES:
+        for propagate in (True, False):
+            for threshold in THRESHOLDS:
+                logits, used = teacher_forced(graphdef, params, x, jnp.float32(threshold), measure=measure,
+                                              propagate=propagate)
+                rows.append({"measure": measure, "state": "propagate" if propagate else "full_state",
+                             "threshold": threshold, "layers": round(float(used.mean()), 3),
+                             "agreement": round(float((jnp.argmax(logits, -1) == full_top).mean()), 4),
+                             "val_loss": round(float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()), 4)})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def tokens_per_s(model, prompt, new_tokens, repeats=3, **kwargs):
+    out = infer.generate(model, [prompt], max_new_tokens=new_tokens, return_info=True, **kwargs)  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        infer.generate(model, [prompt], max_new_tokens=new_tokens, **kwargs)
+        best = min(best, time.perf_counter() - t0)
+    return len(out[0][0]) / best, out
+
+
+def speed(model, prompt, new_tokens):
+    base, (greedy, _) = tokens_per_s(model, prompt, new_tokens)
+    rows = [{"decoding": "greedy", "layers": len(model.blocks), "tokens_per_s": round(base, 1), "vs_greedy": 1.0}]
+    for draft in model.exit_layers:
+        for k in (2, 4, 6):
+            tps, (out, info) = tokens_per_s(model, prompt, new_tokens, speculative=k, draft_layers=draft)
+            assert out == greedy, "self-speculative decoding must give greedy decoding's tokens"
+            rows.append({"decoding": f"speculative k={k}", "layers": draft, "tokens_per_s": round(tps, 1),
+                         "vs_greedy": round(tps / base, 2), "acceptance": round(info["acceptance"], 3)})
+            print(rows[-1], flush=True)
+    tps, _ = tokens_per_s(model, prompt, new_tokens, exit_threshold=0.0, exit_level="sequence")
+    rows.append({"decoding": "depth per sequence", "layers": model.exit_layers[0], "tokens_per_s": round(tps, 1),
+                 "vs_greedy": round(tps / base, 2)})  # threshold 0: every sequence stops at the first exit
+    return rows
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for measure in early_exit.MEASURES:
+        for state, style in (("propagate", "-o"), ("full_state", ":x")):
+            sel = [r for r in rows if r["measure"] == measure and r["state"] == state]
+            for ax, key in zip(axes, ("agreement", "val_loss")):
+                ax.plot([r["layers"] for r in sel], [r[key] for r in sel], style, label=f"{measure} ({state})", ms=3)
+    for ax, key in zip(axes, ("agreement with the full model", "validation loss (nats/byte)")):
+        ax.set_xlabel("mean layers used")
+        ax.set_ylabel(key)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("run_dir", help="a run trained with model.exits, e.g. runs/early_exit")
+    p.add_argument("--rows", type=int, default=8, help="validation windows")
+    p.add_argument("--length", type=int, default=256, help="bytes per window")
+    p.add_argument("--new-tokens", type=int, default=256, help="generated bytes in the speed test")
+    args = p.parse_args()
+    cfg, model, step = load_model(args.run_dir)
+    if not model.exit_layers:
+        raise SystemExit(f"{args.run_dir} has no exits (model.exits); train configs/early_exit.yaml first")
+    model.eval()
+    batch = Batches(*load_streams(cfg.data), seq_len=args.length, seed=0, packing=False).val_batch(0, args.rows)
+    x, y = jnp.asarray(batch["x"]), jnp.asarray(batch["y"])
+    graphdef, params = nnx.split(model)
+    full_top = jnp.argmax(nnx.jit(lambda m, t: m(t))(model, x), -1)
+    rows = quality(graphdef, params, x, y, full_top)
+    print(f"\n{args.run_dir} step {step}; device: {jax.devices()[0].device_kind}, jax {jax.__version__}; "
+          f"{args.rows} validation windows x {args.length} bytes, fed one at a time")
+    print_table(rows, ["measure", "state", "threshold", "layers", "agreement", "val_loss"])
+    prompt = [int(t) for t in np.asarray(x[0, :32])]
+    fast = speed(model, prompt, args.new_tokens)
+    print(f"\nbatch 1, {args.new_tokens} new bytes after a 32-byte prompt; best of 3")
+    print_table(fast, ["decoding", "layers", "tokens_per_s", "vs_greedy", "acceptance"])
+    save_json("early_exit", rows + fast)
+    plot(rows, "runs/bench/early_exit.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import infer
+from infer.early_exit import MEASURES
+from tests.util import forward, tiny_config
+from zoo import LanguageModel
+from zoo.config import from_dict
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
+EXITS = {"layers": [1, 2], "weights": [0.5, 0.5]}
+
+
+def exit_model(mixer=None, scale_last=None, **exits):
+    """A 3-layer model with exits after layers 1 and 2. scale_last multiplies the last block's
+    parameters, so the exits agree with the full model often but not always (a random model's exits
+    almost never agree, which would leave speculation's accept path untested)."""
+    model = LanguageModel(tiny_config(mixer, num_layers=3, exits={**EXITS, **exits}), rngs=nnx.Rngs(0))
+    if scale_last is not None:
+        last = nnx.state(model.blocks[2], nnx.Param)
+        nnx.update(model.blocks[2], jax.tree.map(lambda p: p * scale_last, last))
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return exit_model()
+
+
+def test_threshold_one_is_the_full_model_and_zero_the_first_exit(model):
+    greedy = infer.generate(model, PROMPTS, max_new_tokens=8)
+    for measure in MEASURES:
+        full, info = infer.generate(model, PROMPTS, max_new_tokens=8, exit_threshold=1.0, exit_measure=measure,
+                                    return_info=True)
+        assert full == greedy and {x for r in info["exit_layers"] for x in r} == {3}, measure
+        first, info = infer.generate(model, PROMPTS, max_new_tokens=8, exit_threshold=0.0, exit_measure=measure,
+                                     return_info=True)
+        assert {x for r in info["exit_layers"] for x in r} == {1}, measure
+    for threshold, layer in ((1.0, 3), (0.0, 1)):
+        out, info = infer.generate(model, PROMPTS, max_new_tokens=8, exit_threshold=threshold, exit_level="sequence",
+                                   return_info=True)
+        assert {x for r in info["exit_layers"] for x in r} == {layer}
+        assert (out == greedy) == (layer == 3)
+
+
+def test_first_exit_tokens_follow_the_exit_head(model):
+    """At threshold 0 the first token is exit 1's greedy token after the prompt."""
+    out = infer.generate(model, [PROMPTS[1]], max_new_tokens=1, exit_threshold=0.0)
+    _, hidden = nnx.jit(lambda m, t: m(t, return_exits=True))(model, jnp.asarray([PROMPTS[1]]))
+    assert out[0][0] == int(jnp.argmax(model.exit_logits(0, hidden[0])[0, -1]))
+
+
+def test_rows_exiting_at_different_layers_each_get_their_tokens_alone(model):
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41]]
+    for threshold in (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99):
+        batch, info = infer.generate(model, prompts, max_new_tokens=6, exit_threshold=threshold,
+                                     exit_measure="saturation", return_info=True)
+        if len({tuple(r) for r in info["exit_layers"]}) > 1 and len({x for r in info["exit_layers"] for x in r}) > 1:
+            break
+    else:
+        pytest.fail("no threshold made the rows exit at different layers")
+    for prompt, tokens, layers in zip(prompts, batch, info["exit_layers"]):
+        alone, alone_info = infer.generate(model, [prompt], max_new_tokens=6, exit_threshold=threshold,
+                                           exit_measure="saturation", return_info=True)
+        assert alone == [tokens] and alone_info["exit_layers"] == [layers]
+
+
+@pytest.mark.parametrize("mixer", [{"kind": "attention", "num_heads": 4},
+                                   {"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
+                                   {"kind": "mamba"}, {"kind": "gla", "num_heads": 2}],
+                         ids=["transformer", "gqa", "mamba", "gla"])
+def test_self_speculative_greedy_equals_plain_greedy(mixer):
+    model = exit_model(mixer, scale_last=0.7)
+    greedy = infer.generate(model, PROMPTS, max_new_tokens=16)
+    for k, draft in ((1, 2), (3, 1)):
+        out, info = infer.generate(model, PROMPTS, max_new_tokens=16, speculative=k, draft_layers=draft,
+                                   return_info=True)
+        assert out == greedy, (k, draft)
+        if draft == 2:  # the accept and the reject path both ran
+            assert 0 < info["acceptance"] < 1, (k, info)
+
+
+def test_exit_losses_fall_and_the_classifier_is_fitted(tmp_path):
+    from train.loop import run
+    from zoo.checkpoint import load_model
+
+    cfg = from_dict({
+        "model": {"d_model": 32, "num_layers": 3, "max_seq_len": 64, "mixer": {"kind": "attention", "num_heads": 2},
+                  "exits": {**EXITS, "layer_dropout": 0.2, "classifier_steps": 10}},
+        "train": {"steps": 25, "batch_size": 8, "seq_len": 32, "lr": 1e-2, "warmup_steps": 5, "log_every": 5,
+                  "eval_every": 25, "eval_batches": 1, "checkpoint_every": 25, "sample_tokens": 0}})
+    logs = []
+    run(cfg, tmp_path / "run", log=logs.append)
+    rows = [__import__("json").loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    for name in ("exit1_loss", "exit2_loss"):
+        assert rows[-1][name] < rows[0][name] - 0.3, (name, rows[0][name], rows[-1][name])
+    fit = [line for line in logs if line.startswith("exit classifiers")][0]
+    before, after = (float(x) for x in fit.split("entropy ")[1].split(" in ")[0].split(" -> "))
+    assert after < before, fit
+    _, model, _ = load_model(tmp_path / "run")
+    assert jnp.any(model.exit_classifier[...] != 0)
+
+
+def test_layer_dropout_only_in_training():
+    model = exit_model(layer_dropout=0.5)
+    tokens = jax.random.randint(jax.random.key(0), (16, 6), 1, 256)
+    model.eval()
+    plain = forward(model, tokens)
+    assert jnp.array_equal(plain, forward(model, tokens))
+    model.train()
+    rows_changed = jnp.any(jnp.abs(model(tokens) - plain) > 1e-4, axis=(1, 2))
+    assert rows_changed.any() and not rows_changed.all()  # per row, not for the whole batch
+
+
+@pytest.mark.parametrize("exits, message", [
+    ({"layers": [3], "weights": [1.0]}, "model.exits.layers"),
+    ({"layers": [2, 1], "weights": [1.0, 1.0]}, "model.exits.layers"),
+    ({"layers": [1], "weights": []}, "model.exits.weights"),
+    ({"layers": [1], "weights": [1.0], "layer_dropout": 1.0}, "model.exits.layer_dropout"),
+    ({"layers": [1], "weights": [1.0], "heads": 2}, "model.exits.heads"),
+])
+def test_bad_exit_config_names_the_key(exits, message):
+    with pytest.raises(ValueError, match=message):
+        from_dict({"model": {"num_layers": 3, "exits": exits}})
+
+
+def test_bad_exit_arguments_are_refused(model):
+    plain = LanguageModel(tiny_config(), rngs=nnx.Rngs(0))
+    for m, kwargs, message in [
+        (plain, {"exit_threshold": 0.5}, "need a model with exits"),
+        (model, {"speculative": 2, "temperature": 0.7}, "greedy"),
+        (model, {"speculative": 2, "draft_layers": 3}, "not an exit"),
+        (model, {"exit_threshold": 1.5}, r"\[0, 1\]"),
+        (model, {"exit_threshold": 0.5, "exit_measure": "entropy"}, "exit_measure"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            infer.generate(m, PROMPTS, max_new_tokens=2, **kwargs)
+
+
+def test_command_line_prints_exit_layers(model, capsys, tmp_path):
+    from infer.__main__ import main
+
+    config = tmp_path / "exits.yaml"
+    config.write_text("model: {d_model: 32, num_layers: 3, mixer: {kind: attention, num_heads: 4}, "
+                      "exits: {layers: [1, 2], weights: [0.5, 0.5]}}\n")
+    main([str(config), "--prompt", "ab", "--max-new-tokens", "4", "--exit-threshold", "0", "--show-exits"])
+    assert "layers used per token (mean 1.00 of 3): 1 1 1 1" in capsys.readouterr().out
