@@ -1,6 +1,6 @@
 """Pallas kernels against the machine's ceilings and against the XLA / vendor forms, one table.
 
-    python -m benchmarks.kernels [--kernels flash_attention gla selective_scan] [--lengths 1024 2048 ...]
+    python -m benchmarks.kernels [--kernels flash_attention gla delta_rule selective_scan] [--lengths 1024 ...]
 
 First the ceilings: a large bfloat16 matmul (TFLOP/s) and a large elementwise copy (GB/s read +
 written). Then every entry of KERNELS: it checks its kernel against the reference (max relative
@@ -9,8 +9,8 @@ forward+backward (jitted, median of 5 after a compile), printing TFLOP/s and % o
 matmul rate, or for memory-bound kernels (selective scan) GB/s of compulsory traffic and % of the
 measured copy rate. A measurement that fails (out of memory, no cuDNN, ...) prints its error in
 its row instead of stopping the run. On GPU it is sized to finish in under 5 minutes on one H200
-(an estimate made for flash_attention alone, compiles dominating; the gla and selective_scan
-entries are not estimated; nothing here has run on a GPU yet).
+(an estimate made for flash_attention alone, compiles dominating; the gla, delta_rule and
+selective_scan entries are not estimated; nothing here has run on a GPU yet).
 
 Without a GPU it is a smoke run: tiny shapes, the kernels in Pallas interpret mode, so the numbers
 only show that the script works.
@@ -29,6 +29,7 @@ import numpy as np
 
 from benchmarks.common import print_table, save_json, timeit
 from kernels.attention import attention_reference, flash_attention
+from kernels.delta_rule import delta_rule
 from kernels.gla import gla
 from kernels.selective_scan import selective_scan
 
@@ -162,6 +163,38 @@ def bench_gla(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
     return rows
 
 
+def bench_delta_rule(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
+    """Gated delta rule (Gated DeltaNet's op), bf16 (float32 in the smoke run), B=4, H=16, K=V=128:
+    the Pallas kernels against the XLA chunk form, forward and forward+backward (gradients w.r.t.
+    q, k, v, beta, g)."""
+    B, H, D, dtype = (1, 2, 16, jnp.float32) if smoke else (4, 16, 128, jnp.bfloat16)
+    max_ref_T = 2048  # the reference scan's backward keeps every step's (B, H, K, V) state
+    rows = []
+    for n, T in enumerate(lengths):
+        keys = jax.random.split(jax.random.key(T), 6)
+        l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))  # as the layers feed the op
+        q, k = (l2(jax.random.normal(key, (B, T, H, D), jnp.float32)).astype(dtype) for key in keys[:2])
+        v, do = (jax.random.normal(key, (B, T, H, D), dtype) for key in keys[2:4])
+        beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H), jnp.float32)).astype(dtype)
+        g = jax.nn.log_sigmoid(jax.random.normal(keys[5], (B, T, H), jnp.float32) + 4).astype(dtype)
+        args = (q, k, v, beta, g)
+        impls = {"pallas": partial(delta_rule, impl="pallas"),
+                 "xla chunk": partial(delta_rule, impl="xla", mode="chunk")}
+        # State products: q S, W S and K^T U, 2 K V FLOPs each per token and head (the intra-chunk
+        # terms add O(C / K)); the backward recomputes the states and does 6 more: 4x in all.
+        flops = 6 * B * T * H * D * D
+        for impl, op in impls.items():
+            f = lambda q, k, v, beta, g, op=op: op(q, k, v, beta, g)[0]
+            row = {"kernel": "delta_rule", "impl": impl, "T": T}
+            if n == 0 and T <= max_ref_T:
+                ref = lambda q, k, v, beta, g: delta_rule(q, k, v, beta, g, impl="reference")[0]
+                row["max rel err"] = f"{_check(f, ref, args, do):.1e}"
+            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), args, flops, ceil))
+            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), args, 4 * flops, ceil))
+            _print(rows[-2:])
+    return rows
+
+
 def bench_selective_scan(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
     """Mamba-1 selective scan, x, Δ, B, C in bf16 (float32 in the smoke run), B=4, Dm=1536 (d_model
     768 expanded twice), N=16: the Pallas kernels against the XLA chunk form. The scan is
@@ -193,7 +226,8 @@ def bench_selective_scan(ceil: Ceilings, smoke: bool, lengths: list[int]) -> lis
     return rows
 
 
-KERNELS = {"flash_attention": bench_flash_attention, "gla": bench_gla, "selective_scan": bench_selective_scan}
+KERNELS = {"flash_attention": bench_flash_attention, "gla": bench_gla, "delta_rule": bench_delta_rule,
+           "selective_scan": bench_selective_scan}
 
 
 def main():

@@ -17,8 +17,12 @@ norm = L2, output gate on; A = exp(A_log) ~ U(0, 16] and dt = softplus(dt_bias) 
 
 Code names: `num_heads` H, `head_dim` K (query/key width per head), `expand_v` V / K,
 `b_proj` w_beta, `a_proj` w_a, `g_proj` W_g, `o_norm` the per-head output RMSNorm (weights shared
-across heads, as in fla). Decode state: the H x K x V delta-rule state plus the last conv_size - 1
-inputs of each short convolution (fla's `conv_state`).
+across heads, as in fla), `impl` the op's implementation ("auto", "reference", "xla" or "pallas", see
+kernels/delta_rule) on every path: the training call, a multi-token decode and the single-token
+step; impl="pallas" runs the Pallas kernels, whose chunk is their own block size (mode and
+chunk_size are then unused), and is an error on TPU (no kernel there), raised by the constructor.
+Decode state: the H x K x V delta-rule state plus the last conv_size - 1 inputs of each short
+convolution (fla's `conv_state`).
 
 Departures, all named: the key width is set by `head_dim` (default d_model / num_heads) instead of
 fla DeltaNet's `expand_k` (the same width at the default expand_k = 1); `conv_size=0` replaces fla's
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
+from kernels import check_impl
 from kernels.delta_rule import MODES, delta_rule
 from layers.conv import ShortConvolution
 from layers.norm import GatedRMSNorm, RMSNorm
@@ -57,7 +62,7 @@ class _DeltaRuleMixer(nnx.Module):
     """The body both layers share; subclasses add their gate parameters and `_gates(x) -> (beta, g)`."""
 
     def __init__(self, d_model, *, num_heads, head_dim, expand_v, conv_size, use_output_gate, qk_norm,
-                 norm_eps, mode, chunk_size, dtype, rngs, name):
+                 norm_eps, mode, chunk_size, impl, dtype, rngs, name):
         if num_heads < 1 or d_model < 1:
             raise ValueError(f"{name}: num_heads={num_heads} and d_model={d_model} must be positive")
         if head_dim is None:
@@ -77,10 +82,11 @@ class _DeltaRuleMixer(nnx.Module):
             raise ValueError(f"{name}: mode={mode!r}; expected one of {MODES}")
         if chunk_size < 1:
             raise ValueError(f"{name}: chunk_size={chunk_size} must be positive")
+        check_impl(impl, name)
         H, K, V = num_heads, head_dim, int(value_dim)
         self.num_heads, self.head_dim, self.value_dim = H, K, V
         self.conv_size, self.qk_norm, self.dtype = conv_size, qk_norm, dtype
-        self.mode, self.chunk_size = mode, chunk_size
+        self.mode, self.chunk_size, self.impl = mode, chunk_size, impl
 
         def linear(i, o):
             return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
@@ -128,7 +134,8 @@ class _DeltaRuleMixer(nnx.Module):
         v = v.reshape(B, T, H, V)  # (B, T, H, V)
         beta, g = self._gates(x)  # (B, T, H) float32, g None for plain DeltaNet
         o, recurrent = delta_rule(q, k, v, beta, g, segment_ids=segment_ids, initial_state=state.recurrent,
-                                  output_final_state=True, mode=mode, chunk_size=self.chunk_size)
+                                  output_final_state=True, mode=mode, chunk_size=self.chunk_size,
+                                  impl=self.impl)
         if self.g_proj is not None:
             o = self.o_norm(o, self.g_proj(x).reshape(B, T, H, V))
         else:
@@ -140,11 +147,11 @@ class _DeltaRuleMixer(nnx.Module):
 class DeltaNet(_DeltaRuleMixer):
     def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 1.0,
                  conv_size: int = 4, use_beta: bool = True, qk_norm: str = "l2", use_output_gate: bool = False,
-                 norm_eps: float = 1e-5, mode: str = "chunk", chunk_size: int = 64, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 norm_eps: float = 1e-5, mode: str = "chunk", chunk_size: int = 64, impl: str = "auto",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm=qk_norm, norm_eps=norm_eps, mode=mode,
-                         chunk_size=chunk_size, dtype=dtype, rngs=rngs, name="DeltaNet")
+                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="DeltaNet")
         self.b_proj = nnx.Linear(d_model, num_heads, use_bias=False, dtype=dtype, rngs=rngs) if use_beta else None
 
     def _gates(self, x):
@@ -156,10 +163,10 @@ class DeltaNet(_DeltaRuleMixer):
 class GatedDeltaNet(_DeltaRuleMixer):
     def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 2.0,
                  conv_size: int = 4, use_output_gate: bool = True, norm_eps: float = 1e-5, mode: str = "chunk",
-                 chunk_size: int = 64, dtype=jnp.float32, rngs: nnx.Rngs):
+                 chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm="l2", norm_eps=norm_eps, mode=mode,
-                         chunk_size=chunk_size, dtype=dtype, rngs=rngs, name="GatedDeltaNet")
+                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="GatedDeltaNet")
         H = num_heads
         self.a_proj = nnx.Linear(d_model, H, use_bias=False, dtype=dtype, rngs=rngs)
         self.b_proj = nnx.Linear(d_model, H, use_bias=False, dtype=dtype, rngs=rngs)

@@ -104,6 +104,7 @@ class DeltaNetConfig(Kind):
     norm_eps: float = 1e-5
     mode: Mode = "chunk"
     chunk_size: int = 64
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class GatedDeltaNetConfig(Kind):
     norm_eps: float = 1e-5
     mode: Mode = "chunk"
     chunk_size: int = 64
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
 
 @dataclass(frozen=True)

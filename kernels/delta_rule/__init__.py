@@ -3,19 +3,28 @@
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
 
 alpha_t = exp(g_t) (g = None: alpha_t = 1, plain DeltaNet). See reference.py for the recurrence,
-chunk.py for the chunkwise WY/UT form, parallel.py for the whole-sequence UT form. Only XLA forms
-exist so far; a Pallas kernel will be selected here, through `impl`, and nowhere else.
+chunk.py for the chunkwise WY/UT form, parallel.py for the whole-sequence UT form, pallas.py for
+the Pallas kernels (fused chunks, forward and backward, custom_vjp).
+
+impl: "xla" runs the XLA form picked by `mode`; "reference" the token-by-token scan whatever the
+mode; "pallas" the Pallas kernels (Triton on GPU; interpret mode on CPU, slow and meant for tests;
+no TPU kernel, an error there), whose chunk is their own block size, not `chunk_size`; "auto" the
+kernels on GPU when kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16
+tokens), the XLA form elsewhere. This function is the one dispatch point.
 """
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from kernels import AUTO_PALLAS
 from kernels.delta_rule.chunk import delta_rule_chunk
+from kernels.delta_rule.pallas import delta_rule_pallas, supports
 from kernels.delta_rule.parallel import delta_rule_parallel
 from kernels.delta_rule.reference import delta_rule_recurrent, delta_rule_step
 
 MODES = ("recurrent", "chunk", "parallel")
-IMPLS = ("auto", "xla")
+IMPLS = ("auto", "reference", "xla", "pallas")
 
 
 def delta_rule(
@@ -42,10 +51,16 @@ def delta_rule(
         raise ValueError(f"delta_rule: impl={impl!r}; expected one of {IMPLS}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"delta_rule: chunk_size={chunk_size!r}; expected a positive int")
+    backend = jax.default_backend()
+    if impl == "pallas" and backend == "tpu":
+        raise ValueError("delta_rule: impl='pallas' has no TPU kernel yet; use impl='auto', 'xla' or 'reference'")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kwargs = dict(scale=scale, segment_ids=segment_ids, initial_state=initial_state)
-    # impl "auto" and "xla" both run the XLA forms until a Pallas kernel exists.
-    if mode == "recurrent":
+    if impl == "reference":
+        mode = "recurrent"
+    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
+        o, final = delta_rule_pallas(q, k, v, beta, g, **kwargs)
+    elif mode == "recurrent":
         o, final = delta_rule_recurrent(q, k, v, beta, g, **kwargs)
     elif mode == "chunk":
         o, final = delta_rule_chunk(q, k, v, beta, g, chunk_size=chunk_size, **kwargs)
@@ -54,4 +69,4 @@ def delta_rule(
     return o, (final.astype(jnp.float32) if output_final_state else None)
 
 
-__all__ = ["delta_rule", "delta_rule_step", "MODES", "IMPLS"]
+__all__ = ["delta_rule", "delta_rule_step", "delta_rule_pallas", "MODES", "IMPLS"]

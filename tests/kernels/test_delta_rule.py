@@ -132,7 +132,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="recurrent"):
         jax.eval_shape(partial(delta_rule, mode="fused"), *args)  # traces only: nothing compiles
     with pytest.raises(ValueError, match="xla"):
-        jax.eval_shape(partial(delta_rule, impl="pallas"), *args)
+        jax.eval_shape(partial(delta_rule, impl="triton"), *args)
     with pytest.raises(ValueError, match="chunk_size"):
         jax.eval_shape(partial(delta_rule, chunk_size=0), *args)
     assert jax.eval_shape(delta_rule, *args)[1] is None

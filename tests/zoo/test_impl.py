@@ -4,9 +4,10 @@ then token-by-token decode equals its full pass, a layer_pattern mixes impls per
 impl is a config error naming the dotted path.
 
 On CPU `impl: pallas` runs the kernels in interpret mode (kernels/*/pallas.py pick it off GPU). T = 21
-leaves ragged tails after the 16-token GLA/SSD chunks and the 8-token selective-scan chunks; the
-prefill of 17 tokens crosses one chunk, and the single-token steps run the kernels too for gla,
-retnet and linear_attention (mamba and mamba2 step with their plain step functions).
+leaves ragged tails after the 16-token GLA/SSD/delta-rule chunks and the 8-token selective-scan
+chunks; the prefill of 17 tokens crosses one chunk, and the single-token steps run the kernels too
+for gla, retnet, linear_attention, deltanet and gated_deltanet (mamba and mamba2 step with their
+plain step functions).
 """
 
 import jax
@@ -20,6 +21,8 @@ TINY = {
     "linear_attention": {"kind": "linear_attention", "num_heads": 2, "feature_map": "hedgehog"},
     "mamba": {"kind": "mamba", "state_size": 4},
     "mamba2": {"kind": "mamba2", "state_size": 8, "head_dim": 16, "num_groups": 2},
+    "deltanet": {"kind": "deltanet", "num_heads": 2},
+    "gated_deltanet": {"kind": "gated_deltanet", "num_heads": 2},
 }
 T, PREFILL = 21, 17
 

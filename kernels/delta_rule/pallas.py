@@ -1,0 +1,347 @@
+"""The (gated) delta rule in Pallas: DeltaNet (Yang et al., 2024, arXiv:2406.06484, sec. 3, the
+chunkwise WY/UT form) and Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, arXiv:2412.06464,
+sec. 3.3), forward and backward as Pallas kernels fused over chunks: one program per (value block,
+batch row, head) walks the sequence chunk by chunk with the (K, V) state on chip.
+
+Per chunk of C tokens entering with state S, with q' = scale q, G_i = sum of g over the chunk up to
+token i, Gamma_i = e^{G_i}, D_ij = e^{G_i - G_j} for j <= i (0 otherwise):
+
+    A = strict_tril(diag(beta) (K K^T ⊙ D))       M = (I + A)^{-1}      (unit lower-triangular)
+    W = M diag(beta Gamma) K,   U~ = M diag(beta) V,   U = U~ - W S           (the UT transform)
+    O = diag(Gamma) Q' S + (Q' K^T ⊙ D) U
+    S_next = Gamma_{C-1} S + (diag(D_{C-1,:}) K)^T U
+
+Backward, reverse over chunks carrying dS = dL/dS_next (dS_T: the final state's cotangent), with
+P = Q' K^T ⊙ D and S the chunk's start state:
+
+    dU = P^T dO + diag(D_{C-1,:}) K dS              dW = -dU S^T
+    dV~ = M^T dU (dv = beta dV~),   dK~ = M^T dW,   dA = -strict_tril(dV~ U~^T + dK~ W^T)
+    dS_prev = Gamma_{C-1} dS + (diag(Gamma) Q')^T dO - W^T dU           (dS_-1: d initial_state)
+
+then dq, dk, dbeta and dg by the chain rule through A, P, W, U~ and the decays (_bwd_kernel): with
+Z = dP ⊙ P + dA ⊙ A, the decay pairs give dG_i += sum_j Z_ij - sum_j Z_ji, and dg_t is the sum of
+dG_s over s >= t in t's chunk and document (the inverse of the chunk-local cumsum; terms of later
+documents cancel exactly, so they are left out), 0 at a document start where the gate multiplies a
+zero state.
+
+Memory: the backward needs each chunk's start state. Running the delta rule backwards would invert
+I - beta k k^T (singular at beta = 1), so a third kernel recomputes the states forward in the
+backward pass and writes them to HBM: (T / C) * K * V float32 per (batch row, head), alive only
+during the backward (as fla's chunk_gated_delta_rule_bwd, which recomputes h the same way). The
+residuals kept from forward to backward are the inputs only; M, W and U~ are recomputed per chunk.
+
+Code names: `N` = M^T (the inverse is built transposed, one column per step, by forward
+substitution, so no tile is transposed on chip), `E` = D masked to the chunk's documents, `cg` =
+c ⊙ Gamma (c_i: token i sees the incoming state), `kd` = D_{C-1,:} masked to the chunk's last
+document, `gamma` = the decay of S across the chunk, `Ut` = U~, `dVb`, `dKb` = dV~, dK~.
+
+Documents: doc(t) counts the document starts up to t; D, A, P are masked to doc(i) == doc(j); the
+incoming state reaches only tokens of the document of the token before the chunk (c), it survives
+the chunk only if no document starts in it, and only the chunk's last document writes the state.
+
+Backend. On GPU the kernels are lowered through Triton (pltriton.CompilerParams), for the reason
+kernels/attention/pallas.py and kernels/gla/pallas.py give: this plain-jnp grid + BlockSpec kernel
+does not lower to Mosaic GPU in jax 0.10.2 (no dot_general rule there), runs unchanged in interpret
+mode where the tests check it, and lets Triton pick the tensor-core instructions. Without a GPU,
+`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` checks that the three kernels lower
+to Triton IR; that Triton compiles and runs them is checked only by the tests marked gpu, not yet
+run. No TPU kernel: impl="auto" uses the XLA forms there.
+
+Departures from the papers and from fla:
+- one kernel per direction walks all chunks (fla: separate kernels for the UT transform, the
+  per-chunk states h, the output, and the WY backward, with A, w, u and h written to HBM);
+- M = (I + A)^{-1} by forward substitution over the whole C x C tile, C steps of C^2 on CUDA cores
+  (fla's solve_tril: 16 x 16 diagonal blocks by substitution, merged by matmuls);
+- dq, dk, dbeta, dg of each value block are partial sums, added over the value blocks in XLA (fla
+  sums over its value blocks the same way);
+- the chunk-local cumulative gates G are computed in XLA (as fla's chunk_local_cumsum);
+- T is padded to the chunk, K and V to powers of two >= 16 (Triton dots), with zero inputs, beta and
+  gates, which neither write nor decay the state; every dot casts its operands to the inputs' dtype
+  (bfloat16 inputs: M, W and the state enter the tensor cores in bfloat16, accumulating in float32).
+"""
+
+import dataclasses
+import functools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, Int
+
+from kernels.segments import document_index
+
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tokens per chunk (block_t) and value columns per program (block_v), powers of two >= 16, and
+    GPU launch knobs. Blocks larger than the padded sequence or value width are shrunk to it."""
+
+    block_t: int = 32
+    block_v: int = 64
+    num_warps: int | None = None  # None: 4 when K * block_v <= 64 * 64, else 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_t", "block_v"):
+            b = getattr(self, name)
+            if b < 16 or b & (b - 1):
+                raise ValueError(f"BlockSizes.{name}={b} must be a power of two >= 16")
+
+
+BLOCK_SIZES = {
+    # Not tuned (no GPU measurement yet). 32-token chunks keep the C-step substitution and the
+    # backward's (C, K) tiles small; fla uses 64.
+    "gpu": BlockSizes(block_t=32, block_v=64),
+    # Interpret mode (CPU): its cost is per step, so whole value widths.
+    "cpu": BlockSizes(block_t=16, block_v=128),
+}
+
+
+def default_block_sizes(backend: str | None = None) -> BlockSizes:
+    return BLOCK_SIZES.get(backend or jax.default_backend(), BLOCK_SIZES["cpu"])
+
+
+def supports(q, k, v) -> bool:
+    """Whether impl="auto" runs the kernels on GPU: float dtypes, head dims <= 256 and more than 16
+    tokens (a decode step is cheaper in XLA than a launch per head). A heuristic, not measured."""
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+    return (all(x.dtype in dtypes for x in (q, k, v)) and max(q.shape[-1], v.shape[-1]) <= 256
+            and q.shape[1] > 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    block_t: int
+    block_v: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+    dtype: str  # operand dtype of the dots (the inputs')
+    exact: bool  # float32 inputs: full-precision dots (no TF32) on GPU
+
+
+def _dot(a, b, dims, cfg):
+    """a @ b contracting a's axis dims[0] with b's axis dims[1] (2-D), float32 result."""
+    precision = lax.Precision.HIGHEST if cfg.exact else lax.Precision.DEFAULT
+    a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
+    return lax.dot_general(a, b, (((dims[0],), (dims[1],)), ((), ())), precision=precision,
+                           preferred_element_type=f32)
+
+
+def _iota(shape, axis):
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _inverse_t(A):
+    """N = ((I + A)^{-1})^T for a strictly lower-triangular (C, C) tile A. Row i of M = (I + A)^{-1}
+    is e_i - sum_{j < i} A_ij M_j: forward substitution, written into column i of N."""
+    C = A.shape[0]
+
+    def row(i, N):
+        a = jnp.sum(jnp.where(_iota((C, C), 0) == i, A, 0.0), axis=0, keepdims=True)  # (1, C): A_i
+        m = jnp.where(_iota((C, 1), 0) == i, 1.0, 0.0) - jnp.sum(N * a, axis=1, keepdims=True)  # (C, 1)
+        return jnp.where(_iota((C, C), 1) == i, m, N)
+
+    return lax.fori_loop(0, C, row, jnp.zeros((C, C), f32))
+
+
+def _chunk(n, refs, cfg):
+    """Chunk n's inputs and the state-independent terms of the docstring (all float32)."""
+    q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, prev_ref = refs
+    C = cfg.block_t
+    t0 = pl.multiple_of(n * C, C)
+    sl = pl.ds(t0, C)
+    c = SimpleNamespace(sl=sl, q=q_ref[sl, :].astype(f32) * cfg.scale, k=k_ref[sl, :].astype(f32),
+                        v=v_ref[sl, :].astype(f32), beta=beta_ref[sl], G=g_ref[sl], doc=doc_ref[sl])
+    G, doc = c.G, c.doc
+    state_doc, doc_last = jnp.min(prev_ref[sl]), jnp.max(doc)  # documents of token t0 - 1 and t0 + C - 1
+    G_last = jnp.sum(jnp.where(_iota((C,), 0) == C - 1, G, 0.0))
+    c.vis = (_iota((C, C), 0) >= _iota((C, C), 1)) & (doc[:, None] == doc[None, :])  # key j seen by query i
+    c.strict = c.vis & (_iota((C, C), 0) != _iota((C, C), 1))
+    c.E = jnp.where(c.vis, jnp.exp(jnp.where(c.vis, G[:, None] - G[None, :], 0.0)), 0.0)  # masked before exp
+    c.KK = _dot(c.k, c.k, (1, 1), cfg)  # (C, C)
+    c.A = jnp.where(c.strict, c.beta[:, None] * c.KK * c.E, 0.0)
+    c.N = _inverse_t(c.A)
+    c.cg = jnp.where(doc == state_doc, jnp.exp(G), 0.0)  # (C,)
+    last = doc == doc_last
+    c.kd = jnp.where(last, jnp.exp(jnp.where(last, G_last - G, 0.0)), 0.0)  # (C,)
+    c.gamma = jnp.where(doc_last == state_doc, jnp.exp(G_last), 0.0)  # scalar
+    c.start = doc != prev_ref[sl]  # (C,): a document starts here
+    c.Ut = _dot(c.N, c.beta[:, None] * c.v, (0, 0), cfg)  # (C, bv): M diag(beta) V
+    c.Kb = (c.beta * c.cg)[:, None] * c.k  # (C, K)
+    c.W = _dot(c.N, c.Kb, (0, 0), cfg)  # (C, K)
+    return c
+
+
+def _fwd_kernel(*refs, cfg, states):
+    """With states=False writes o (Tp, bv); with states=True the state entering each chunk
+    (N*K, bv) instead. Both write the final state."""
+    ins, s0_ref, out_ref, st_ref = refs[:7], refs[7], refs[8], refs[9]
+    K = ins[0].shape[1]
+
+    def chunk(n, S):  # S (K, bv): the state entering chunk n
+        c = _chunk(n, ins, cfg)
+        U = c.Ut - _dot(c.W, S, (1, 0), cfg)  # (C, bv)
+        if states:
+            out_ref[pl.ds(pl.multiple_of(n * K, K), K), :] = S
+        else:
+            P = _dot(c.q, c.k, (1, 1), cfg) * c.E
+            o = _dot(c.cg[:, None] * c.q, S, (1, 0), cfg) + _dot(P, U, (1, 0), cfg)
+            out_ref[c.sl, :] = o.astype(out_ref.dtype)
+        return c.gamma * S + _dot(c.kd[:, None] * c.k, U, (0, 0), cfg)
+
+    st_ref[...] = lax.fori_loop(0, ins[0].shape[0] // cfg.block_t, chunk, s0_ref[...])
+
+
+def _bwd_kernel(*refs, cfg):
+    ins, h_ref, do_ref, dst_ref = refs[:7], refs[7], refs[8], refs[9]
+    dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, ds0_ref = refs[10:]
+    C, K = cfg.block_t, ins[0].shape[1]
+    num_chunks = ins[0].shape[0] // C
+
+    def chunk(i, dS):  # dS (K, bv): dL/dS at the end of chunk n
+        n = num_chunks - 1 - i
+        c = _chunk(n, ins, cfg)
+        S = h_ref[pl.ds(pl.multiple_of(n * K, K), K), :]  # (K, bv): the state entering chunk n
+        U = c.Ut - _dot(c.W, S, (1, 0), cfg)
+        do = do_ref[c.sl, :]
+        QK = _dot(c.q, c.k, (1, 1), cfg)  # (C, C)
+        kdk = c.kd[:, None] * c.k
+        dU = _dot(QK * c.E, do, (0, 0), cfg) + _dot(kdk, dS, (1, 0), cfg)  # (C, bv)
+        dW = -_dot(dU, S, (1, 1), cfg)  # (C, K)
+        dVb, dKb = _dot(c.N, dU, (1, 0), cfg), _dot(c.N, dW, (1, 0), cfg)  # M^T dU, M^T dW
+        dA = -jnp.where(c.strict, _dot(dVb, c.Ut, (1, 1), cfg) + _dot(dKb, c.W, (1, 1), cfg), 0.0)
+        dQK = _dot(do, U, (1, 1), cfg) * c.E  # dL/d(Q' K^T)
+        dKK = dA * c.beta[:, None] * c.E  # dL/d(K K^T) through A
+        dQs, dKd = _dot(do, S, (1, 1), cfg), _dot(U, dS, (1, 1), cfg)  # (C, K) each
+        dq_ref[c.sl, :] = (_dot(dQK, c.k, (1, 0), cfg) + c.cg[:, None] * dQs) * cfg.scale
+        dk_ref[c.sl, :] = (_dot(dQK, c.q, (0, 0), cfg) + _dot(dKK, c.k, (1, 0), cfg) + _dot(dKK, c.k, (0, 0), cfg)
+                           + (c.beta * c.cg)[:, None] * dKb + c.kd[:, None] * dKd)
+        dv_ref[c.sl, :] = (c.beta[:, None] * dVb).astype(dv_ref.dtype)
+        kdKb = jnp.sum(c.k * dKb, axis=1)  # (C,)
+        dbeta_ref[c.sl] = jnp.sum(dA * c.KK * c.E, axis=1) + c.cg * kdKb + jnp.sum(c.v * dVb, axis=1)
+        Z = dQK * QK + dKK * c.KK  # (C, C): dL/dD ⊙ D
+        X = c.kd * jnp.sum(c.k * dKd, axis=1)  # (C,): through D_{C-1,j}
+        to_last = jnp.sum(X) + c.gamma * jnp.sum(dS * S)
+        dG = (jnp.sum(Z, axis=1) - jnp.sum(Z, axis=0) + c.cg * jnp.sum(c.q * dQs, axis=1) + c.cg * c.beta * kdKb
+              - X + jnp.where(_iota((C,), 0) == C - 1, to_last, 0.0))  # (C,): dL/dG
+        dg = jnp.sum(jnp.where(c.vis, dG[:, None], 0.0), axis=0)  # sum over s >= t in t's document
+        dg_ref[c.sl] = jnp.where(c.start, 0.0, dg)
+        return c.gamma * dS + _dot(c.cg[:, None] * c.q, do, (0, 0), cfg) - _dot(c.W, dU, (0, 0), cfg)
+
+    ds0_ref[...] = lax.fori_loop(0, num_chunks, chunk, dst_ref[...])
+
+
+def _specs(cfg, q, v):
+    """BlockSpecs over the grid (value block, batch row, head)."""
+    Tp, H, K = q.shape[1:]
+    bv = cfg.block_v
+    num_chunks = Tp // cfg.block_t
+    return SimpleNamespace(
+        grid=(v.shape[3] // bv, q.shape[0], H),
+        qk=pl.BlockSpec((None, Tp, None, K), lambda j, b, h: (b, 0, h, 0)),
+        v=pl.BlockSpec((None, Tp, None, bv), lambda j, b, h: (b, 0, h, j)),
+        tok=pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0)),  # beta, g: (B, H, Tp)
+        row=pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),  # doc, prev: (B, Tp)
+        st=pl.BlockSpec((None, None, K, bv), lambda j, b, h: (b, h, 0, j)),
+        h=pl.BlockSpec((None, None, num_chunks * K, bv), lambda j, b, h: (b, h, 0, j)),
+        part_qk=pl.BlockSpec((None, None, Tp, None, K), lambda j, b, h: (j, b, 0, h, 0)),
+        part_tok=pl.BlockSpec((None, None, None, Tp), lambda j, b, h: (j, b, h, 0)))
+
+
+def _call(kernel, cfg, s, in_specs, out_specs, out_shape, name, *args):
+    return pl.pallas_call(
+        kernel, grid=s.grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=cfg.interpret, name=name,
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(*args)
+
+
+def _forward(q, k, v, beta, G, doc, prev, s0, cfg, states=False):
+    """(o or the per-chunk start states (B, H, N*K, V), final state)."""
+    s = _specs(cfg, q, v)
+    B, Tp, H, K = q.shape
+    out = ((s.h, jax.ShapeDtypeStruct((B, H, Tp // cfg.block_t * K, v.shape[3]), f32)) if states
+           else (s.v, jax.ShapeDtypeStruct(v.shape, q.dtype)))
+    return _call(functools.partial(_fwd_kernel, cfg=cfg, states=states), cfg, s,
+                 [s.qk, s.qk, s.v, s.tok, s.tok, s.row, s.row, s.st], [out[0], s.st],
+                 [out[1], jax.ShapeDtypeStruct(s0.shape, f32)],
+                 "delta_rule_states" if states else "delta_rule_fwd", q, k, v, beta, G, doc, prev, s0)
+
+
+def _local_cumsum(g, cfg):
+    """G: g (B, H, Tp) summed from each chunk's start."""
+    B, H, Tp = g.shape
+    return jnp.cumsum(g.reshape(B, H, Tp // cfg.block_t, cfg.block_t), axis=-1).reshape(B, H, Tp)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _delta_rule(q, k, v, beta, g, doc, prev, s0, cfg):
+    return _forward(q, k, v, beta, _local_cumsum(g, cfg), doc, prev, s0, cfg)
+
+
+def _delta_rule_fwd(q, k, v, beta, g, doc, prev, s0, cfg):
+    G = _local_cumsum(g, cfg)
+    return _forward(q, k, v, beta, G, doc, prev, s0, cfg), (q, k, v, beta, G, doc, prev, s0)
+
+
+def _delta_rule_bwd(cfg, res, cts):
+    q, k, v, beta, G, doc, prev, s0 = res
+    do, dst = cts
+    h, _ = _forward(q, k, v, beta, G, doc, prev, s0, cfg, states=True)
+    s = _specs(cfg, q, v)
+    part_qk = jax.ShapeDtypeStruct((s.grid[0], *q.shape), f32)
+    part_tok = jax.ShapeDtypeStruct((s.grid[0], *beta.shape), f32)
+    dq, dk, dv, dbeta, dg, ds0 = _call(
+        functools.partial(_bwd_kernel, cfg=cfg), cfg, s,
+        [s.qk, s.qk, s.v, s.tok, s.tok, s.row, s.row, s.h, s.v, s.st],
+        [s.part_qk, s.part_qk, s.v, s.part_tok, s.part_tok, s.st],
+        [part_qk, part_qk, jax.ShapeDtypeStruct(v.shape, v.dtype), part_tok, part_tok,
+         jax.ShapeDtypeStruct(s0.shape, f32)],
+        "delta_rule_bwd", q, k, v, beta, G, doc, prev, h, do.astype(q.dtype), dst)
+    # Partial sums over the value blocks.
+    return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv, dbeta.sum(0), dg.sum(0), None, None, ds0)
+
+
+_delta_rule.defvjp(_delta_rule_fwd, _delta_rule_bwd)
+
+
+def delta_rule_pallas(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
+                      beta: Float[Array, "B T H"], g: Float[Array, "B T H"] | None = None, *, scale: float,
+                      segment_ids: Int[Array, "B T"] | None = None,
+                      initial_state: Float[Array, "B H K V"] | None = None,
+                      block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+    """Same function as delta_rule_recurrent, differentiable in q, k, v, beta, g and initial_state.
+    Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32). g None: plain
+    DeltaNet. interpret=None: interpret mode everywhere but on GPU."""
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    if (k.shape != q.shape or v.shape[:3] != (B, T, H) or beta.shape != (B, T, H)
+            or (g is not None and g.shape != (B, T, H))):
+        raise ValueError(f"delta_rule_pallas: expected q, k (B, T, H, K), v (B, T, H, V), beta and g (B, T, H); "
+                         f"got q {q.shape}, k {k.shape}, v {v.shape}, beta {beta.shape}, "
+                         f"g {None if g is None else g.shape}")
+    backend = jax.default_backend()
+    blocks = block_sizes or default_block_sizes(backend)
+    Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
+    C, bv = min(blocks.block_t, max(16, pl.next_power_of_2(T))), min(blocks.block_v, Vp)
+    Tp = -(-T // C) * C
+    cfg = _Config(scale=float(scale), block_t=C, block_v=bv,
+                  num_warps=blocks.num_warps or (4 if Kp * bv <= 64 * 64 else 8), num_stages=blocks.num_stages,
+                  interpret=backend != "gpu" if interpret is None else interpret,
+                  dtype=jnp.dtype(q.dtype).name, exact=q.dtype == f32)
+    pad = lambda x, d: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, d - x.shape[3])))  # (B, Tp, H, d)
+    tok = lambda x: jnp.pad(jnp.swapaxes(x.astype(f32), 1, 2), ((0, 0), (0, 0), (0, Tp - T)))  # (B, H, Tp)
+    g = jnp.zeros((B, H, Tp), f32) if g is None else tok(g)
+    doc = jnp.pad(document_index(segment_ids, B, T), ((0, 0), (0, Tp - T)), mode="edge")  # (B, Tp)
+    prev = jnp.pad(doc[:, :-1], ((0, 0), (1, 0)))  # the document of the token before
+    s0 = (jnp.zeros((B, H, Kp, Vp), f32) if initial_state is None else
+          jnp.pad(initial_state.astype(f32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V))))
+    o, st = _delta_rule(pad(q, Kp), pad(k, Kp), pad(v, Vp), tok(beta), g, doc, prev, s0, cfg)
+    return o[:, :T, :, :V], st[:, :, :K, :V]
