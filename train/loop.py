@@ -152,7 +152,7 @@ def _layer_metrics(layers: dict) -> dict:
 def redraw_features(graphdef, params, rest, key):
     """New random features in every layer that has them (Performer); returns the new `rest`."""
     model = nnx.merge(graphdef, params, rest, copy=True)  # leave the caller's `rest` untouched
-    found = [m for _, m in model.iter_modules() if getattr(m, "feature_map", None) == "performer"]
+    found = [m for _, m in nnx.iter_modules(model) if getattr(m, "feature_map", None) == "performer"]
     for i, m in enumerate(found):
         m.redraw_features(jax.random.fold_in(key, i))
     return nnx.split(model, nnx.Param, ...)[2]
