@@ -19,7 +19,7 @@ train: $(STAMP)
 	$(PY) -m infer runs/transformer --prompt "ROMEO:" --max-new-tokens 300 --top-k 40
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -20,7 +20,6 @@ import yaml
 from tests.train.sharding_check import config
 from zoo.config import MeshConfig, to_dict
 
-pytestmark = pytest.mark.xdist_group("sharding")  # one worker, so the subprocesses run once
 ROOT = Path(__file__).parents[2]
 TOL = 1e-5  # relative difference of float32 losses
 # Faster compiles of the tiny models (both sides of every comparison compile alike).
@@ -33,7 +32,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")  # session: pytest-xdist may interleave other modules between its tests
+@pytest.fixture(scope="module")  # `make test` distributes by file: one worker, one run of the subprocesses
 def results(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": FAST}
     procs = {}
