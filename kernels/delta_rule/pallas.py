@@ -71,26 +71,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from kernels.gla.pallas import BlockSizes  # the same knobs: tokens per chunk, value columns per program
 from kernels.segments import document_index
 
 f32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tokens per chunk (block_t) and value columns per program (block_v), powers of two >= 16, and
-    GPU launch knobs. Blocks larger than the padded sequence or value width are shrunk to it."""
-
-    block_t: int = 32
-    block_v: int = 64
-    num_warps: int | None = None  # None: 4 when K * block_v <= 64 * 64, else 8
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_t", "block_v"):
-            b = getattr(self, name)
-            if b < 16 or b & (b - 1):
-                raise ValueError(f"BlockSizes.{name}={b} must be a power of two >= 16")
 
 
 BLOCK_SIZES = {
