@@ -29,7 +29,6 @@ Departures from the paper, named:
   W_K, W_V, W_G; flash-linear-attention uses it for W_O as well, and so do we), no biases.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
