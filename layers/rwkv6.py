@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
+from kernels import check_impl
 from kernels.segments import document_starts
 from kernels.wkv6 import wkv6
 
@@ -97,20 +98,24 @@ def check_mode(mode: str, chunk_size: int, modes=("recurrent", "chunk", "paralle
 class RWKV6TimeMix(nnx.Module):
     """The RWKV-6 time-mixing block (the sequence mixer). `mode` ("chunk", "recurrent" or "parallel")
     picks the WKV6 algorithm of __call__; decode uses "chunk" for T > 1 and the recurrence for T = 1.
+    `impl` ("auto", "reference", "xla", "pallas") picks the op's implementation on every path
+    (kernels/wkv6: "pallas" runs the GLA Pallas kernels on shifted inputs; an error on TPU).
     `layer_id` (default 0) and `num_layers` (default 1) only shape the official depth-dependent
     initialisation. State: the previous token (B, D) and the WKV state (B, H, K, K), both float32."""
 
     def __init__(self, d_model: int, *, head_dim: int = 64, layer_id: int = 0, num_layers: int = 1,
                  mix_lora_dim: int = 32, decay_lora_dim: int = 64, mode: str = "chunk", chunk_size: int = 64,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if head_dim < 1 or d_model % head_dim:
             raise ValueError(f"head_dim={head_dim} does not divide d_model={d_model}")
         if mix_lora_dim < 1 or decay_lora_dim < 1:
             raise ValueError(f"mix_lora_dim={mix_lora_dim} and decay_lora_dim={decay_lora_dim} must be >= 1")
         check_mode(mode, chunk_size)
+        check_impl(impl, "RWKV6TimeMix")
         r0, r1 = depth_ratios(layer_id, num_layers)
         D, H = d_model, d_model // head_dim
         self.num_heads, self.head_dim, self.mode, self.chunk_size, self.dtype = H, head_dim, mode, chunk_size, dtype
+        self.impl = impl
         self.eps = 1e-5 * head_dim
         ddd = np.arange(D) / D  # the constant inits in numpy, cast once by `param`
         n = np.arange(D) / max(D - 1, 1)
@@ -161,7 +166,8 @@ class RWKV6TimeMix(nnx.Module):
         g = jax.nn.silu(xg @ p(self.w_g))
         d = self.decay_base[...] + (jnp.tanh(xw @ p(self.decay_a)) @ p(self.decay_b)).astype(jnp.float32)
         o, wkv = wkv6(r, k, v, heads(-jnp.exp(d)), self.bonus[...], segment_ids=segment_ids,
-                      initial_state=state.wkv, output_final_state=True, mode=mode, chunk_size=self.chunk_size)
+                      initial_state=state.wkv, output_final_state=True, mode=mode, chunk_size=self.chunk_size,
+                      impl=self.impl)
         o = head_group_norm(o, self.ln_weight[...], self.ln_bias[...], self.eps).astype(dt)
         return (o * g) @ p(self.w_o), RWKVTimeMixState(shift=last, wkv=wkv)
 

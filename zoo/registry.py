@@ -247,6 +247,7 @@ class RWKV6Config(Kind):
     decay_lora_dim: int = 64
     mode: Mode = "chunk"
     chunk_size: int = 64
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,24 @@ State (B, H, K, V) float32. The op takes log w_t <= 0 (the model's w_t = exp(-ex
 Modes: "recurrent" (reference.py, a lax.scan), "chunk" (chunk.py, the stable chunkwise form) and
 "parallel" (parallel.py, the masked quadratic form over the whole sequence, built from the same
 stable scores: O(T^2) work and O(T (16 + T/16) K) memory per head, no scan).
+
+impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan whatever the mode;
+"pallas" the GLA Pallas kernels on shifted inputs (pallas.py; interpret mode on CPU, meant for
+tests; no TPU kernel, an error there); "auto" those kernels on GPU when kernels.AUTO_PALLAS is set
+and they support the call, the XLA form elsewhere. This function is the one dispatch point.
 """
 
+import jax
 from jaxtyping import Array, Float, Int
 
+from kernels import AUTO_PALLAS, IMPLS, check_impl
+from kernels.gla.pallas import supports
 from kernels.wkv6.chunk import wkv6_chunk
 from kernels.wkv6.parallel import wkv6_parallel
+from kernels.wkv6.pallas import wkv6_pallas
 from kernels.wkv6.reference import wkv6_recurrent, wkv6_step
 
 MODES = ("recurrent", "chunk", "parallel")
-IMPLS = ("auto", "xla")
 
 
 def wkv6(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -26,16 +34,18 @@ def wkv6(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array,
     """Returns (o (B, T, H, V) in r's dtype, final state (B, H, K, V) float32 or None)."""
     if mode not in MODES:
         raise ValueError(f"wkv6: unknown mode {mode!r}; modes: {MODES}")
-    if impl not in IMPLS:
-        raise ValueError(f"wkv6: unknown impl {impl!r}; impls: {IMPLS}")
+    check_impl(impl, "wkv6")
     if chunk_size < 1:
         raise ValueError(f"wkv6: chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K = r.shape
     if k.shape != r.shape or log_w.shape != r.shape or v.shape[:3] != (B, T, H) or u.shape != (H, K):
         raise ValueError(f"wkv6: shapes r{r.shape} k{k.shape} v{v.shape} log_w{log_w.shape} u{u.shape} do not "
                          "match r, k, log_w (B, T, H, K), v (B, T, H, V), u (H, K)")
-    # The one dispatch point: only XLA forms exist so far, so "auto" and "xla" pick the same.
-    if mode == "recurrent":
+    pallas = impl == "pallas" or (impl == "auto" and AUTO_PALLAS and jax.default_backend() == "gpu"
+                                  and supports(r, k, v))
+    if pallas:
+        o, state = wkv6_pallas(r, k, v, log_w, u, segment_ids=segment_ids, initial_state=initial_state)
+    elif mode == "recurrent" or impl == "reference":
         o, state = wkv6_recurrent(r, k, v, log_w, u, segment_ids=segment_ids, initial_state=initial_state)
     elif mode == "parallel":
         o, state = wkv6_parallel(r, k, v, log_w, u, segment_ids=segment_ids, initial_state=initial_state)
@@ -45,4 +55,4 @@ def wkv6(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array,
     return o, (state if output_final_state else None)
 
 
-__all__ = ["wkv6", "wkv6_step", "wkv6_recurrent", "wkv6_chunk", "wkv6_parallel", "MODES", "IMPLS"]
+__all__ = ["wkv6", "wkv6_step", "wkv6_recurrent", "wkv6_chunk", "wkv6_parallel", "wkv6_pallas", "MODES", "IMPLS"]

@@ -55,6 +55,20 @@ def test_pallas_equals_reference_and_decodes(kind):
     assert_close(pieces, full, 1e-4, f"{kind}: impl=pallas prefill + steps vs full pass")
 
 
+def test_rwkv6_pallas_equals_reference_and_decodes():
+    """RWKV-6's official init zeroes W_o (every output 0), so both models get the same noisy weights."""
+    from tests.layers.test_rwkv6 import perturbed
+
+    mixer = {"kind": "rwkv6", "head_dim": 16, "mix_lora_dim": 4, "decay_lora_dim": 4}
+    pallas, reference = (perturbed(tiny_model({**mixer, "impl": impl}, num_layers=1)) for impl in ("pallas", "reference"))
+    tokens = _tokens()
+    assert _runs_pallas(lambda t: pallas(t), tokens) and not _runs_pallas(lambda t: reference(t), tokens)
+    full = forward(pallas, tokens)
+    assert_close(full, forward(reference, tokens), 1e-4, "rwkv6: impl=pallas vs reference")
+    pieces, _ = decode_in_pieces(pallas, tokens, cuts=list(range(PREFILL, T)))
+    assert_close(pieces, full, 1e-4, "rwkv6: impl=pallas prefill + steps vs full pass")
+
+
 def test_layer_pattern_mixes_impls():
     pattern = [{**TINY["gla"], "impl": "pallas"}, {**TINY["mamba2"], "impl": "xla"}]
     mixed = tiny_model(layer_pattern=pattern)
