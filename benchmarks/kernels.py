@@ -1,6 +1,6 @@
 """Pallas kernels against the machine's ceilings and against the XLA / vendor forms, one table.
 
-    python -m benchmarks.kernels [--kernels flash_attention gla delta_rule selective_scan] [--lengths 1024 ...]
+    python -m benchmarks.kernels [--kernels flash_attention gla delta_rule selective_scan wkv6] [--lengths 1024 ...]
 
 First the ceilings: a large bfloat16 matmul (TFLOP/s) and a large elementwise copy (GB/s read +
 written). Then every entry of KERNELS: it checks its kernel against the reference (max relative
@@ -9,8 +9,8 @@ forward+backward (jitted, median of 5 after a compile), printing TFLOP/s and % o
 matmul rate, or for memory-bound kernels (selective scan) GB/s of compulsory traffic and % of the
 measured copy rate. A measurement that fails (out of memory, no cuDNN, ...) prints its error in
 its row instead of stopping the run. On GPU it is sized to finish in under 5 minutes on one H200
-(an estimate made for flash_attention alone, compiles dominating; the gla, delta_rule and
-selective_scan entries are not estimated; nothing here has run on a GPU yet).
+(an estimate made for flash_attention alone, compiles dominating; the gla, delta_rule,
+selective_scan and wkv6 entries are not estimated; nothing here has run on a GPU yet).
 
 Without a GPU it is a smoke run: tiny shapes, the kernels in Pallas interpret mode, so the numbers
 only show that the script works.
@@ -32,6 +32,7 @@ from kernels.attention import attention_reference, flash_attention
 from kernels.delta_rule import delta_rule
 from kernels.gla import gla
 from kernels.selective_scan import selective_scan
+from kernels.wkv6 import wkv6
 
 COLUMNS = ["kernel", "impl", "T", "pass", "ms", "TFLOP/s", "% matmul", "GB/s", "% copy", "max rel err"]
 
@@ -226,8 +227,35 @@ def bench_selective_scan(ceil: Ceilings, smoke: bool, lengths: list[int]) -> lis
     return rows
 
 
+def bench_wkv6(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
+    """RWKV-6's WKV6, bf16 (float32 in the smoke run), B=4, H=16, K=V=128: the GLA Pallas kernels on
+    shifted inputs against the XLA chunk form, forward and forward+backward (gradients w.r.t. r, k, v,
+    log w, u)."""
+    B, H, D, dtype = (1, 2, 16, jnp.float32) if smoke else (4, 16, 128, jnp.bfloat16)
+    max_ref_T = 2048  # the reference scan's backward keeps every step's (B, H, K, V) state
+    rows = []
+    for n, T in enumerate(lengths):
+        keys = jax.random.split(jax.random.key(T), 6)
+        r, k, v, do = (jax.random.normal(key, (B, T, H, D), dtype) for key in keys[:4])
+        log_w = (-jnp.exp(jax.random.normal(keys[4], (B, T, H, D), jnp.float32) - 2)).astype(dtype)
+        u = 0.1 * jax.random.normal(keys[5], (H, D), jnp.float32)
+        args = (r, k, v, log_w, u)
+        impls = {"pallas": partial(wkv6, impl="pallas"), "xla chunk": partial(wkv6, impl="xla", mode="chunk")}
+        flops = 4 * B * T * H * D * D  # as GLA: r S and k^T v per token and head
+        for impl, op in impls.items():
+            f = lambda r, k, v, log_w, u, op=op: op(r, k, v, log_w, u)[0]
+            row = {"kernel": "wkv6", "impl": impl, "T": T}
+            if n == 0 and T <= max_ref_T:
+                ref = lambda r, k, v, log_w, u: wkv6(r, k, v, log_w, u, impl="reference")[0]
+                row["max rel err"] = f"{_check(f, ref, args, do):.1e}"
+            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), args, flops, ceil))
+            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), args, 3.5 * flops, ceil))
+            _print(rows[-2:])
+    return rows
+
+
 KERNELS = {"flash_attention": bench_flash_attention, "gla": bench_gla, "delta_rule": bench_delta_rule,
-           "selective_scan": bench_selective_scan}
+           "selective_scan": bench_selective_scan, "wkv6": bench_wkv6}
 
 
 def main():
