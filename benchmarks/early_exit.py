@@ -39,8 +39,7 @@ def teacher_forced(graphdef, params, tokens, threshold, *, measure: str, propaga
     """Chosen logits (B, T, V) and layers used (B, T) when feeding `tokens` one at a time."""
     model = nnx.merge(graphdef, params)
     model.eval()
-    rule = lambda j, h, h_prev, z: ((early_exit.confidence(model, measure, j, h, h_prev, z) >= threshold)
-                                    & (threshold < 1))
+    rule = early_exit.confident(model, measure, threshold)
 
     def step(state, tok):
         logits, used, state = early_exit.exit_pass(model, tok[:, None], state, stop_rule=rule, freeze=propagate)

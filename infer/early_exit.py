@@ -48,11 +48,18 @@ def confidence(model, measure: str, j: int, h, h_prev, logits):
     return jax.nn.sigmoid(model.exit_classifier_logits(j, h[:, None])[:, 0])
 
 
+def confident(model, measure: str, threshold):
+    """The stop rule of exit_pass: a row stops at exit j when its confidence reaches the threshold
+    (threshold 1 never stops; 0 always does)."""
+    return lambda j, h, h_prev, logits: (confidence(model, measure, j, h, h_prev, logits) >= threshold) & (threshold < 1)
+
+
 def threshold_at(threshold, decay: float, t, n: int):
-    """CALM's decaying threshold for the t-th generated token of n (decay 0: constant)."""
+    """CALM's decaying threshold for the t-th generated token of n (decay 0: constant); a threshold
+    of 1 stays 1 (never exit)."""
     if decay == 0:
         return threshold
-    return jnp.clip((9 * threshold + jnp.exp(-decay * t / n)) / 10, 0, 1)
+    return jnp.where(threshold < 1, jnp.clip((9 * threshold + jnp.exp(-decay * t / n)) / 10, 0, 1), threshold)
 
 
 def exit_pass(model, tokens, state, *, stop_rule, segment_ids=None, freeze: bool = True, skip: bool = False):
@@ -103,7 +110,7 @@ def prompt_depth(model, tokens, segment_ids, measure: str, threshold):
         h, prev = hidden[j], hidden[j - 1] if j else h_prev
         conf = confidence(model, measure, j, flat(h), flat(prev), flat(model.exit_logits(j, h))).reshape(B, T)
         mean = jnp.sum(conf * mask, -1) / jnp.sum(mask, -1)
-        depth = jnp.where((mean >= threshold) & (threshold < 1), model.exit_layers[j], depth)
+        depth = jnp.where((mean >= threshold) & (threshold < 1), model.exit_layers[j], depth)  # as `confident`
     return depth
 
 

@@ -78,9 +78,8 @@ def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, st
             depth = early_exit.prompt_depth(model, tokens, segment_ids, exits.measure, threshold)
             rule = lambda i: lambda j, h, h_prev, z: depth == model.exit_layers[j]
         else:
-            rule = lambda i: lambda j, h, h_prev, z: (
-                (early_exit.confidence(model, exits.measure, j, h, h_prev, z)
-                 >= early_exit.threshold_at(threshold, exits.decay, i, max_new_tokens)) & (threshold < 1))
+            rule = lambda i: early_exit.confident(
+                model, exits.measure, early_exit.threshold_at(threshold, exits.decay, i, max_new_tokens))
 
         def step(last, state, i):
             logits, used, state = early_exit.exit_pass(model, last[:, None], state, stop_rule=rule(i),

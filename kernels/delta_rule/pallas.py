@@ -71,7 +71,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from kernels.gla.pallas import BlockSizes  # the same knobs: tokens per chunk, value columns per program
+# The same block knobs, dot and iota helpers, and auto-dispatch rule as the GLA kernels.
+from kernels.gla.pallas import BlockSizes, _dot, _iota, supports  # noqa: F401 (supports: re-exported)
 from kernels.segments import document_index
 
 f32 = jnp.float32
@@ -90,14 +91,6 @@ def default_block_sizes(backend: str | None = None) -> BlockSizes:
     return BLOCK_SIZES.get(backend or jax.default_backend(), BLOCK_SIZES["cpu"])
 
 
-def supports(q, k, v) -> bool:
-    """Whether impl="auto" runs the kernels on GPU: float dtypes, head dims <= 256 and more than 16
-    tokens (a decode step is cheaper in XLA than a launch per head). A heuristic, not measured."""
-    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
-    return (all(x.dtype in dtypes for x in (q, k, v)) and max(q.shape[-1], v.shape[-1]) <= 256
-            and q.shape[1] > 16)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Config:
     scale: float
@@ -108,18 +101,6 @@ class _Config:
     interpret: bool
     dtype: str  # operand dtype of the dots (the inputs')
     exact: bool  # float32 inputs: full-precision dots (no TF32) on GPU
-
-
-def _dot(a, b, dims, cfg):
-    """a @ b contracting a's axis dims[0] with b's axis dims[1] (2-D), float32 result."""
-    precision = lax.Precision.HIGHEST if cfg.exact else lax.Precision.DEFAULT
-    a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
-    return lax.dot_general(a, b, (((dims[0],), (dims[1],)), ((), ())), precision=precision,
-                           preferred_element_type=f32)
-
-
-def _iota(shape, axis):
-    return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
 def _inverse_t(A):
