@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
+from kernels import check_impl
 from kernels.attention import attention
 from kernels.segments import document_starts, positions_in_document
 from layers.rotary import apply_rotary
@@ -41,6 +42,7 @@ class Attention(nnx.Module):
     def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
                  head_dim: int | None = None, window: int | None = None, rope_base: float = 10000.0,
                  impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+        check_impl(impl, "Attention")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None and d_model % num_heads:
             raise ValueError(f"num_heads={num_heads} does not divide d_model={d_model}")

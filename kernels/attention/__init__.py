@@ -1,22 +1,21 @@
 """Softmax attention: one entry point, implementations chosen by `impl`.
 
 - "reference" / "xla": the XLA form in reference.py (materialises the (T, S) scores);
-- "pallas": the flash-attention kernel in pallas.py (Triton-lowered on GPU, interpret mode on CPU,
-  which is slow and meant for tests; no TPU kernel yet, so it is an error there);
-- "auto": the Pallas kernel on GPU when pallas.supports() the call (not decode-sized calls of
-  T <= 16 queries), the XLA reference elsewhere (on CPU the reference is the fast form; on TPU it
-  is the only one so far).
+- "pallas": the flash-attention kernels of kernels.pallas_platform(): pallas.py (Triton) on GPU,
+  pallas_tpu.py (Mosaic TPU) on TPU; interpret mode on CPU, which is slow and meant for tests;
+- "auto": the Pallas kernels on GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the
+  call (not decode-sized calls of T <= 16 queries), the XLA reference elsewhere (on CPU the
+  reference is the fast form).
 """
 
-import jax
-
-from kernels import AUTO_PALLAS
+from kernels import pallas_platform, use_pallas
 from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention, supports
+from kernels.attention.pallas_tpu import flash_attention_tpu
 from kernels.attention.reference import attention_reference
 
 IMPLS = ("auto", "reference", "xla", "pallas")
 
-__all__ = ["attention", "attention_reference", "flash_attention", "BlockSizes", "default_block_sizes"]
+__all__ = ["attention", "attention_reference", "flash_attention", "flash_attention_tpu", "BlockSizes", "default_block_sizes"]
 
 
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,
@@ -28,9 +27,7 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
         raise ValueError(f"attention: {k.shape[2]} kv heads do not divide {q.shape[2]} query heads")
     kwargs = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                   kv_positions=kv_positions, causal=causal, window=window, scale=scale)
-    backend = jax.default_backend()
-    if impl == "pallas" and backend == "tpu":
-        raise ValueError("attention: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
-    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
-        return flash_attention(q, k, v, **kwargs)
+    if use_pallas(impl, supports(q, k, v)):
+        kernel = flash_attention_tpu if pallas_platform() == "tpu" else flash_attention
+        return kernel(q, k, v, **kwargs)
     return attention_reference(q, k, v, **kwargs)

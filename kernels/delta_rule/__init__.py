@@ -3,23 +3,23 @@
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
 
 alpha_t = exp(g_t) (g = None: alpha_t = 1, plain DeltaNet). See reference.py for the recurrence,
-chunk.py for the chunkwise WY/UT form, parallel.py for the whole-sequence UT form, pallas.py for
-the Pallas kernels (fused chunks, forward and backward, custom_vjp).
+chunk.py for the chunkwise WY/UT form, parallel.py for the whole-sequence UT form, pallas.py (GPU,
+Triton) and pallas_tpu.py (TPU, Mosaic) for the Pallas kernels (forward and backward, custom_vjp).
 
 impl: "xla" runs the XLA form picked by `mode`; "reference" the token-by-token scan whatever the
-mode; "pallas" the Pallas kernels (Triton on GPU; interpret mode on CPU, slow and meant for tests;
-no TPU kernel, an error there), whose chunk is their own block size, not `chunk_size`; "auto" the
-kernels on GPU when kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16
-tokens), the XLA form elsewhere. This function is the one dispatch point.
+mode; "pallas" the Pallas kernels of kernels.pallas_platform() (interpret mode on CPU, slow and
+meant for tests), whose chunk is their own block size, not `chunk_size`; "auto" the kernels on
+GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens), the
+XLA form elsewhere. This function is the one dispatch point.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import AUTO_PALLAS
+from kernels import pallas_platform, use_pallas
 from kernels.delta_rule.chunk import delta_rule_chunk
 from kernels.delta_rule.pallas import delta_rule_pallas, supports
+from kernels.delta_rule.pallas_tpu import delta_rule_pallas_tpu
 from kernels.delta_rule.parallel import delta_rule_parallel
 from kernels.delta_rule.reference import delta_rule_recurrent, delta_rule_step
 
@@ -51,15 +51,13 @@ def delta_rule(
         raise ValueError(f"delta_rule: impl={impl!r}; expected one of {IMPLS}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"delta_rule: chunk_size={chunk_size!r}; expected a positive int")
-    backend = jax.default_backend()
-    if impl == "pallas" and backend == "tpu":
-        raise ValueError("delta_rule: impl='pallas' has no TPU kernel yet; use impl='auto', 'xla' or 'reference'")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kwargs = dict(scale=scale, segment_ids=segment_ids, initial_state=initial_state)
     if impl == "reference":
         mode = "recurrent"
-    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
-        o, final = delta_rule_pallas(q, k, v, beta, g, **kwargs)
+    if use_pallas(impl, supports(q, k, v)):
+        kernel = delta_rule_pallas_tpu if pallas_platform() == "tpu" else delta_rule_pallas
+        o, final = kernel(q, k, v, beta, g, **kwargs)
     elif mode == "recurrent":
         o, final = delta_rule_recurrent(q, k, v, beta, g, **kwargs)
     elif mode == "chunk":

@@ -2,20 +2,21 @@
 o_t = scale * q_t S_t, with a per-channel log-decay g <= 0 given by the caller.
 
 See reference.py for the equations, chunk.py (stable secondary chunking) and parallel.py (quadratic
-form, O(T^2 K) memory) for the fast forms, pallas.py for the Pallas kernels (fused chunks, custom_vjp).
+form, O(T^2 K) memory) for the fast forms, pallas.py (GPU, Triton) and pallas_tpu.py (TPU, Mosaic) for the Pallas kernels (custom_vjp).
 
 impl: "xla" runs the XLA form picked by `mode`; "reference" the token-by-token scan whatever the
-mode; "pallas" the Pallas kernels (Triton on GPU; interpret mode on CPU, slow and meant for tests;
-no TPU kernel, an error there), whose chunk is their own block size, not `chunk_size`; "auto" the
-kernels on GPU when pallas.supports() the call (more than 16 tokens), the XLA form elsewhere.
+mode; "pallas" the Pallas kernels of kernels.pallas_platform() (interpret mode on CPU, slow and meant for
+tests), whose chunk is their own block size, not `chunk_size`; "auto" the kernels on GPU/TPU when
+kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens), the XLA form
+elsewhere.
 """
 
-import jax
 from jaxtyping import Array, Float, Int
 
-from kernels import AUTO_PALLAS
+from kernels import pallas_platform, use_pallas
 from kernels.gla.chunk import gla_chunk
 from kernels.gla.pallas import gla_pallas, supports
+from kernels.gla.pallas_tpu import gla_pallas_tpu
 from kernels.gla.parallel import gla_parallel
 from kernels.gla.reference import gla_reference, gla_step
 
@@ -41,11 +42,9 @@ def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, 
         raise ValueError(f"gla: chunk_size={chunk_size} must be >= 1")
     kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
                   initial_state=initial_state)
-    backend = jax.default_backend()
-    if impl == "pallas" and backend == "tpu":
-        raise ValueError("gla: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
-    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
-        o, state = gla_pallas(q, k, v, g, **kwargs)
+    if use_pallas(impl, supports(q, k, v)):
+        kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas
+        o, state = kernel(q, k, v, g, **kwargs)
     else:
         mode = "recurrent" if impl == "reference" else mode
         if mode == "chunk":
@@ -54,4 +53,4 @@ def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, 
     return o, (state if output_final_state else None)
 
 
-__all__ = ["gla", "gla_step", "gla_pallas"]
+__all__ = ["gla", "gla_step", "gla_pallas", "gla_pallas_tpu"]

@@ -2,17 +2,18 @@
 
 Katharopoulos et al., 2020. The op takes q and k with the feature map already applied and has no
 normaliser; see reference.py for the equations, chunk.py and parallel.py for the fast forms.
-impl="pallas" runs the GLA Pallas kernels (kernels/gla/pallas.py) with a zero scalar gate (no decay);
-impl="auto" does so on GPU when they support the call, and runs the XLA form picked by `mode`
+impl="pallas" runs the GLA Pallas kernels (kernels/gla/pallas.py, or pallas_tpu.py where
+kernels.pallas_platform() is "tpu") with a zero scalar gate (no decay); impl="auto" does so on
+GPU/TPU when kernels.AUTO_PALLAS is set and they support the call, and runs the XLA form picked by `mode`
 elsewhere; "reference" is the token-by-token scan; "xla" the form picked by `mode`.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import AUTO_PALLAS
+from kernels import pallas_platform, use_pallas
 from kernels.gla.pallas import gla_pallas, supports
+from kernels.gla.pallas_tpu import gla_pallas_tpu
 from kernels.linear_attention.chunk import linear_attention_chunk
 from kernels.linear_attention.parallel import linear_attention_parallel
 from kernels.linear_attention.reference import linear_attention_reference, linear_attention_step
@@ -39,11 +40,9 @@ def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
     if chunk_size < 1:
         raise ValueError(f"linear_attention: chunk_size={chunk_size} must be >= 1")
     kwargs = dict(scale=1.0 if scale is None else scale, segment_ids=segment_ids, initial_state=initial_state)
-    backend = jax.default_backend()
-    if impl == "pallas" and backend == "tpu":
-        raise ValueError("linear_attention: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
-    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
-        o, state = gla_pallas(q, k, v, jnp.zeros(v.shape[:3], jnp.float32), **kwargs)
+    if use_pallas(impl, supports(q, k, v)):
+        kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas
+        o, state = kernel(q, k, v, jnp.zeros(v.shape[:3], jnp.float32), **kwargs)
     else:
         mode = "recurrent" if impl == "reference" else mode
         if mode == "chunk":

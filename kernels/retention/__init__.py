@@ -2,17 +2,18 @@
 
 One fixed decay gamma_h per head, handled in log space inside every form. See reference.py for the
 equations, chunk.py and parallel.py for the fast forms. impl="pallas" runs the GLA Pallas kernels
-(kernels/gla/pallas.py) with the scalar gate g = log gamma_h at every token; impl="auto" does so on
-GPU when they support the call, and runs the XLA form picked by `mode` elsewhere; "reference" is
+(kernels/gla/pallas.py, or pallas_tpu.py where kernels.pallas_platform() is "tpu") with the scalar
+gate g = log gamma_h at every token; impl="auto" does so on GPU/TPU when kernels.AUTO_PALLAS is set
+and they support the call, and runs the XLA form picked by `mode` elsewhere; "reference" is
 the token-by-token scan; "xla" the form picked by `mode`.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import AUTO_PALLAS
+from kernels import pallas_platform, use_pallas
 from kernels.gla.pallas import gla_pallas, supports
+from kernels.gla.pallas_tpu import gla_pallas_tpu
 from kernels.retention.chunk import retention_chunk
 from kernels.retention.parallel import retention_parallel
 from kernels.retention.reference import retention_reference, retention_step
@@ -40,11 +41,9 @@ def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     log_gamma = jnp.log(jnp.asarray(gamma, jnp.float32))
     kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
                   initial_state=initial_state)
-    backend = jax.default_backend()
-    if impl == "pallas" and backend == "tpu":
-        raise ValueError("retention: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
-    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(q, k, v)):
-        o, state = gla_pallas(q, k, v, jnp.broadcast_to(log_gamma, v.shape[:3]), **kwargs)
+    if use_pallas(impl, supports(q, k, v)):
+        kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas
+        o, state = kernel(q, k, v, jnp.broadcast_to(log_gamma, v.shape[:3]), **kwargs)
     else:
         mode = "recurrent" if impl == "reference" else mode
         if mode == "chunk":

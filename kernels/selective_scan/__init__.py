@@ -29,19 +29,22 @@ costs well under a microsecond, so the forms that trade extra work for fewer ste
 not measured yet.
 
 impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan whatever the mode;
-"pallas" the Pallas kernels of pallas.py (the state on chip, chunk-boundary states saved for the
-backward; Triton on GPU, interpret mode on CPU, slow and meant for tests; no TPU kernel, an error
-there); "auto" the kernels on GPU (once verified there, see kernels/__init__.py) when pallas.supports() the call, the XLA form elsewhere.
+"pallas" the Pallas kernels of kernels.pallas_platform() (the state on chip, chunk-boundary states
+saved for the backward): pallas.py (Triton) on GPU, pallas_tpu.py (Mosaic TPU) on TPU, interpret
+mode on CPU, slow and meant for tests; "auto" the kernels on GPU/TPU when kernels.AUTO_PALLAS is set
+(until verified there, see kernels/__init__.py) and pallas.supports() the call, the XLA form
+elsewhere.
 """
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import AUTO_PALLAS
+from kernels import pallas_platform, use_pallas
 from kernels.segments import document_starts
 from kernels.selective_scan.chunk import selective_scan_chunk
 from kernels.selective_scan.pallas import selective_scan_pallas, supports
+from kernels.selective_scan.pallas_tpu import selective_scan_pallas_tpu
 from kernels.selective_scan.parallel import selective_scan_parallel
 from kernels.selective_scan.reference import selective_scan_recurrent, selective_scan_step
 
@@ -72,11 +75,9 @@ def selective_scan(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: 
     f32 = jnp.float32
     starts = jnp.zeros((Bsz, T), bool) if segment_ids is None else document_starts(segment_ids)
     h0 = jnp.zeros((Bsz, Dm, N), f32) if initial_state is None else initial_state.astype(f32)
-    backend = jax.default_backend()
-    if impl == "pallas" and backend == "tpu":
-        raise ValueError("selective_scan: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
-    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(x, A)):  # the one dispatch point
-        y, h = selective_scan_pallas(x, delta, A, B, C, D, starts, h0)
+    if use_pallas(impl, supports(x, A)):  # the one dispatch point
+        kernel = selective_scan_pallas_tpu if pallas_platform() == "tpu" else selective_scan_pallas
+        y, h = kernel(x, delta, A, B, C, D, starts, h0)
         return y, (h if output_final_state else None)
     args = [a.astype(f32) for a in (x, delta, A, B, C)] + [None if D is None else D.astype(f32)]
     if impl == "reference":

@@ -17,17 +17,16 @@ cores, B=2, T=512, H=4, P=N=16, forward + backward w.r.t. all inputs): chunk 32 
 chunk 64 about 6-7 ms, recurrent 20-35 ms, parallel about 210 ms.
 
 impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan whatever the mode;
-"pallas" the Pallas kernels (pallas.py: the chunked algorithm fused in one kernel per direction,
-forward and backward; Triton on GPU, interpret mode on CPU, slow and meant for tests; no TPU
-kernel, an error there), whose chunk is their own block size, not `chunk_size`; "auto" the kernels
-on GPU when pallas.supports() the call, the XLA form elsewhere.
+"pallas" the Pallas kernels (pallas.py: the chunked algorithm as GLA's kernels with a scalar gate,
+forward and backward; Triton on GPU, Mosaic on TPU, interpret mode on CPU, slow and meant for
+tests), whose chunk is their own block size, not `chunk_size`; "auto" the kernels on GPU/TPU when
+kernels.AUTO_PALLAS is set and pallas.supports() the call, the XLA form elsewhere.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import AUTO_PALLAS
+from kernels import use_pallas
 from kernels.segments import document_starts
 from kernels.ssd.chunk import ssd_chunk
 from kernels.ssd.pallas import ssd_pallas, supports
@@ -58,10 +57,7 @@ def ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "
             or H % G):
         raise ValueError(f"ssd: expected x (B, T, H, P), dt (B, T, H), A (H,), B, C (B, T, G, N) with G dividing "
                          f"H; got x {x.shape}, dt {dt.shape}, A {A.shape}, B {B.shape}, C {C.shape}")
-    backend = jax.default_backend()
-    if impl == "pallas" and backend == "tpu":
-        raise ValueError("ssd: impl='pallas' has no TPU kernel yet; use impl='auto' or 'xla'")
-    if impl == "pallas" or (impl == "auto" and AUTO_PALLAS and backend == "gpu" and supports(x, B)):  # the one dispatch point
+    if use_pallas(impl, supports(x, B)):  # the one dispatch point
         y, h = ssd_pallas(x, dt, A, B, C, D, segment_ids=segment_ids, initial_state=initial_state)
         return y, (h if output_final_state else None)
     f32 = jnp.float32

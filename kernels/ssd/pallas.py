@@ -21,7 +21,10 @@ carrying dh) are GLA's; dΔ and dA come through the renaming by XLA's chain rule
 dg, where dg = Σ_{s >= t} (C_s · dC_s - B_s · dB_s) within the document (see kernels/gla/pallas.py).
 
 Backend: Triton on GPU, for the reasons given in kernels/gla/pallas.py and
-kernels/attention/pallas.py.
+kernels/attention/pallas.py. Where kernels.pallas_platform() is "tpu" (on a TPU, or
+ZOO_PALLAS_PLATFORM=tpu elsewhere) the same renaming runs the Mosaic TPU kernels of
+kernels/gla/pallas_tpu.py instead: grid (batch row, head, block of P, chunk), h^T in a VMEM scratch
+buffer carried across the sequential chunk axis; `block_sizes` is then that file's BlockSizes.
 
 Departures from the official Triton kernels (mamba_chunk_scan_combined): they run the steps as five
 kernels with the chunk states written to HBM (chunk_state, state_passing, chunk_scan) and fuse
@@ -35,7 +38,10 @@ official kernels and chunk.py.
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from kernels import pallas_platform
 from kernels.gla.pallas import BlockSizes, gla_pallas
+from kernels.gla.pallas_tpu import BlockSizes as TPUBlockSizes
+from kernels.gla.pallas_tpu import gla_pallas_tpu
 
 f32 = jnp.float32
 
@@ -50,13 +56,16 @@ def supports(x, B) -> bool:
 def ssd_pallas(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "H"],
                B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, "H"] | None = None, *,
                segment_ids: Int[Array, "B T"] | None = None,
-               initial_state: Float[Array, "B H P N"] | None = None, block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+               initial_state: Float[Array, "B H P N"] | None = None,
+               block_sizes: BlockSizes | TPUBlockSizes | None = None, interpret: bool | None = None):
     """Same function as ssd_recurrent, differentiable in every float input. Returns (y (B, T, H, P)
-    in x's dtype, final state (B, H, P, N) float32)."""
+    in x's dtype, final state (B, H, P, N) float32). Runs gla_pallas_tpu where
+    kernels.pallas_platform() is "tpu", gla_pallas elsewhere."""
     v = (x.astype(f32) * dt.astype(f32)[..., None]).astype(x.dtype)  # Δ x
     g = dt.astype(f32) * A.astype(f32)  # Δ A (B, T, H)
     h0 = None if initial_state is None else jnp.swapaxes(initial_state, 2, 3)  # (B, H, N, P)
-    y, S = gla_pallas(C, B, v, g, scale=1.0, segment_ids=segment_ids, initial_state=h0,
+    kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas
+    y, S = kernel(C, B, v, g, scale=1.0, segment_ids=segment_ids, initial_state=h0,
                       block_sizes=block_sizes, interpret=interpret)
     y = y.astype(f32)
     if D is not None:

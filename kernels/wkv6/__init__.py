@@ -9,15 +9,14 @@ Modes: "recurrent" (reference.py, a lax.scan), "chunk" (chunk.py, the stable chu
 stable scores: O(T^2) work and O(T (16 + T/16) K) memory per head, no scan).
 
 impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan whatever the mode;
-"pallas" the GLA Pallas kernels on shifted inputs (pallas.py; interpret mode on CPU, meant for
-tests; no TPU kernel, an error there); "auto" those kernels on GPU when kernels.AUTO_PALLAS is set
+"pallas" the GLA Pallas kernels on shifted inputs (pallas.py; Triton on GPU, Mosaic on TPU,
+interpret mode on CPU, meant for tests); "auto" those kernels on GPU/TPU when kernels.AUTO_PALLAS is set
 and they support the call, the XLA form elsewhere. This function is the one dispatch point.
 """
 
-import jax
 from jaxtyping import Array, Float, Int
 
-from kernels import AUTO_PALLAS, IMPLS, check_impl
+from kernels import IMPLS, check_impl, use_pallas
 from kernels.gla.pallas import supports
 from kernels.wkv6.chunk import wkv6_chunk
 from kernels.wkv6.parallel import wkv6_parallel
@@ -41,9 +40,7 @@ def wkv6(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array,
     if k.shape != r.shape or log_w.shape != r.shape or v.shape[:3] != (B, T, H) or u.shape != (H, K):
         raise ValueError(f"wkv6: shapes r{r.shape} k{k.shape} v{v.shape} log_w{log_w.shape} u{u.shape} do not "
                          "match r, k, log_w (B, T, H, K), v (B, T, H, V), u (H, K)")
-    pallas = impl == "pallas" or (impl == "auto" and AUTO_PALLAS and jax.default_backend() == "gpu"
-                                  and supports(r, k, v))
-    if pallas:
+    if use_pallas(impl, supports(r, k, v)):
         o, state = wkv6_pallas(r, k, v, log_w, u, segment_ids=segment_ids, initial_state=initial_state)
     elif mode == "recurrent" or impl == "reference":
         o, state = wkv6_recurrent(r, k, v, log_w, u, segment_ids=segment_ids, initial_state=initial_state)

@@ -1,4 +1,6 @@
-"""WKV6 (RWKV-6) through the GLA Pallas kernels (kernels/gla/pallas.py), by a shift of the inputs.
+"""WKV6 (RWKV-6) through the GLA Pallas kernels, by a shift of the inputs: kernels/gla/pallas.py
+(Triton), or kernels/gla/pallas_tpu.py (Mosaic TPU) where kernels.pallas_platform() is "tpu" (on a
+TPU, or ZOO_PALLAS_PLATFORM=tpu elsewhere).
 
 WKV6 reads the state before the current token and adds the current token through the bonus u:
 
@@ -19,7 +21,9 @@ a dedicated WKV6 kernel would fold the bonus into GLA's diagonal instead.
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from kernels import pallas_platform
 from kernels.gla.pallas import gla_pallas
+from kernels.gla.pallas_tpu import gla_pallas_tpu
 from kernels.segments import document_starts
 
 
@@ -32,7 +36,8 @@ def wkv6_pallas(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float
     k_prev, v_prev, g_prev = shift(k), shift(v), shift(log_w)
     if segment_ids is not None:
         k_prev = jnp.where(document_starts(segment_ids)[..., None, None], 0, k_prev)
-    o, S = gla_pallas(r, k_prev, v_prev, g_prev, segment_ids=segment_ids, initial_state=initial_state)
+    kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas
+    o, S = kernel(r, k_prev, v_prev, g_prev, segment_ids=segment_ids, initial_state=initial_state)
     f32 = lambda x: x.astype(jnp.float32)
     bonus = jnp.einsum("bthk,hk,bthk->bth", f32(r), f32(u), f32(k))[..., None] * f32(v)  # (B, T, H, V)
     S = jnp.exp(f32(log_w[:, -1]))[..., None] * S + f32(k[:, -1])[..., None] * f32(v[:, -1])[..., None, :]

@@ -1,0 +1,119 @@
+"""Pallas TPU flash attention against the XLA reference: outputs and dq, dk, dv.
+
+Off a TPU the kernels run in the TPU interpreter (which randomises the order of "parallel" grid
+points and fills scratch with NaN, so a missing initialisation or a cross-step dependence fails);
+8- and 16-row blocks make tiny shapes cross several blocks, ragged tails and skipped blocks. The
+Mosaic lowering test proves the default TPU block sizes lower without a TPU.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.attention.pallas_tpu import BlockSizes, flash_attention_tpu
+from kernels.attention.reference import attention_reference
+from tests.util import assert_close
+
+BS8, BS16 = BlockSizes(8, 8, 8, 8, 8, 8), BlockSizes(16, 16, 16, 16, 16, 16)
+
+
+def _out_and_grads(attn, q, k, v, ct, kw):
+    o, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, **kw), q, k, v)
+    return (o, *vjp(ct))
+
+
+def _inputs(B, T, S, H, G, K, V, dtype=jnp.float32, seed=0):
+    """q, k, v and an output cotangent; numpy draws (eager jax.random would compile per shape)."""
+    rng = np.random.default_rng(seed)
+    shapes = ((B, T, H, K), (B, S, G, K), (B, S, G, V), (B, T, H, V))
+    return (jnp.asarray(rng.standard_normal(s, np.float32)).astype(dtype) for s in shapes)
+
+
+def _compare(q, k, v, ct, kw, tol, block_sizes):
+    """Kernel (inputs' dtype) against the float32 reference on o, dq, dk, dv; returns kernel's o."""
+    fast = partial(flash_attention_tpu, block_sizes=block_sizes)
+    got = jax.jit(partial(_out_and_grads, fast, kw=kw))(q, k, v, ct)
+    f32 = (x.astype(jnp.float32) for x in (q, k, v, ct))
+    want = jax.jit(partial(_out_and_grads, attention_reference, kw=kw))(*f32)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert a.dtype == q.dtype, name
+        assert_close(a, b, tol, name)
+    return got[0]
+
+
+def _packed(B, T, seed):
+    """Random segment ids (B, T): non-decreasing, a few documents per row, a one-token document."""
+    starts = np.random.default_rng(seed).random((B, T)) < 0.15
+    starts[:, 3:5] = True  # token 3 is a document of its own
+    return jnp.asarray(np.cumsum(starts, axis=1, dtype=np.int32))
+
+
+# (B, T, H, G, K, V, causal, window, packed, blocks): ragged T (21 = 2 blocks of 8 + 5, 29), B=1,
+# GQA ratios 1 and 4, all heads sharing one kv head (G=1), two head dims, masks alone and together.
+CASES = {
+    "ragged-causal-G1": (2, 21, 4, 1, 16, 8, True, None, False, BS8),
+    "B1-mha-noncausal-packed": (1, 21, 2, 2, 8, 16, False, None, True, BS8),
+    "gqa4-window-packed": (1, 29, 8, 2, 16, 16, True, 9, True, BS16),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_float32(case):
+    B, T, H, G, K, V, causal, window, packed, blocks = CASES[case]
+    q, k, v, ct = _inputs(B, T, T, H, G, K, V)
+    kw = dict(causal=causal, window=window, segment_ids=_packed(B, T, 5) if packed else None)
+    _compare(q, k, v, ct, kw, 1e-4, blocks)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_queries_shorter_than_keys(T):
+    """Decode-style: the T queries are the last T of S = 21 keys (one step, then a chunk of 5 that
+    spans a block boundary), with a window that skips the first key blocks."""
+    q, k, v, ct = _inputs(1, T, 21, 4, 2, 16, 16, seed=10 + T)
+    _compare(q, k, v, ct, dict(window=7), 1e-4, BS8)
+
+
+def test_cache_positions_and_documents():
+    """As layers.Attention.decode calls it: 3 new queries at cache slots 20..22 against a 40-slot
+    cache whose unwritten slots hold document -1; row 1's last query starts a document that has no
+    key yet except itself, and row 0's queries belong to a document absent from the cache."""
+    B, T, S, H, G, K = 2, 3, 40, 2, 1, 16
+    q, k, v, ct = _inputs(B, T, S, H, G, K, K, seed=20)
+    slots = jnp.arange(20, 23, dtype=jnp.int32)[None]  # (1, T)
+    cache_doc = jnp.where(jnp.arange(S) < 23, jnp.array([[0], [1]]), -1)  # (B, S)
+    cache_doc = cache_doc.at[1, 22].set(2).at[1, 5:15].set(0)
+    seg = jnp.array([[7, 7, 7], [1, 1, 2]], jnp.int32)  # row 0: no key in document 7
+    kw = dict(segment_ids=seg, kv_segment_ids=cache_doc, q_positions=slots, window=6)
+    o = _compare(q, k, v, ct, kw, 1e-4, BS16)
+    assert float(jnp.abs(o[0]).max()) == 0.0  # a query that sees no key returns zeros
+
+
+def test_bfloat16_within_bf16_tolerance_of_float32_reference():
+    q, k, v, ct = _inputs(1, 21, 21, 4, 1, 16, 16, dtype=jnp.bfloat16, seed=30)
+    _compare(q, k, v, ct, dict(window=9, segment_ids=_packed(1, 21, 6)), 2e-2, BS8)
+
+
+def test_block_sizes_are_validated():
+    with pytest.raises(ValueError, match="block_q_dkv"):
+        BlockSizes(block_q_dkv=48)
+    with pytest.raises(ValueError, match="block_k"):  # (1, 64) key-row blocks do not tile on TPU
+        q = jnp.zeros((1, 256, 1, 128))
+        flash_attention_tpu(q, q, q, block_sizes=BlockSizes(block_k=64), interpret=False)
+
+
+def test_lowers_for_tpu_through_mosaic():
+    """Without a TPU: the three kernels (forward, dQ, dK/dV) lower to Mosaic with the default block
+    sizes, in bf16 with D = 128: GQA with a window and packed documents (blocks skipped), and a
+    decode-sized call with cache positions (every block visited)."""
+    q, k = jnp.zeros((1, 1024, 2, 128), jnp.bfloat16), jnp.zeros((1, 1024, 1, 128), jnp.bfloat16)
+    seg = jnp.zeros((1, 1024), jnp.int32)
+    tpu = partial(flash_attention_tpu, interpret=False)
+    for q, kw in ((q, dict(window=300, segment_ids=seg)),
+                  (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
+                                  kv_segment_ids=seg))):
+        f = partial(_out_and_grads, partial(tpu, **kw), kw={})
+        text = jax.jit(f).trace(q, k, k, q).lower(lowering_platforms=("tpu",)).as_text()
+        assert text.count("tpu_custom_call") == 3

@@ -1,0 +1,137 @@
+"""Delta-rule Pallas TPU kernels against the token-by-token reference under the TPU interpreter:
+outputs, final state and gradients w.r.t. q, k, v, beta, g and initial_state, with and without the
+gate, ragged T, T = 1, B = 1, packed documents (one of them a single token), two head dims and
+bfloat16; Mosaic TPU lowering of the forward and backward with the default block sizes.
+
+On CPU the kernels run in the TPU interpreter with 8-token chunks, so T = 21 crosses chunks, ends
+in a ragged tail and has document starts inside a chunk and on a chunk boundary.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.delta_rule.pallas_tpu import BlockSizes, _inverse, delta_rule_pallas_tpu
+from kernels.delta_rule.reference import delta_rule_recurrent
+from tests.util import assert_close
+
+BS = BlockSizes(block_t=8)
+
+
+def _inputs(B, T, H, K, V, gated, seed=0):
+    """q, k (L2-normalised, as the layers feed the op), v, beta, g (log-decays from about -6 to
+    -0.01, or None), S0, and the weights of a random projection of (o, S); numpy draws."""
+    r = np.random.default_rng(seed)
+    l2 = lambda x: x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
+    sigmoid = lambda z: 1 / (1 + np.exp(-z))
+    x = [l2(r.standard_normal((B, T, H, K))), l2(r.standard_normal((B, T, H, K))), r.standard_normal((B, T, H, V)),
+         sigmoid(r.standard_normal((B, T, H))), np.log(sigmoid(2 * r.standard_normal((B, T, H)) + 2)),
+         r.standard_normal((B, H, K, V)), r.standard_normal((B, T, H, V)), r.standard_normal((B, H, K, V))]
+    x = [jnp.asarray(a, jnp.float32) for a in x]
+    return x[:4] + [x[4] if gated else None] + x[5:]
+
+
+def _packed(B, T):
+    """Segment ids: row 0 has documents starting at t = 5, 6 (a one-token document) and 16 (a chunk
+    boundary); row 1 one starting at t = 11."""
+    rows = [np.repeat([4, 5, 6, 7], [5, 1, 10, T - 16]), np.repeat([2, 3], [11, T - 11])]
+    return jnp.asarray(np.stack(rows)[:B], jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("pallas", "block_sizes"))
+def _outputs_and_grads(q, k, v, beta, g, S0, wo, ws, seg, *, pallas, block_sizes=BS):
+    """(o, S) and the gradients of sum(o wo) + sum(S ws) w.r.t. q, k, v, beta, g (if given), S0; the
+    reference in float32 from the same (possibly rounded) inputs."""
+    def loss(q, k, v, beta, g, S0):
+        if pallas:
+            o, S = delta_rule_pallas_tpu(q, k, v, beta, g, scale=0.25, segment_ids=seg, initial_state=S0,
+                                         block_sizes=block_sizes)
+        else:
+            f = lambda x: None if x is None else x.astype(jnp.float32)
+            o, S = delta_rule_recurrent(f(q), f(k), f(v), f(beta), f(g), scale=0.25, segment_ids=seg, initial_state=S0)
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(S * ws), (o, S)
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)(q, k, v, beta, g, S0)
+
+
+def _compare(inputs, seg, tol, dtype=jnp.float32, block_sizes=BS):
+    q, k, v, beta, g, S0, wo, ws = inputs
+    lo = [None if x is None else x.astype(dtype) for x in (q, k, v, beta, g)]
+    grads, (o, S) = _outputs_and_grads(*lo, S0, wo, ws, seg, pallas=True, block_sizes=block_sizes)
+    want_grads, (want_o, want_S) = _outputs_and_grads(*lo, S0, wo, ws, seg, pallas=False)
+    assert o.dtype == dtype and o.shape == want_o.shape and S.dtype == jnp.float32
+    assert_close(o, want_o, tol, "o")
+    assert_close(S, want_S, tol, "final state")
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dS0"), grads, want_grads):
+        if name == "dg" and g is None:
+            assert a is None and b is None
+            continue
+        assert a.dtype == (jnp.float32 if name == "dS0" else dtype) and a.shape == b.shape, name
+        assert np.isfinite(np.asarray(a, np.float32)).all(), f"{name} not finite"
+        assert float(jnp.abs(b).max()) > 0, f"{name}: the reference gradient is zero"
+        assert_close(a, b, tol, name)
+
+
+# (B, T, H, K, V, gated, packed, block sizes): T = 21 gives chunks 8, 8 and a ragged 5; two head
+# dims (K = 16, 8); block_sizes=None (default 64) shrinks the chunk to the padded T = 8.
+CASES = {
+    "gated-ragged-packed": (2, 21, 2, 16, 16, True, True, BS),
+    "plain-ragged-packed-K8": (2, 21, 1, 8, 16, False, True, BS),
+    "gated-T1-B1-default-blocks": (1, 1, 2, 8, 16, True, False, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_float32(case):
+    B, T, H, K, V, gated, packed, bs = CASES[case]
+    _compare(_inputs(B, T, H, K, V, gated, seed=T + K), _packed(B, T) if packed else None, 1e-4, block_sizes=bs)
+
+
+def test_bfloat16_within_bf16_tolerance():
+    B, T, H, K, V, gated, _, bs = CASES["gated-ragged-packed"]
+    _compare(_inputs(B, T, H, K, V, gated, seed=3), _packed(B, T), 2e-2, jnp.bfloat16, block_sizes=bs)
+
+
+def test_inverse_by_block_doubling():
+    """The in-kernel (I + A)^{-1}, run as plain JAX: a random strictly lower A, and equal keys with
+    beta = 1 (A all ones below the diagonal), where the inverse is I minus the subdiagonal but the
+    series prod (I + L^{2^i}) would cancel terms near 1e17."""
+    C = 64
+    r = np.random.default_rng(0)
+    A = np.tril(r.uniform(-1, 1, (C, C)) / 4, -1)
+    ones = np.tril(np.ones((C, C)), -1)
+    inv = jax.jit(jax.vmap(_inverse))(jnp.asarray(np.stack([A, ones]), jnp.float32))
+    assert_close(inv[0], np.linalg.inv(np.eye(C) + A), 1e-5, "random A")
+    np.testing.assert_array_equal(np.asarray(inv[1]), np.eye(C) - np.eye(C, k=-1))
+
+
+def test_block_sizes_validated():
+    with pytest.raises(ValueError, match="block_t"):
+        BlockSizes(block_t=24)
+    with pytest.raises(ValueError, match="block_t"):
+        BlockSizes(block_t=4)
+    with pytest.raises(ValueError, match="delta_rule_pallas_tpu"):
+        x = jnp.zeros((1, 8, 2, 16))
+        delta_rule_pallas_tpu(x, x, x, jnp.zeros((1, 8, 3)), scale=1.0)
+
+
+def test_lowers_for_tpu_through_mosaic():
+    """Without a TPU: the forward, and the state-recomputing and backward kernels of the gradient,
+    lower to Mosaic (tpu_custom_call) with the default block sizes, bfloat16, gate and documents."""
+    B, T, H, K = 1, 256, 2, 128
+    seg = jnp.zeros((B, T), jnp.int32)
+
+    def fwd(q, k, v, beta, g, S0):
+        return delta_rule_pallas_tpu(q, k, v, beta, g, scale=K ** -0.5, segment_ids=seg, initial_state=S0,
+                                     interpret=False)
+
+    def loss(*args):
+        o, S = fwd(*args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
+
+    x, t, S0 = jnp.zeros((B, T, H, K), jnp.bfloat16), jnp.zeros((B, T, H), jnp.bfloat16), jnp.zeros((B, H, K, K))
+    lower = lambda f: f.trace(x, x, x, t, t, S0).lower(lowering_platforms=("tpu",)).as_text()
+    assert lower(jax.jit(fwd)).count("tpu_custom_call") == 1
+    assert lower(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))).count("tpu_custom_call") == 3

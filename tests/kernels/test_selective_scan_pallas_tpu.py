@@ -1,0 +1,106 @@
+"""Selective-scan Pallas TPU kernels against the token-by-token reference: outputs, final state and
+gradients w.r.t. x, Δ, A, B, C, D and the initial state, with ragged T and Dm, several chunks and
+channel blocks, document resets (incl. a one-token document), two state sizes and bfloat16; and
+Mosaic TPU lowering of the forward and backward with the default block sizes.
+
+Off a TPU the kernels run in the TPU interpreter with 8-token chunks and 8-channel blocks, so tiny
+shapes cross chunks (saved states), ragged tails and channel blocks.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.segments import document_starts
+from kernels.selective_scan.pallas_tpu import BlockSizes, selective_scan_pallas_tpu
+from kernels.selective_scan.reference import selective_scan_recurrent
+from tests.kernels.test_selective_scan_pallas import NAMES, _inputs, _packed
+from tests.util import assert_close
+
+BS = BlockSizes(block_t=8, block_d=8)
+
+
+@functools.partial(jax.jit, static_argnames=("pallas",))
+def _outputs_and_grads(args, wy, wh, starts, *, pallas):
+    """(y, h_T) and the gradients of sum(y wy) + sum(h_T wh) w.r.t. every input; the reference in
+    float32 from the same (possibly rounded) inputs."""
+    def loss(args):
+        x, dt, A, B, C, D, h0 = args
+        if pallas:
+            y, h = selective_scan_pallas_tpu(x, dt, A, B, C, D, starts, h0, block_sizes=BS)
+        else:
+            f32 = [None if a is None else a.astype(jnp.float32) for a in args]
+            y, h = selective_scan_recurrent(*f32[:6], starts, f32[6])
+        return jnp.sum(y.astype(jnp.float32) * wy) + jnp.sum(h * wh), (y, h)
+    return jax.grad(loss, has_aux=True)(args)
+
+
+def _compare(args, wy, wh, seg, tol, dtype=jnp.float32):
+    args = tuple(None if a is None else a.astype(dtype) if n in ("x", "dt", "B", "C") else a
+                 for n, a in zip(NAMES, args))
+    starts = jnp.zeros(args[0].shape[:2], bool) if seg is None else document_starts(seg)
+    grads, (y, h) = _outputs_and_grads(args, wy, wh, starts, pallas=True)
+    want_grads, (want_y, want_h) = _outputs_and_grads(args, wy, wh, starts, pallas=False)
+    assert y.dtype == dtype and h.dtype == jnp.float32
+    assert_close(y, want_y, tol, "y")
+    assert_close(h, want_h, tol, "final state")
+    for name, a, b, arg in zip(NAMES, grads, want_grads, args):
+        if arg is None:
+            continue
+        assert a.dtype == arg.dtype, name
+        assert np.isfinite(np.asarray(a, np.float32)).all(), f"d{name} not finite"
+        assert_close(a, b, tol, f"d{name}")
+
+
+# (B, T, Dm, N, D given, packed): T = 21 gives three 8-token chunks, the last ragged; Dm = 16 two
+# channel blocks; N = 5 is padded to 8. T = 1 is one padded chunk, Dm = 12 a padded second channel
+# block, N = 16 the other state size.
+CASES = {
+    "T21-2dblocks-N5-packed": (2, 21, 16, 5, True, True),
+    "T1-B1-N16-noD": (1, 1, 12, 16, False, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_float32(case):
+    Bsz, T, Dm, N, with_D, packed = CASES[case]
+    args, wy, wh = _inputs(Bsz, T, Dm, N, with_D, seed=T)
+    _compare(args, wy, wh, _packed(Bsz, T) if packed else None, 1e-4)
+
+
+def test_bfloat16_within_bf16_tolerance():
+    Bsz, T, Dm, N, with_D, _ = CASES["T21-2dblocks-N5-packed"]
+    args, wy, wh = _inputs(Bsz, T, Dm, N, with_D, seed=1)
+    _compare(args, wy, wh, _packed(Bsz, T, 1), 2e-2, jnp.bfloat16)
+
+
+def test_block_sizes_are_checked():
+    with pytest.raises(ValueError, match="block_d"):
+        BlockSizes(block_d=12)
+    x, A, B = jnp.zeros((1, 300, 200)), jnp.zeros((200, 16)), jnp.zeros((1, 300, 16))
+    with pytest.raises(ValueError, match="multiples of 128"):  # 200 channels in blocks of 64
+        selective_scan_pallas_tpu(x, x, A, B, B, None, jnp.zeros((1, 300), bool), jnp.zeros((1, 200, 16)),
+                                  block_sizes=BlockSizes(block_d=64), interpret=False)
+
+
+def test_lowers_for_tpu_through_mosaic():
+    """Without a TPU: the forward, and the gradient (forward with saved states + backward), lower
+    to Mosaic TPU custom calls with the default block sizes, bf16 inputs and documents."""
+    Bsz, T, Dm, N = 1, 256, 256, 16
+    starts = jnp.zeros((Bsz, T), bool).at[:, 100].set(True)
+
+    def fwd(x, dt, A, B, C, D, h0):
+        return selective_scan_pallas_tpu(x, dt, A, B, C, D, starts, h0, interpret=False)
+
+    def loss(*args):
+        y, h = fwd(*args)
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h)
+
+    x, B = jnp.zeros((Bsz, T, Dm), jnp.bfloat16), jnp.zeros((Bsz, T, N), jnp.bfloat16)
+    args = (x, x, jnp.zeros((Dm, N)), B, B, jnp.zeros(Dm), jnp.zeros((Bsz, Dm, N)))
+    lower = lambda f: jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert lower(fwd).count("tpu_custom_call") == 1
+    assert lower(jax.grad(loss, argnums=tuple(range(7)))).count("tpu_custom_call") == 2
