@@ -1,6 +1,6 @@
 """Pallas kernels against the machine's ceilings and against the XLA / vendor forms, one table.
 
-    python -m benchmarks.kernels [--kernels flash_attention gla delta_rule selective_scan wkv6] [--lengths 1024 ...]
+    python -m benchmarks.kernels [--kernels flash_attention gla delta_rule selective_scan wkv6 wkv7] [--lengths 1024 ...]
 
 First the ceilings: a large bfloat16 matmul (TFLOP/s) and a large elementwise copy (GB/s read +
 written). Then every entry of KERNELS: it checks its kernel against the reference (max relative
@@ -10,10 +10,12 @@ matmul rate, or for memory-bound kernels (selective scan) GB/s of compulsory tra
 measured copy rate. A measurement that fails (out of memory, no cuDNN, ...) prints its error in
 its row instead of stopping the run. On GPU it is sized to finish in under 5 minutes on one H200
 (an estimate made for flash_attention alone, compiles dominating; the gla, delta_rule,
-selective_scan and wkv6 entries are not estimated; nothing here has run on a GPU yet).
+selective_scan, wkv6 and wkv7 entries are not estimated; nothing here has run on a GPU yet). On a
+TPU the same script times the TPU kernels (impl="pallas" picks them, kernels.pallas_platform()),
+also not run yet.
 
-Without a GPU it is a smoke run: tiny shapes, the kernels in Pallas interpret mode, so the numbers
-only show that the script works.
+Without a GPU or TPU it is a smoke run: tiny shapes, the kernels in Pallas interpret mode, so the
+numbers only show that the script works (ZOO_PALLAS_PLATFORM=tpu smoke-runs the TPU kernels).
 
 Adding a kernel (SSD, ...): write `bench_<name>(ceilings, smoke, lengths) -> rows` that builds its
 inputs, calls `_check` once and `_time_pass` per (impl, T, pass), and add it to KERNELS.
@@ -28,11 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import print_table, save_json, timeit
-from kernels.attention import attention_reference, flash_attention
+from kernels.attention import attention, attention_reference
 from kernels.delta_rule import delta_rule
 from kernels.gla import gla
 from kernels.selective_scan import selective_scan
 from kernels.wkv6 import wkv6
+from kernels.wkv7 import wkv7
 
 COLUMNS = ["kernel", "impl", "T", "pass", "ms", "TFLOP/s", "% matmul", "GB/s", "% copy", "max rel err"]
 
@@ -102,6 +105,9 @@ def _vendor_attention(args):
         except Exception:  # noqa: BLE001 - cuDNN absent or the shape unsupported: use the default
             continue
     raise RuntimeError("jax.nn.dot_product_attention does not compile")
+
+
+flash_attention = partial(attention, impl="pallas")  # the GPU or TPU kernels, by kernels.pallas_platform()
 
 
 def bench_flash_attention(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
@@ -254,8 +260,40 @@ def bench_wkv6(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
     return rows
 
 
+def bench_wkv7(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
+    """RWKV-7's WKV7, bf16 (float32 in the smoke run), B=4, H=16, K=V=64 (RWKV-7's head size): the
+    Pallas kernels against the XLA chunk form, forward and forward+backward (gradients w.r.t. r,
+    w_log, k, v, a, b), on inputs shaped like the layer's (a = -kappa^, b = kappa^ * a_icl)."""
+    B, H, D, dtype = (1, 2, 16, jnp.float32) if smoke else (4, 16, 64, jnp.bfloat16)
+    max_ref_T = 2048  # the reference scan's backward keeps every step's (B, H, K, V) state
+    rows = []
+    for n, T in enumerate(lengths):
+        keys = jax.random.split(jax.random.key(T), 7)
+        r, k, v, do = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in keys[:4])
+        kappa = jax.random.normal(keys[4], (B, T, H, D), jnp.float32)
+        kappa = kappa * jax.lax.rsqrt(jnp.sum(kappa * kappa, axis=-1, keepdims=True))
+        icl = jax.nn.sigmoid(jax.random.normal(keys[5], (B, T, H, D), jnp.float32))
+        w_log = -np.exp(-0.5) * jax.nn.sigmoid(jax.random.normal(keys[6], (B, T, H, D), jnp.float32))
+        args = tuple(x.astype(dtype) for x in (r, w_log, 0.5 * k, v, -kappa, kappa * icl))
+        do = do.astype(dtype)
+        impls = {"pallas": partial(wkv7, impl="pallas"), "xla chunk": partial(wkv7, impl="xla", mode="chunk")}
+        # State products: r S, W S, K^T V and B^T SA, 2 K V FLOPs each per token and head (the
+        # intra-chunk terms add O(C / K)); the backward recomputes the states and does about 3x more.
+        flops = 8 * B * T * H * D * D
+        for impl, op in impls.items():
+            f = lambda r, w_log, k, v, a, b, op=op: op(r, w_log, k, v, a, b)[0]
+            row = {"kernel": "wkv7", "impl": impl, "T": T}
+            if n == 0 and T <= max_ref_T:
+                ref = lambda r, w_log, k, v, a, b: wkv7(r, w_log, k, v, a, b, impl="reference")[0]
+                row["max rel err"] = f"{_check(f, ref, args, do):.1e}"
+            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), args, flops, ceil))
+            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), args, 4 * flops, ceil))
+            _print(rows[-2:])
+    return rows
+
+
 KERNELS = {"flash_attention": bench_flash_attention, "gla": bench_gla, "delta_rule": bench_delta_rule,
-           "selective_scan": bench_selective_scan, "wkv6": bench_wkv6}
+           "selective_scan": bench_selective_scan, "wkv6": bench_wkv6, "wkv7": bench_wkv7}
 
 
 def main():
@@ -263,10 +301,10 @@ def main():
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     p.add_argument("--lengths", type=int, nargs="+", default=None)
     args = p.parse_args()
-    smoke = jax.default_backend() != "gpu"
+    smoke = jax.default_backend() not in ("gpu", "tpu")
     lengths = args.lengths or ([64, 128] if smoke else [1024, 2048, 4096, 8192, 16384])
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}"
-          + (" (smoke run: no GPU, Pallas in interpret mode)" if smoke else ""))
+          + (" (smoke run: no GPU or TPU, Pallas in interpret mode)" if smoke else ""))
     ceil = measure_ceilings(smoke)
     rows = [r for name in args.kernels for r in KERNELS[name](ceil, smoke, lengths)]
     print()

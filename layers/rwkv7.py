@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from kernels import check_impl
 from kernels.wkv7 import wkv7
 from layers.rwkv6 import (RWKVChannelMixState, RWKVTimeMixState, check_mode, depth_ratios, head_group_norm,
                           orthogonal, param, token_shift)
@@ -67,7 +68,9 @@ def lora_rank(d_model: int, factor: float) -> int:
 class RWKV7TimeMix(nnx.Module):
     """The RWKV-7 time-mixing block (the sequence mixer); see the module docstring for v_first.
     `mode` ("chunk", "recurrent" or "parallel") picks the WKV7 algorithm of __call__; decode uses
-    "chunk" for T > 1 and the recurrence for T = 1. State: the previous token (B, D) and the WKV
+    "chunk" for T > 1 and the recurrence for T = 1. `impl` ("auto", "reference", "xla", "pallas")
+    picks the op's implementation on every path (kernels/wkv7: "pallas" runs the Pallas kernels of
+    the platform, interpret mode on CPU). State: the previous token (B, D) and the WKV
     state (B, H, K, K), both float32."""
 
     carries_v_first = True
@@ -75,10 +78,11 @@ class RWKV7TimeMix(nnx.Module):
     def __init__(self, d_model: int, *, head_dim: int = 64, layer_id: int = 0, num_layers: int = 1,
                  decay_lora_dim: int | None = None, icl_lora_dim: int | None = None,
                  value_lora_dim: int | None = None, gate_lora_dim: int | None = None, mode: str = "chunk",
-                 chunk_size: int = 64, dtype=jnp.float32, rngs: nnx.Rngs):
+                 chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if head_dim < 1 or d_model % head_dim:
             raise ValueError(f"head_dim={head_dim} does not divide d_model={d_model}")
         check_mode(mode, chunk_size)
+        check_impl(impl, "RWKV7TimeMix")
         r0, r1 = depth_ratios(layer_id, num_layers)
         ranks = {name: lora_rank(d_model, c) if rank is None else rank for name, rank, c in (
             ("decay_lora_dim", decay_lora_dim, 2.5), ("icl_lora_dim", icl_lora_dim, 2.5),
@@ -89,6 +93,7 @@ class RWKV7TimeMix(nnx.Module):
         D, H = d_model, d_model // head_dim
         self.num_heads, self.head_dim, self.layer_id = H, head_dim, layer_id
         self.mode, self.chunk_size, self.dtype, self.eps = mode, chunk_size, dtype, 1e-5 * head_dim
+        self.impl = impl
         i = np.arange(D)  # the constant inits in numpy, cast once by `param`
         ddd = i / D
         linear = i / max(D - 1, 1) - 0.5
@@ -162,7 +167,7 @@ class RWKV7TimeMix(nnx.Module):
         k = f32(k) * (1.0 + (a - 1.0) * self.replace_rate[...])
         r, k, v, a = heads(r), heads(k), heads(v), heads(a)
         o, wkv = wkv7(r, heads(w_log), k, v, -kappa, kappa * a, segment_ids=segment_ids, initial_state=state.wkv,
-                      output_final_state=True, mode=mode, chunk_size=self.chunk_size)
+                      output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
         o = head_group_norm(o, self.ln_weight[...], self.ln_bias[...], self.eps)  # (B, T, D) float32
         o = o + (jnp.sum(f32(r) * k * self.bonus[...], axis=-1, keepdims=True) * f32(v)).reshape(B, T, D)
         y = (o.astype(dt) * g) @ p(self.w_o)

@@ -262,6 +262,7 @@ class RWKV7Config(Kind):
     gate_lora_dim: int | None = None
     mode: Mode = "chunk"
     chunk_size: int = 64
+    impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,25 @@ b = kappa^ * a_icl.
 Modes: "recurrent" (reference.py, a lax.scan), "chunk" (chunk.py, the WY/UT chunked form, exact for
 any T) and "parallel" (parallel.py, the UT transform over the whole sequence: one T x T triangular
 solve, no scan).
+
+impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan whatever the mode;
+"pallas" the Pallas kernels of kernels.pallas_platform(): pallas.py (Triton; fused chunks, forward
+and backward, custom_vjp) on GPU, pallas_tpu.py (Mosaic TPU) on TPU, interpret mode on CPU (slow,
+meant for tests), with their own chunk, not `chunk_size`; "auto" the kernels on GPU/TPU when
+kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens), the XLA form of
+`mode` elsewhere. This function is the one dispatch point.
 """
 
 from jaxtyping import Array, Float, Int
 
+from kernels import IMPLS, check_impl, pallas_platform, use_pallas
 from kernels.wkv7.chunk import wkv7_chunk
+from kernels.wkv7.pallas import supports, wkv7_pallas
+from kernels.wkv7.pallas_tpu import wkv7_pallas_tpu
 from kernels.wkv7.parallel import wkv7_parallel
 from kernels.wkv7.reference import wkv7_recurrent, wkv7_step
 
 MODES = ("recurrent", "chunk", "parallel")
-IMPLS = ("auto", "xla")
 
 
 def wkv7(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
@@ -29,23 +38,24 @@ def wkv7(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Ar
     """Returns (o (B, T, H, V) in r's dtype, final state (B, H, K, V) float32 or None)."""
     if mode not in MODES:
         raise ValueError(f"wkv7: unknown mode {mode!r}; modes: {MODES}")
-    if impl not in IMPLS:
-        raise ValueError(f"wkv7: unknown impl {impl!r}; impls: {IMPLS}")
+    check_impl(impl, "wkv7")
     if chunk_size < 1:
         raise ValueError(f"wkv7: chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K = r.shape
     if any(x.shape != r.shape for x in (w_log, k, a, b)) or v.shape[:3] != (B, T, H):
         raise ValueError(f"wkv7: shapes r{r.shape} w_log{w_log.shape} k{k.shape} v{v.shape} a{a.shape} "
                          f"b{b.shape} do not match r, w_log, k, a, b (B, T, H, K), v (B, T, H, V)")
-    # The one dispatch point: only XLA forms exist so far, so "auto" and "xla" pick the same.
-    if mode == "recurrent":
-        o, state = wkv7_recurrent(r, w_log, k, v, a, b, segment_ids=segment_ids, initial_state=initial_state)
+    kwargs = dict(segment_ids=segment_ids, initial_state=initial_state)
+    if use_pallas(impl, supports(r, k, v)):
+        kernel = wkv7_pallas_tpu if pallas_platform() == "tpu" else wkv7_pallas
+        o, state = kernel(r, w_log, k, v, a, b, **kwargs)
+    elif mode == "recurrent" or impl == "reference":
+        o, state = wkv7_recurrent(r, w_log, k, v, a, b, **kwargs)
     elif mode == "parallel":
-        o, state = wkv7_parallel(r, w_log, k, v, a, b, segment_ids=segment_ids, initial_state=initial_state)
+        o, state = wkv7_parallel(r, w_log, k, v, a, b, **kwargs)
     else:
-        o, state = wkv7_chunk(r, w_log, k, v, a, b, segment_ids=segment_ids, initial_state=initial_state,
-                              chunk_size=chunk_size)
+        o, state = wkv7_chunk(r, w_log, k, v, a, b, chunk_size=chunk_size, **kwargs)
     return o, (state if output_final_state else None)
 
 
-__all__ = ["wkv7", "wkv7_step", "wkv7_recurrent", "wkv7_chunk", "wkv7_parallel", "MODES", "IMPLS"]
+__all__ = ["wkv7", "wkv7_step", "wkv7_recurrent", "wkv7_chunk", "wkv7_parallel", "wkv7_pallas", "MODES", "IMPLS"]

@@ -1,14 +1,15 @@
-"""`model.mixer.impl` of the recurrent kinds whose ops have Pallas kernels: a model built with
-`impl: pallas` gives the logits of `impl: reference` (same seed, so the same weights), its prefill
-then token-by-token decode equals its full pass, a layer_pattern mixes impls per entry, and a bad
-impl is a config error naming the dotted path.
+"""`model.mixer.impl`: a model built with `impl: pallas` gives the logits of `impl: reference` (same
+seed, so the same weights) and its prefill then token-by-token decode equals its full pass, for every
+mixer kind with Pallas kernels and both kernel families (ZOO_PALLAS_PLATFORM picks the GPU kernels of
+kernels/*/pallas.py or the TPU kernels of kernels/*/pallas_tpu.py; both run in interpret mode here);
+a layer_pattern mixes impls per entry, and a bad impl is a config error naming the dotted path.
 
-On CPU `impl: pallas` runs the kernels in interpret mode (kernels/*/pallas.py pick it off GPU). T = 21
-leaves ragged tails after the 16-token GLA/SSD/delta-rule chunks and the 8-token selective-scan
-chunks; the prefill of 17 tokens crosses one chunk, and the single-token steps run the kernels too
-for gla, retnet, linear_attention, deltanet and gated_deltanet (mamba and mamba2 step with their
-plain step functions).
+T = 21 leaves ragged tails after the kernels' chunks; the prefill of 17 tokens crosses one chunk, and
+the single-token steps run the kernels too, except for mamba and mamba2, which step with their plain
+step functions. RWKV-6 and RWKV-7 (whose official init zeroes W_o) run on perturbed weights.
 """
+
+import importlib
 
 import jax
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from tests.util import assert_close, decode_in_pieces, forward, tiny_config, tiny_model
 
 TINY = {
+    "attention": {"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
     "gla": {"kind": "gla", "num_heads": 2, "conv_size": 4},
     "retnet": {"kind": "retnet", "num_heads": 2},
     "linear_attention": {"kind": "linear_attention", "num_heads": 2, "feature_map": "hedgehog"},
@@ -23,6 +25,9 @@ TINY = {
     "mamba2": {"kind": "mamba2", "state_size": 8, "head_dim": 16, "num_groups": 2},
     "deltanet": {"kind": "deltanet", "num_heads": 2},
     "gated_deltanet": {"kind": "gated_deltanet", "num_heads": 2},
+    "rwkv6": {"kind": "rwkv6", "head_dim": 16, "mix_lora_dim": 4, "decay_lora_dim": 4},
+    "rwkv7": {"kind": "rwkv7", "head_dim": 16, "decay_lora_dim": 4, "icl_lora_dim": 4, "value_lora_dim": 4,
+              "gate_lora_dim": 4},
 }
 T, PREFILL = 21, 17
 
@@ -31,42 +36,40 @@ def _tokens(seed=0):
     return jax.random.randint(jax.random.key(seed), (2, T), 0, 256)
 
 
-def _runs_pallas(fn, *args) -> bool:
-    """Whether tracing fn (a closure over an NNX model) reaches a Pallas kernel: without it,
-    pallas-vs-reference equality could hold because impl never reached the op."""
-    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+def _kernels(fn, *args) -> str | None:
+    """The Pallas kernel family ("gpu" or "tpu") that tracing fn (a closure over an NNX model)
+    reaches, None if none: without this, pallas-vs-reference equality could hold because impl never
+    reached the op, or reached the other family."""
+    jaxpr = str(jax.make_jaxpr(fn)(*args))
+    if "pallas_call" not in jaxpr:
+        return None
+    return "tpu" if "dimension_semantics" in jaxpr else "gpu"  # only the TPU CompilerParams have it
 
 
+def _model(kind, impl):
+    model = tiny_model({**TINY[kind], "impl": impl}, num_layers=1)
+    if kind.startswith("rwkv"):
+        model = importlib.import_module(f"tests.layers.test_{kind}").perturbed(model)
+    return model
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
 @pytest.mark.parametrize("kind", TINY)
-def test_pallas_equals_reference_and_decodes(kind):
-    pallas = tiny_model({**TINY[kind], "impl": "pallas"}, num_layers=1)
-    reference = tiny_model({**TINY[kind], "impl": "reference"}, num_layers=1)
+def test_pallas_equals_reference_and_decodes(kind, platform, monkeypatch):
+    monkeypatch.setenv("ZOO_PALLAS_PLATFORM", platform)
+    pallas, reference = _model(kind, "pallas"), _model(kind, "reference")
     assert pallas.blocks[0].mixer.impl == "pallas" and reference.blocks[0].mixer.impl == "reference"
     tokens = _tokens()
     state = pallas.init_state(2, T)
-    assert _runs_pallas(lambda t: pallas(t), tokens)
-    assert _runs_pallas(lambda t, s: pallas.decode(t, s), tokens[:, :PREFILL], state)
-    steps_in_op = kind not in ("mamba", "mamba2")  # their T = 1 step is the plain step function
-    assert _runs_pallas(lambda t, s: pallas.decode(t, s), tokens[:, :1], state) == steps_in_op
-    assert not _runs_pallas(lambda t: reference(t), tokens)
+    assert _kernels(lambda t: pallas(t), tokens) == platform
+    assert _kernels(lambda t, s: pallas.decode(t, s), tokens[:, :PREFILL], state) == platform
+    step = None if kind in ("mamba", "mamba2") else platform  # their T = 1 step is the plain step function
+    assert _kernels(lambda t, s: pallas.decode(t, s), tokens[:, :1], state) == step
+    assert _kernels(lambda t: reference(t), tokens) is None
     full = forward(pallas, tokens)
-    assert_close(full, forward(reference, tokens), 1e-4, f"{kind}: impl=pallas vs reference")
+    assert_close(full, forward(reference, tokens), 1e-4, f"{kind}: impl=pallas ({platform}) vs reference")
     pieces, _ = decode_in_pieces(pallas, tokens, cuts=list(range(PREFILL, T)))
-    assert_close(pieces, full, 1e-4, f"{kind}: impl=pallas prefill + steps vs full pass")
-
-
-def test_rwkv6_pallas_equals_reference_and_decodes():
-    """RWKV-6's official init zeroes W_o (every output 0), so both models get the same noisy weights."""
-    from tests.layers.test_rwkv6 import perturbed
-
-    mixer = {"kind": "rwkv6", "head_dim": 16, "mix_lora_dim": 4, "decay_lora_dim": 4}
-    pallas, reference = (perturbed(tiny_model({**mixer, "impl": impl}, num_layers=1)) for impl in ("pallas", "reference"))
-    tokens = _tokens()
-    assert _runs_pallas(lambda t: pallas(t), tokens) and not _runs_pallas(lambda t: reference(t), tokens)
-    full = forward(pallas, tokens)
-    assert_close(full, forward(reference, tokens), 1e-4, "rwkv6: impl=pallas vs reference")
-    pieces, _ = decode_in_pieces(pallas, tokens, cuts=list(range(PREFILL, T)))
-    assert_close(pieces, full, 1e-4, "rwkv6: impl=pallas prefill + steps vs full pass")
+    assert_close(pieces, full, 1e-4, f"{kind}: impl=pallas ({platform}) prefill + steps vs full pass")
 
 
 def test_layer_pattern_mixes_impls():
@@ -76,7 +79,7 @@ def test_layer_pattern_mixes_impls():
     reference = tiny_model(layer_pattern=[{**m, "impl": "reference"} for m in pattern])
     tokens = _tokens(1)
     x = jax.random.normal(jax.random.key(2), (2, T, 32))
-    assert [_runs_pallas(b.mixer, x) for b in mixed.blocks] == [True, False]
+    assert [_kernels(b.mixer, x) for b in mixed.blocks] == ["gpu", None]
     assert_close(forward(mixed, tokens), forward(reference, tokens), 1e-4, "layer_pattern pallas + xla vs reference")
 
 
@@ -89,9 +92,8 @@ def test_bad_impl_names_the_dotted_path(kind):
 
 
 @pytest.mark.parametrize("kind", TINY)
-def test_layer_rejects_bad_impl_and_pallas_on_tpu(kind, monkeypatch):
-    """The layer itself (used without a config) checks impl in its constructor; on a TPU backend
-    impl=pallas is a config error (no TPU kernel) before any array is made."""
+def test_layer_rejects_bad_impl(kind):
+    """The layer itself (used without a config) checks impl in its constructor."""
     from flax import nnx
 
     from zoo.registry import LAYER_OF, MIXERS
@@ -100,7 +102,3 @@ def test_layer_rejects_bad_impl_and_pallas_on_tpu(kind, monkeypatch):
     kwargs = {k: v for k, v in TINY[kind].items() if k != "kind"}
     with pytest.raises(ValueError, match=r"impl='triton'; expected one of"):
         layer_cls(32, **kwargs, impl="triton", rngs=nnx.Rngs(0))
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    with pytest.raises(ValueError, match=r"model\.mixer: .*impl='pallas' has no TPU kernel"):
-        tiny_config({**TINY[kind], "impl": "pallas"})
-    tiny_config({**TINY[kind], "impl": "xla"})
