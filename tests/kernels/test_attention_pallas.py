@@ -35,10 +35,9 @@ def _inputs(B, T, S, H, G, K, V, dtype=jnp.float32, seed=0):
     return (jnp.asarray(rng.standard_normal(s, np.float32)).astype(dtype) for s in shapes)
 
 
-def _compare(q, k, v, ct, kw, tol, block_sizes=BS):
+def _compare(q, k, v, ct, kw, tol, block_sizes=BS, kernel=flash_attention):
     """Kernel (inputs' dtype) against the float32 reference on o, dq, dk, dv; returns kernel's o."""
-    got = jax.jit(partial(_out_and_grads, partial(flash_attention, block_sizes=block_sizes), kw=kw))(
-        q, k, v, ct)
+    got = jax.jit(partial(_out_and_grads, partial(kernel, block_sizes=block_sizes), kw=kw))(q, k, v, ct)
     f32 = (x.astype(jnp.float32) for x in (q, k, v, ct))
     want = jax.jit(partial(_out_and_grads, attention_reference, kw=kw))(*f32)
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):

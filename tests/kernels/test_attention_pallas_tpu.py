@@ -14,34 +14,13 @@ import numpy as np
 import pytest
 
 from kernels.attention.pallas_tpu import BlockSizes, flash_attention_tpu
-from kernels.attention.reference import attention_reference
-from tests.util import assert_close
+from tests.kernels.test_attention_pallas import _compare as _compare_kernel
+from tests.kernels.test_attention_pallas import _inputs, _out_and_grads
 
 BS8, BS16 = BlockSizes(8, 8, 8, 8, 8, 8), BlockSizes(16, 16, 16, 16, 16, 16)
 
 
-def _out_and_grads(attn, q, k, v, ct, kw):
-    o, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, **kw), q, k, v)
-    return (o, *vjp(ct))
-
-
-def _inputs(B, T, S, H, G, K, V, dtype=jnp.float32, seed=0):
-    """q, k, v and an output cotangent; numpy draws (eager jax.random would compile per shape)."""
-    rng = np.random.default_rng(seed)
-    shapes = ((B, T, H, K), (B, S, G, K), (B, S, G, V), (B, T, H, V))
-    return (jnp.asarray(rng.standard_normal(s, np.float32)).astype(dtype) for s in shapes)
-
-
-def _compare(q, k, v, ct, kw, tol, block_sizes):
-    """Kernel (inputs' dtype) against the float32 reference on o, dq, dk, dv; returns kernel's o."""
-    fast = partial(flash_attention_tpu, block_sizes=block_sizes)
-    got = jax.jit(partial(_out_and_grads, fast, kw=kw))(q, k, v, ct)
-    f32 = (x.astype(jnp.float32) for x in (q, k, v, ct))
-    want = jax.jit(partial(_out_and_grads, attention_reference, kw=kw))(*f32)
-    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
-        assert a.dtype == q.dtype, name
-        assert_close(a, b, tol, name)
-    return got[0]
+_compare = partial(_compare_kernel, kernel=flash_attention_tpu)
 
 
 def _packed(B, T, seed):

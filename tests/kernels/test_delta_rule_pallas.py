@@ -43,14 +43,13 @@ def _packed(B, T):
     return jnp.asarray(np.stack(rows)[:B], jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("pallas", "block_sizes"))
-def _outputs_and_grads(q, k, v, beta, g, S0, wo, ws, seg, *, pallas, block_sizes=BS):
-    """(o, S) and the gradients of sum(o wo) + sum(S ws) w.r.t. q, k, v, beta, g (if given), S0; the
-    reference in float32 from the same (possibly rounded) inputs."""
+@functools.partial(jax.jit, static_argnames=("kernel", "block_sizes"))
+def _outputs_and_grads(q, k, v, beta, g, S0, wo, ws, seg, *, kernel, block_sizes):
+    """(o, S) and the gradients of sum(o wo) + sum(S ws) w.r.t. q, k, v, beta, g (if given), S0;
+    kernel None: the reference in float32 from the same (possibly rounded) inputs."""
     def loss(q, k, v, beta, g, S0):
-        if pallas:
-            o, S = delta_rule_pallas(q, k, v, beta, g, scale=0.25, segment_ids=seg, initial_state=S0,
-                                     block_sizes=block_sizes)
+        if kernel:
+            o, S = kernel(q, k, v, beta, g, scale=0.25, segment_ids=seg, initial_state=S0, block_sizes=block_sizes)
         else:
             f = lambda x: None if x is None else x.astype(jnp.float32)
             o, S = delta_rule_recurrent(f(q), f(k), f(v), f(beta), f(g), scale=0.25, segment_ids=seg, initial_state=S0)
@@ -58,19 +57,19 @@ def _outputs_and_grads(q, k, v, beta, g, S0, wo, ws, seg, *, pallas, block_sizes
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)(q, k, v, beta, g, S0)
 
 
-def _compare(inputs, seg, tol, dtype=jnp.float32, block_sizes=BS):
+def _compare(inputs, seg, tol, dtype=jnp.float32, block_sizes=BS, kernel=delta_rule_pallas):
     q, k, v, beta, g, S0, wo, ws = inputs
     lo = [None if x is None else x.astype(dtype) for x in (q, k, v, beta, g)]
-    grads, (o, S) = _outputs_and_grads(*lo, S0, wo, ws, seg, pallas=True, block_sizes=block_sizes)
-    want_grads, (want_o, want_S) = _outputs_and_grads(*lo, S0, wo, ws, seg, pallas=False)
-    assert o.dtype == dtype and S.dtype == jnp.float32
+    grads, (o, S) = _outputs_and_grads(*lo, S0, wo, ws, seg, kernel=kernel, block_sizes=block_sizes)
+    want_grads, (want_o, want_S) = _outputs_and_grads(*lo, S0, wo, ws, seg, kernel=None, block_sizes=None)
+    assert o.dtype == dtype and o.shape == want_o.shape and S.dtype == jnp.float32
     assert_close(o, want_o, tol, "o")
     assert_close(S, want_S, tol, "final state")
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dS0"), grads, want_grads):
         if name == "dg" and g is None:
             assert a is None and b is None
             continue
-        assert a.dtype == (jnp.float32 if name == "dS0" else dtype), name
+        assert a.dtype == (jnp.float32 if name == "dS0" else dtype) and a.shape == b.shape, name
         assert np.isfinite(np.asarray(a, np.float32)).all(), f"{name} not finite"
         assert float(jnp.abs(b).max()) > 0, f"{name}: the reference gradient is zero"
         assert_close(a, b, tol, name)

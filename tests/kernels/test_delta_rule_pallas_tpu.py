@@ -15,63 +15,12 @@ import numpy as np
 import pytest
 
 from kernels.delta_rule.pallas_tpu import BlockSizes, _inverse, delta_rule_pallas_tpu
-from kernels.delta_rule.reference import delta_rule_recurrent
+from tests.kernels.test_delta_rule_pallas import _inputs, _packed
+from tests.kernels.test_delta_rule_pallas import _compare as _compare_kernel
 from tests.util import assert_close
 
 BS = BlockSizes(block_t=8)
-
-
-def _inputs(B, T, H, K, V, gated, seed=0):
-    """q, k (L2-normalised, as the layers feed the op), v, beta, g (log-decays from about -6 to
-    -0.01, or None), S0, and the weights of a random projection of (o, S); numpy draws."""
-    r = np.random.default_rng(seed)
-    l2 = lambda x: x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
-    sigmoid = lambda z: 1 / (1 + np.exp(-z))
-    x = [l2(r.standard_normal((B, T, H, K))), l2(r.standard_normal((B, T, H, K))), r.standard_normal((B, T, H, V)),
-         sigmoid(r.standard_normal((B, T, H))), np.log(sigmoid(2 * r.standard_normal((B, T, H)) + 2)),
-         r.standard_normal((B, H, K, V)), r.standard_normal((B, T, H, V)), r.standard_normal((B, H, K, V))]
-    x = [jnp.asarray(a, jnp.float32) for a in x]
-    return x[:4] + [x[4] if gated else None] + x[5:]
-
-
-def _packed(B, T):
-    """Segment ids: row 0 has documents starting at t = 5, 6 (a one-token document) and 16 (a chunk
-    boundary); row 1 one starting at t = 11."""
-    rows = [np.repeat([4, 5, 6, 7], [5, 1, 10, T - 16]), np.repeat([2, 3], [11, T - 11])]
-    return jnp.asarray(np.stack(rows)[:B], jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("pallas", "block_sizes"))
-def _outputs_and_grads(q, k, v, beta, g, S0, wo, ws, seg, *, pallas, block_sizes=BS):
-    """(o, S) and the gradients of sum(o wo) + sum(S ws) w.r.t. q, k, v, beta, g (if given), S0; the
-    reference in float32 from the same (possibly rounded) inputs."""
-    def loss(q, k, v, beta, g, S0):
-        if pallas:
-            o, S = delta_rule_pallas_tpu(q, k, v, beta, g, scale=0.25, segment_ids=seg, initial_state=S0,
-                                         block_sizes=block_sizes)
-        else:
-            f = lambda x: None if x is None else x.astype(jnp.float32)
-            o, S = delta_rule_recurrent(f(q), f(k), f(v), f(beta), f(g), scale=0.25, segment_ids=seg, initial_state=S0)
-        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(S * ws), (o, S)
-    return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)(q, k, v, beta, g, S0)
-
-
-def _compare(inputs, seg, tol, dtype=jnp.float32, block_sizes=BS):
-    q, k, v, beta, g, S0, wo, ws = inputs
-    lo = [None if x is None else x.astype(dtype) for x in (q, k, v, beta, g)]
-    grads, (o, S) = _outputs_and_grads(*lo, S0, wo, ws, seg, pallas=True, block_sizes=block_sizes)
-    want_grads, (want_o, want_S) = _outputs_and_grads(*lo, S0, wo, ws, seg, pallas=False)
-    assert o.dtype == dtype and o.shape == want_o.shape and S.dtype == jnp.float32
-    assert_close(o, want_o, tol, "o")
-    assert_close(S, want_S, tol, "final state")
-    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dS0"), grads, want_grads):
-        if name == "dg" and g is None:
-            assert a is None and b is None
-            continue
-        assert a.dtype == (jnp.float32 if name == "dS0" else dtype) and a.shape == b.shape, name
-        assert np.isfinite(np.asarray(a, np.float32)).all(), f"{name} not finite"
-        assert float(jnp.abs(b).max()) > 0, f"{name}: the reference gradient is zero"
-        assert_close(a, b, tol, name)
+_compare = functools.partial(_compare_kernel, kernel=delta_rule_pallas_tpu)
 
 
 # (B, T, H, K, V, gated, packed, block sizes): T = 21 gives chunks 8, 8 and a ragged 5; two head

@@ -44,14 +44,14 @@ def _packed(Bsz, T, seed=0):
     return jnp.asarray(ids, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("pallas", "block_sizes"))
-def _outputs_and_grads(args, wy, wh, starts, *, pallas, block_sizes=BS):
-    """(y, h_T) and the gradients of sum(y wy) + sum(h_T wh) w.r.t. every input; the reference in
-    float32 from the same (possibly rounded) inputs."""
+@functools.partial(jax.jit, static_argnames=("kernel", "block_sizes"))
+def _outputs_and_grads(args, wy, wh, starts, *, kernel, block_sizes):
+    """(y, h_T) and the gradients of sum(y wy) + sum(h_T wh) w.r.t. every input; kernel None: the
+    reference in float32 from the same (possibly rounded) inputs."""
     def loss(args):
         x, dt, A, B, C, D, h0 = args
-        if pallas:
-            y, h = selective_scan_pallas(x, dt, A, B, C, D, starts, h0, block_sizes=block_sizes)
+        if kernel:
+            y, h = kernel(x, dt, A, B, C, D, starts, h0, block_sizes=block_sizes)
         else:
             f32 = [None if a is None else a.astype(jnp.float32) for a in args]
             y, h = selective_scan_recurrent(*f32[:6], starts, f32[6])
@@ -59,12 +59,12 @@ def _outputs_and_grads(args, wy, wh, starts, *, pallas, block_sizes=BS):
     return jax.grad(loss, has_aux=True)(args)
 
 
-def _compare(args, wy, wh, seg, tol, dtype=jnp.float32, block_sizes=BS):
+def _compare(args, wy, wh, seg, tol, dtype=jnp.float32, block_sizes=BS, kernel=selective_scan_pallas):
     args = tuple(None if a is None else a.astype(dtype) if n in ("x", "dt", "B", "C") else a
                  for n, a in zip(NAMES, args))
     starts = jnp.zeros(args[0].shape[:2], bool) if seg is None else document_starts(seg)
-    grads, (y, h) = _outputs_and_grads(args, wy, wh, starts, pallas=True, block_sizes=block_sizes)
-    want_grads, (want_y, want_h) = _outputs_and_grads(args, wy, wh, starts, pallas=False)
+    grads, (y, h) = _outputs_and_grads(args, wy, wh, starts, kernel=kernel, block_sizes=block_sizes)
+    want_grads, (want_y, want_h) = _outputs_and_grads(args, wy, wh, starts, kernel=None, block_sizes=None)
     assert y.dtype == dtype and h.dtype == jnp.float32
     assert_close(y, want_y, tol, "y")
     assert_close(h, want_h, tol, "final state")

@@ -11,48 +11,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from kernels.segments import document_starts
 from kernels.selective_scan.pallas_tpu import BlockSizes, selective_scan_pallas_tpu
-from kernels.selective_scan.reference import selective_scan_recurrent
-from tests.kernels.test_selective_scan_pallas import NAMES, _inputs, _packed
-from tests.util import assert_close
+from tests.kernels.test_selective_scan_pallas import _inputs, _packed
+from tests.kernels.test_selective_scan_pallas import _compare as _compare_kernel
 
 BS = BlockSizes(block_t=8, block_d=8)
-
-
-@functools.partial(jax.jit, static_argnames=("pallas",))
-def _outputs_and_grads(args, wy, wh, starts, *, pallas):
-    """(y, h_T) and the gradients of sum(y wy) + sum(h_T wh) w.r.t. every input; the reference in
-    float32 from the same (possibly rounded) inputs."""
-    def loss(args):
-        x, dt, A, B, C, D, h0 = args
-        if pallas:
-            y, h = selective_scan_pallas_tpu(x, dt, A, B, C, D, starts, h0, block_sizes=BS)
-        else:
-            f32 = [None if a is None else a.astype(jnp.float32) for a in args]
-            y, h = selective_scan_recurrent(*f32[:6], starts, f32[6])
-        return jnp.sum(y.astype(jnp.float32) * wy) + jnp.sum(h * wh), (y, h)
-    return jax.grad(loss, has_aux=True)(args)
-
-
-def _compare(args, wy, wh, seg, tol, dtype=jnp.float32):
-    args = tuple(None if a is None else a.astype(dtype) if n in ("x", "dt", "B", "C") else a
-                 for n, a in zip(NAMES, args))
-    starts = jnp.zeros(args[0].shape[:2], bool) if seg is None else document_starts(seg)
-    grads, (y, h) = _outputs_and_grads(args, wy, wh, starts, pallas=True)
-    want_grads, (want_y, want_h) = _outputs_and_grads(args, wy, wh, starts, pallas=False)
-    assert y.dtype == dtype and h.dtype == jnp.float32
-    assert_close(y, want_y, tol, "y")
-    assert_close(h, want_h, tol, "final state")
-    for name, a, b, arg in zip(NAMES, grads, want_grads, args):
-        if arg is None:
-            continue
-        assert a.dtype == arg.dtype, name
-        assert np.isfinite(np.asarray(a, np.float32)).all(), f"d{name} not finite"
-        assert_close(a, b, tol, f"d{name}")
+_compare = functools.partial(_compare_kernel, block_sizes=BS, kernel=selective_scan_pallas_tpu)
 
 
 # (B, T, Dm, N, D given, packed): T = 21 gives three 8-token chunks, the last ragged; Dm = 16 two

@@ -22,8 +22,6 @@ from zoo.config import MeshConfig, to_dict
 
 ROOT = Path(__file__).parents[2]
 TOL = 1e-5  # relative difference of float32 losses
-# Faster compiles of the tiny models (both sides of every comparison compile alike).
-FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def _free_port() -> int:
@@ -34,7 +32,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")  # `make test` distributes by file: one worker, one run of the subprocesses
 def results(tmp_path_factory):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": FAST}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # with conftest.py's fast-compile XLA_FLAGS
     procs = {}
     for part in ("a", "b"):
         folder = tmp_path_factory.mktemp(f"part_{part}")
@@ -47,7 +45,7 @@ def results(tmp_path_factory):
     for pid in (0, 1):  # the multi-host launch of the README, with two local processes as hosts
         host_env = {**env, "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
                     "JAX_PROCESS_ID": str(pid), "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-                    "XLA_FLAGS": f"{FAST} --xla_force_host_platform_device_count=4"}
+                    "XLA_FLAGS": f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count=4"}
         procs[f"host{pid}"] = subprocess.Popen([sys.executable, "-m", "train", str(hosts / "run.yaml")],
                                                cwd=ROOT, env=host_env, stdout=subprocess.PIPE,
                                                stderr=subprocess.STDOUT, text=True)
