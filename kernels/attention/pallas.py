@@ -326,6 +326,17 @@ def _fit(block, n):
     return min(block, max(16, pl.next_power_of_2(n)))
 
 
+def mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions):
+    """The rows the masks compare, (1 or B, T) for queries and (1 or B, S) for keys: positions
+    (by default the queries are the last T of the S keys) and documents (kv_segment_ids alone mask
+    nothing, as in the reference)."""
+    qp = jnp.arange(S - T, S)[None] if q_positions is None else q_positions
+    kp = jnp.arange(S)[None] if kv_positions is None else kv_positions
+    if segment_ids is None:
+        return qp, kp, jnp.zeros((1, T), jnp.int32), jnp.zeros((1, S), jnp.int32)
+    return qp, kp, segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids
+
+
 def flash_attention(
     q: Float[Array, "B T H K"],
     k: Float[Array, "B S G K"],
@@ -360,12 +371,7 @@ def flash_attention(
         blocks=fitted, num_warps=blocks.num_warps or (4 if max(Kp, Vp) <= 64 else 8),
         num_stages=blocks.num_stages, interpret=backend != "gpu" if interpret is None else interpret,
         exact=q.dtype == jnp.float32)
-    qp = jnp.arange(S - T, S)[None] if q_positions is None else q_positions
-    kp = jnp.arange(S)[None] if kv_positions is None else kv_positions
-    if segment_ids is None:  # kv_segment_ids alone mask nothing, as in the reference
-        qs, ks = jnp.zeros((1, T), jnp.int32), jnp.zeros((1, S), jnp.int32)
-    else:
-        qs, ks = segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids
+    qp, kp, qs, ks = mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions)
     row = lambda x, n, mode: jnp.pad(jnp.broadcast_to(x, (B, x.shape[1])).astype(jnp.int32),
                                      ((0, 0), (0, n - x.shape[1])), mode=mode)
     pad = lambda x, n, d: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d - x.shape[3])))

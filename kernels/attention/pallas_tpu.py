@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-MASK = -1e30  # finite "minus infinity" for masked logits: keeps exp and max free of inf - inf
+from kernels.attention.pallas import MASK, mask_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,12 +393,7 @@ def flash_attention_tpu(
         q_offset=S - T if q_positions is None and kv_positions is None else None,
         heads=(H, G), blocks=fitted, padded=(Tp, Sp), interpret=interpret,
         exact=q.dtype == jnp.float32)
-    qp = jnp.arange(S - T, S)[None] if q_positions is None else q_positions
-    kp = jnp.arange(S)[None] if kv_positions is None else kv_positions
-    if segment_ids is None:  # kv_segment_ids alone mask nothing, as in the reference
-        qs, ks = jnp.zeros((1, T), jnp.int32), jnp.zeros((1, S), jnp.int32)
-    else:
-        qs, ks = segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids
+    qp, kp, qs, ks = mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions)
     q_row = lambda x: jnp.pad(jnp.broadcast_to(x, (B, T)).astype(jnp.int32), ((0, 0), (0, Tp - T)))
     kv_row = lambda x: jnp.pad(jnp.broadcast_to(x, (B, S)).astype(jnp.int32), ((0, 0), (0, Sp - S)))
     pad = lambda x, n, d: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d - x.shape[3])))
