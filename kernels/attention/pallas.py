@@ -29,8 +29,8 @@ Pallas Mosaic GPU lowering: dot_general"). The grid + BlockSpec kernel in plain 
 in interpret mode, where the tests check it, and lowers through Triton, which emits wgmma for these
 dots on Hopper by itself and also runs on Ampere; `jax.jit(...).trace(...).lower(
 lowering_platforms=("cuda",))` lowers all three kernels on a CPU-only machine. A Mosaic GPU
-variant is the next step for speed (benchmarks/kernels.py shows the gap to cuDNN). No TPU variant
-yet: on TPU, impl="auto" uses the XLA reference.
+variant is the next step for speed (benchmarks/kernels.py shows the gap to cuDNN). The TPU kernels
+are in pallas_tpu.py.
 
 Departures from the paper and the official kernel:
 - softmax in base 2: logits are multiplied by scale * log2(e) and exp2/log2 are used (the same

@@ -45,7 +45,7 @@ does not lower to Mosaic GPU in jax 0.10.2 (no dot_general rule there), runs unc
 mode where the tests check it, and lets Triton pick the tensor-core instructions. Without a GPU,
 `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` checks that the three kernels lower
 to Triton IR; that Triton compiles and runs them is checked only by the tests marked gpu, not yet
-run. No TPU kernel: impl="auto" uses the XLA forms there.
+run. The TPU kernels are in pallas_tpu.py.
 
 Departures from the papers and from fla:
 - one kernel per direction walks all chunks (fla: separate kernels for the UT transform, the

@@ -44,7 +44,7 @@ GPU in jax 0.10.2 (no dot_general rule there), it runs unchanged in interpret mo
 check it, and Triton picks the tensor-core instructions for its dots itself. Without a GPU,
 `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` checks that every kernel lowers to
 Triton IR; that Triton compiles and runs it is checked only by the tests marked gpu, not yet run.
-No TPU kernel: impl="auto" uses the XLA forms there.
+The TPU kernels are in pallas_tpu.py.
 
 Departures from the paper and from fla:
 - one level of chunking, C = 16 tokens per step for per-channel gates (fla: 64-token chunks split

@@ -28,8 +28,8 @@ Backend: Triton on GPU, as kernels/attention/pallas.py explains (this grid + Blo
 plain jnp does not lower to Mosaic GPU in jax 0.10.2; it runs unchanged in interpret mode on CPU,
 where the tests check it). The kernel needs no matmul, so Triton's only constraint here is
 power-of-two tiles. Without a GPU, a test checks that both kernels lower to Triton IR; that Triton
-compiles and runs them is checked only by the tests marked gpu, not yet run. No TPU kernel:
-impl="auto" uses the XLA forms there.
+compiles and runs them is checked only by the tests marked gpu, not yet run. The TPU kernels
+are in pallas_tpu.py.
 
 Departures from the official CUDA kernel (selective_scan_fwd/bwd): it splits time across the
 threads of a block (a block-wide parallel scan over 2048-token chunks) and one block per (batch,
