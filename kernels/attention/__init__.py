@@ -15,7 +15,8 @@ from kernels.attention.reference import attention_reference
 
 IMPLS = ("auto", "reference", "xla", "pallas")
 
-__all__ = ["attention", "attention_reference", "flash_attention", "flash_attention_tpu", "BlockSizes", "default_block_sizes"]
+__all__ = ["attention", "attention_reference", "flash_attention", "flash_attention_tpu", "BlockSizes",
+           "default_block_sizes"]
 
 
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,

@@ -2,11 +2,12 @@
 o_t = scale * q_t S_t, with a per-channel log-decay g <= 0 given by the caller.
 
 See reference.py for the equations, chunk.py (stable secondary chunking) and parallel.py (quadratic
-form, O(T^2 K) memory) for the fast forms, pallas.py (GPU, Triton) and pallas_tpu.py (TPU, Mosaic) for the Pallas kernels (custom_vjp).
+form, O(T^2 K) memory) for the fast forms, pallas.py (GPU, Triton) and pallas_tpu.py (TPU, Mosaic)
+for the Pallas kernels (custom_vjp).
 
 impl: "xla" runs the XLA form picked by `mode`; "reference" the token-by-token scan whatever the
-mode; "pallas" the Pallas kernels of kernels.pallas_platform() (interpret mode on CPU, slow and meant for
-tests), whose chunk is their own block size, not `chunk_size`; "auto" the kernels on GPU/TPU when
+mode; "pallas" the Pallas kernels of kernels.pallas_platform() (interpret mode on CPU, slow and
+meant for tests), whose chunk is their own block size, not `chunk_size`; "auto" the kernels on GPU/TPU when
 kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens), the XLA form
 elsewhere.
 """
