@@ -40,22 +40,21 @@ def _cases():
     starts = (SEG != jnp.pad(SEG[:, :-1], ((0, 0), (1, 0)))).at[:, 0].set(False)
     scan = (_x(6, B, T, Dm), jax.nn.softplus(_x(7, B, T, Dm)), -jnp.exp(_x(8, Dm, N)), _x(9, B, T, N),
             _x(10, B, T, N), _x(11, Dm), _x(12, B, Dm, N))
-    return {
-        "attention": (lambda q, k, v: flash_attention_tpu(q, k, v, segment_ids=SEG, window=9,
-                                                          block_sizes=AttentionBlocks(*[8] * 6)),
-                      (q, k[:, :, :1], v[:, :, :1])),  # both query heads on one kv head: dK/dV reduce them
-        "gla": (lambda q, k, v, g, s: gla_pallas_tpu(q, k, v, g, segment_ids=SEG, initial_state=s,
-                                                     block_sizes=GLABlocks(16, 8, 8)), (q, k, v, g, S0)),
-        "gla_scalar": (lambda q, k, v, g, s: gla_pallas_tpu(q, k, v, g, segment_ids=SEG, initial_state=s,
-                                                            block_sizes=GLABlocks(8, 8, 8)), (q, k, v, g[..., 0], S0)),
-        "delta_rule": (lambda q, k, v, b, g, s: delta_rule_pallas_tpu(q, k, v, b, g, scale=0.25, segment_ids=SEG,
-                                                                     initial_state=s, block_sizes=DeltaBlocks(8)),
+    gla = lambda blocks: lambda *a: gla_pallas_tpu(*a[:4], segment_ids=SEG, initial_state=a[4], block_sizes=blocks,
+                                                   interpret=True)
+    return {  # kernel, its positional arguments (all differentiated)
+        "attention": (lambda *a: flash_attention_tpu(*a, segment_ids=SEG, window=9,
+                                                     block_sizes=AttentionBlocks(*[8] * 6), interpret=True),
+                      (q, k[:, :, :1], v[:, :, :1])),  # both query heads on one kv head
+        "gla": (gla(GLABlocks(16, 8, 8)), (q, k, v, g, S0)),
+        "gla_scalar": (gla(GLABlocks(8, 8, 8)), (q, k, v, g[..., 0], S0)),
+        "delta_rule": (lambda *a: delta_rule_pallas_tpu(*a[:5], scale=0.25, segment_ids=SEG, initial_state=a[5],
+                                                        block_sizes=DeltaBlocks(8), interpret=True),
                        (q, kn, v, beta, g[..., 0], S0)),
-        "selective_scan": (lambda x, dt, A, Bm, Cm, D, h0: selective_scan_pallas_tpu(
-            x, dt, A, Bm, Cm, D, starts, h0, block_sizes=ScanBlocks(8, 8)), scan),
-        "wkv7": (lambda r, w, k, v, a, b, s: wkv7_pallas_tpu(r, w, k, v, a, b, segment_ids=SEG, initial_state=s,
-                                                             block_sizes=WKV7Blocks(8)),
-                 (q, g, k, v, -kn, kn * beta[..., None], S0)),
+        "selective_scan": (lambda *a: selective_scan_pallas_tpu(*a[:6], starts, a[6], block_sizes=ScanBlocks(8, 8),
+                                                                interpret=True), scan),
+        "wkv7": (lambda *a: wkv7_pallas_tpu(*a[:6], segment_ids=SEG, initial_state=a[6], block_sizes=WKV7Blocks(8),
+                                            interpret=True), (q, g, k, v, -kn, kn * beta[..., None], S0)),
     }
 
 

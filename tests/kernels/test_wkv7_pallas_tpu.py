@@ -32,7 +32,7 @@ def _outputs_and_grads(x, seg, pallas):
 
     def loss(x):
         if pallas:
-            o, s = wkv7_pallas_tpu(**x, segment_ids=seg, block_sizes=BS)
+            o, s = wkv7_pallas_tpu(**x, segment_ids=seg, block_sizes=BS, interpret=True)
         else:
             o, s = wkv7_recurrent(**x, segment_ids=seg)
         return jnp.sum(o * wo) + jnp.sum(s * ws), (o, s)
@@ -59,7 +59,8 @@ def test_bfloat16_inputs():
     x = make_inputs(3, 2, 21, 1, 16, 16, 1.0)
     seg = _packed(21)
     xb = {n: a.astype(jnp.bfloat16) if n != "initial_state" else a for n, a in x.items()}
-    o, s = jax.jit(lambda x: wkv7_pallas_tpu(**x, segment_ids=seg, block_sizes=BlockSizes(16)))(xb)
+    o, s = jax.jit(lambda x: wkv7_pallas_tpu(**x, segment_ids=seg, block_sizes=BlockSizes(16),
+                                                       interpret=True))(xb)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     up = {n: a.astype(jnp.float32) for n, a in xb.items()}
     o_ref, s_ref = jax.jit(lambda x: wkv7_recurrent(**x, segment_ids=seg))(up)
