@@ -56,6 +56,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from kernels.x64 import div, fori_loop
+
 LOG2E = math.log2(math.e)
 MASK = -1e30  # finite "minus infinity" for masked logits: keeps exp2 and max free of inf - inf
 
@@ -157,9 +159,9 @@ def _kv_block_range(qp, bk, nk, cfg):
     """Key blocks [lo, hi) that can hold a visible key for queries at positions qp."""
     lo, hi = 0, nk
     if cfg.kv_is_index and cfg.causal:
-        hi = jnp.clip(lax.div(jnp.max(qp) + bk, bk), 0, nk)
+        hi = jnp.clip(div(jnp.max(qp) + bk, bk), 0, nk)
     if cfg.kv_is_index and cfg.window is not None:
-        lo = lax.div(jnp.clip(jnp.min(qp) - cfg.window + 1, 0, nk * bk), bk)
+        lo = div(jnp.clip(jnp.min(qp) - cfg.window + 1, 0, nk * bk), bk)
     return lo, hi
 
 
@@ -168,9 +170,9 @@ def _q_block_range(k0, bk, bq, nq, cfg):
     lo, hi = 0, nq
     if cfg.kv_is_index and cfg.q_offset is not None:
         if cfg.causal:  # query t sees key k0 only if t + q_offset >= k0
-            lo = lax.div(jnp.clip(k0 - cfg.q_offset, 0, nq * bq), bq)
+            lo = div(jnp.clip(k0 - cfg.q_offset, 0, nq * bq), bq)
         if cfg.window is not None:  # and key k0 + bk - 1 only if t + q_offset < k0 + bk - 1 + window
-            hi = jnp.clip(lax.div(k0 + bk - 1 + cfg.window - cfg.q_offset + bq - 1, bq), 0, nq)
+            hi = jnp.clip(div(k0 + bk - 1 + cfg.window - cfg.q_offset + bq - 1, bq), 0, nq)
     return lo, hi
 
 
@@ -197,7 +199,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_
     lo, hi = _kv_block_range(qp, bk, k_ref.shape[0] // bk, cfg)
     init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq,), MASK, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    acc, m, l = fori_loop(lo, hi, body, init)
     seen = l > 0
     l = jnp.where(seen, l, 1.0)
     o_ref[...] = jnp.where(seen[:, None], acc / l[:, None], 0.0).astype(o_ref.dtype)
@@ -218,7 +220,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_
         return dq + _dot(ds.astype(k.dtype), k, (1, 0), cfg)
 
     lo, hi = _kv_block_range(qp, bk, k_ref.shape[0] // bk, cfg)
-    dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+    dq = fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
@@ -240,10 +242,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse
             return (dk + _dot(ds.astype(q.dtype), q, (0, 0), cfg),
                     dv + _dot(p.astype(do.dtype), do, (0, 0), cfg))
 
-        return lax.fori_loop(lo, hi, block, carry)
+        return fori_loop(lo, hi, block, carry)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(0, q_ref.shape[1], head, init)
+    dk, dv = fori_loop(0, q_ref.shape[1], head, init)
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -330,8 +332,8 @@ def mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions):
     """The rows the masks compare, (1 or B, T) for queries and (1 or B, S) for keys: positions
     (by default the queries are the last T of the S keys) and documents (kv_segment_ids alone mask
     nothing, as in the reference)."""
-    qp = jnp.arange(S - T, S)[None] if q_positions is None else q_positions
-    kp = jnp.arange(S)[None] if kv_positions is None else kv_positions
+    qp = jnp.arange(S - T, S, dtype=jnp.int32)[None] if q_positions is None else q_positions
+    kp = jnp.arange(S, dtype=jnp.int32)[None] if kv_positions is None else kv_positions
     if segment_ids is None:
         return qp, kp, jnp.zeros((1, T), jnp.int32), jnp.zeros((1, S), jnp.int32)
     return qp, kp, segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids

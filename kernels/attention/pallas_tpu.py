@@ -59,6 +59,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from kernels.attention.pallas import MASK, mask_rows
+from kernels.x64 import div, iota
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +114,9 @@ def _kv_range(i, bq, bk, nk, cfg):
     """Key blocks [lo, hi] that can hold a key visible from query block i (a superset)."""
     lo, hi = 0, nk - 1
     if cfg.q_offset is not None and cfg.causal:  # the block's last query sits at (i+1) bq - 1 + off
-        hi = jnp.minimum(lax.div(jnp.maximum((i + 1) * bq - 1 + cfg.q_offset, 0), bk), nk - 1)
+        hi = jnp.minimum(div(jnp.maximum((i + 1) * bq - 1 + cfg.q_offset, 0), bk), nk - 1)
     if cfg.q_offset is not None and cfg.window is not None:  # its first sees keys > i bq + off - w
-        lo = jnp.minimum(lax.div(jnp.maximum(i * bq + cfg.q_offset - cfg.window + 1, 0), bk), nk - 1)
+        lo = jnp.minimum(div(jnp.maximum(i * bq + cfg.q_offset - cfg.window + 1, 0), bk), nk - 1)
     return lo, hi
 
 
@@ -123,9 +124,9 @@ def _q_range(j, bq, bk, nq, cfg):
     """Query blocks [lo, hi] that can see a key of key block j (a superset)."""
     lo, hi = 0, nq - 1
     if cfg.q_offset is not None and cfg.causal:  # query t sees key j bk only if t + off >= j bk
-        lo = jnp.minimum(lax.div(jnp.maximum(j * bk - cfg.q_offset, 0), bq), nq - 1)
+        lo = jnp.minimum(div(jnp.maximum(j * bk - cfg.q_offset, 0), bq), nq - 1)
     if cfg.q_offset is not None and cfg.window is not None:  # the block's first query i bq + off
-        hi = jnp.minimum(lax.div(jnp.maximum((j + 1) * bk - 2 - cfg.q_offset + cfg.window, 0), bq),
+        hi = jnp.minimum(div(jnp.maximum((j + 1) * bk - 2 - cfg.q_offset + cfg.window, 0), bq),
                          nq - 1)  # sees key (j+1) bk - 1 only if i bq + off - w + 1 <= it
     return lo, hi
 
@@ -158,7 +159,7 @@ def _visible(qp, qs, kp, ks, k0, cfg):
     if cfg.segmented:
         conds.append(ks == qs)
     if cfg.kv_padded:
-        conds.append(k0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1) < cfg.kv_len)
+        conds.append(k0 + iota((bq, bk), 1) < cfg.kv_len)
     return functools.reduce(jnp.logical_and, conds) if conds else None
 
 
@@ -284,7 +285,7 @@ def _fq_specs(cfg, bq, bk):
     nk = cfg.padded[1] // bk
     kv_block = lambda i, j: _clamp(j, _kv_range(i, bq, bk, nk, cfg))  # skipped steps refetch nothing
     return _specs(bq, bk, lambda b, h, i, j: (b, i, h),
-                  lambda b, h, i, j: (b, kv_block(i, j), lax.div(h, H // G)))
+                  lambda b, h, i, j: (b, kv_block(i, j), div(h, H // G)))
 
 
 def _forward(q, k, v, qp, kp, qs, ks, cfg):
