@@ -66,14 +66,14 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-# The same block knobs, dot and iota helpers, and auto-dispatch rule as the GLA kernels.
-from kernels.gla.pallas import BlockSizes, _dot, _iota, supports  # noqa: F401 (supports: re-exported)
+# The same block knobs, dot helper and auto-dispatch rule as the GLA kernels.
+from kernels.gla.pallas import BlockSizes, _dot, supports  # noqa: F401 (supports: re-exported)
 from kernels.segments import document_index
+from kernels.x64 import fori_loop, indicator, iota
 
 f32 = jnp.float32
 
@@ -109,11 +109,11 @@ def _inverse_t(A):
     C = A.shape[0]
 
     def row(i, N):
-        a = jnp.sum(jnp.where(_iota((C, C), 0) == i, A, 0.0), axis=0, keepdims=True)  # (1, C): A_i
-        m = jnp.where(_iota((C, 1), 0) == i, 1.0, 0.0) - jnp.sum(N * a, axis=1, keepdims=True)  # (C, 1)
-        return jnp.where(_iota((C, C), 1) == i, m, N)
+        a = jnp.sum(jnp.where(iota((C, C), 0) == i, A, 0.0), axis=0, keepdims=True)  # (1, C): A_i
+        m = indicator(iota((C, 1), 0) == i) - jnp.sum(N * a, axis=1, keepdims=True)  # (C, 1)
+        return jnp.where(iota((C, C), 1) == i, m, N)
 
-    return lax.fori_loop(0, C, row, jnp.zeros((C, C), f32))
+    return fori_loop(0, C, row, jnp.zeros((C, C), f32))
 
 
 def _chunk(n, refs, cfg):
@@ -126,9 +126,9 @@ def _chunk(n, refs, cfg):
                         v=v_ref[sl, :].astype(f32), beta=beta_ref[sl], G=g_ref[sl], doc=doc_ref[sl])
     G, doc = c.G, c.doc
     state_doc, doc_last = jnp.min(prev_ref[sl]), jnp.max(doc)  # documents of token t0 - 1 and t0 + C - 1
-    G_last = jnp.sum(jnp.where(_iota((C,), 0) == C - 1, G, 0.0))
-    c.vis = (_iota((C, C), 0) >= _iota((C, C), 1)) & (doc[:, None] == doc[None, :])  # key j seen by query i
-    c.strict = c.vis & (_iota((C, C), 0) != _iota((C, C), 1))
+    G_last = jnp.sum(jnp.where(iota((C,), 0) == C - 1, G, 0.0))
+    c.vis = (iota((C, C), 0) >= iota((C, C), 1)) & (doc[:, None] == doc[None, :])  # key j seen by query i
+    c.strict = c.vis & (iota((C, C), 0) != iota((C, C), 1))
     c.E = jnp.where(c.vis, jnp.exp(jnp.where(c.vis, G[:, None] - G[None, :], 0.0)), 0.0)  # masked before exp
     c.KK = _dot(c.k, c.k, (1, 1), cfg)  # (C, C)
     c.A = jnp.where(c.strict, c.beta[:, None] * c.KK * c.E, 0.0)
@@ -161,7 +161,7 @@ def _fwd_kernel(*refs, cfg, states):
             out_ref[c.sl, :] = o.astype(out_ref.dtype)
         return c.gamma * S + _dot(c.kd[:, None] * c.k, U, (0, 0), cfg)
 
-    st_ref[...] = lax.fori_loop(0, ins[0].shape[0] // cfg.block_t, chunk, s0_ref[...])
+    st_ref[...] = fori_loop(0, ins[0].shape[0] // cfg.block_t, chunk, s0_ref[...])
 
 
 def _bwd_kernel(*refs, cfg):
@@ -195,12 +195,12 @@ def _bwd_kernel(*refs, cfg):
         X = c.kd * jnp.sum(c.k * dKd, axis=1)  # (C,): through D_{C-1,j}
         to_last = jnp.sum(X) + c.gamma * jnp.sum(dS * S)
         dG = (jnp.sum(Z, axis=1) - jnp.sum(Z, axis=0) + c.cg * jnp.sum(c.q * dQs, axis=1) + c.cg * c.beta * kdKb
-              - X + jnp.where(_iota((C,), 0) == C - 1, to_last, 0.0))  # (C,): dL/dG
+              - X + jnp.where(iota((C,), 0) == C - 1, to_last, 0.0))  # (C,): dL/dG
         dg = jnp.sum(jnp.where(c.vis, dG[:, None], 0.0), axis=0)  # sum over s >= t in t's document
         dg_ref[c.sl] = jnp.where(c.start, 0.0, dg)
         return c.gamma * dS + _dot(c.cg[:, None] * c.q, do, (0, 0), cfg) - _dot(c.W, dU, (0, 0), cfg)
 
-    ds0_ref[...] = lax.fori_loop(0, num_chunks, chunk, dst_ref[...])
+    ds0_ref[...] = fori_loop(0, num_chunks, chunk, dst_ref[...])
 
 
 def _specs(cfg, q, v):

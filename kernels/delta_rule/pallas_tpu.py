@@ -75,8 +75,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from kernels.delta_rule.pallas import _local_cumsum
-from kernels.gla.pallas import _dot, _iota
+from kernels.gla.pallas import _dot
 from kernels.segments import document_index
+from kernels.x64 import indicator, iota
 
 f32 = jnp.float32
 _EXACT = SimpleNamespace(dtype="float32", exact=True)  # _dot settings of the inverse's matmuls
@@ -111,8 +112,8 @@ def _inverse(A):
     """M = (I + A)^{-1} for a strictly lower-triangular (C, C) tile A, C a power of two, by the
     block doubling of the docstring."""
     C = A.shape[0]
-    ii, jj = _iota((C, C), 0), _iota((C, C), 1)
-    M = jnp.where(ii == jj, 1.0, 0.0)
+    ii, jj = iota((C, C), 0), iota((C, C), 1)
+    M = indicator(ii == jj)
     b = 1
     while b < C:
         lower_left = ((ii ^ jj) < 2 * b) & ((ii & b) != 0) & ((jj & b) == 0)
@@ -124,26 +125,26 @@ def _inverse(A):
 def _column(x):
     """(1, C) -> (C, 1), by a diagonal mask and a lane reduction (no transpose)."""
     C = x.shape[1]
-    return jnp.sum(jnp.where(_iota((C, C), 0) == _iota((C, C), 1), x, 0.0), axis=1, keepdims=True)
+    return jnp.sum(jnp.where(iota((C, C), 0) == iota((C, C), 1), x, 0.0), axis=1, keepdims=True)
 
 
 def _row(x):
     """(C, 1) -> (1, C), by a diagonal mask and a sublane reduction."""
     C = x.shape[0]
-    return jnp.sum(jnp.where(_iota((C, C), 0) == _iota((C, C), 1), x, 0.0), axis=0, keepdims=True)
+    return jnp.sum(jnp.where(iota((C, C), 0) == iota((C, C), 1), x, 0.0), axis=0, keepdims=True)
 
 
 def _chunk(q_ref, k_ref, v_ref, tok_ref, cfg):
     """The chunk's inputs and its state-independent terms (all float32). The per-token scalars come
     as rows (6, C) (a (C, 6) block would fill a (C, 128) tile); they are used as columns (C, 1)."""
     C = cfg.block_t
-    ii, jj = _iota((C, C), 0), _iota((C, C), 1)
+    ii, jj = iota((C, C), 0), iota((C, C), 1)
     tok = tok_ref[...]  # (6, C)
-    rows = [jnp.sum(jnp.where(_iota(tok.shape, 0) == i, tok, 0.0), axis=0, keepdims=True) for i in range(len(tok))]
+    rows = [jnp.sum(jnp.where(iota(tok.shape, 0) == i, tok, 0.0), axis=0, keepdims=True) for i in range(len(tok))]
     beta_row, G_row, first_row, last_row, start_row, doc_row = rows  # (1, C) each
     c = SimpleNamespace(beta=_column(beta_row), G=_column(G_row), first=_column(first_row), start_row=start_row)
     doc, last = _column(doc_row), _column(last_row) > 0  # (C, 1)
-    at_last = lambda x: jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, x, 0.0), axis=1, keepdims=True)  # (1, 1)
+    at_last = lambda x: jnp.sum(jnp.where(iota((1, C), 1) == C - 1, x, 0.0), axis=1, keepdims=True)  # (1, 1)
     c.q, c.k = q_ref[...].astype(f32) * cfg.scale, k_ref[...].astype(f32)  # (C, K)
     c.v = v_ref[...].astype(f32)  # (C, V)
     c.vis = (ii >= jj) & (doc == doc_row)  # (C, C): key j seen by query i
@@ -221,9 +222,9 @@ def _bwd_kernel(q_ref, k_ref, v_ref, tok_ref, h_ref, do_ref, dst_ref,
     X = c.kd * rowsum(c.k * dKd)  # (C, 1): through D_{C-1,j}
     to_last = jnp.sum(X, axis=0, keepdims=True) + c.gamma * jnp.sum(rowsum(dS * S), axis=0, keepdims=True)
     dG = (rowsum(Z - Z.T) + c.cg * rowsum(c.q * dQs) + c.cg * c.beta * kdKb - X
-          + jnp.where(_iota((C, 1), 0) == C - 1, to_last, 0.0))  # (C, 1): dL/dG
+          + jnp.where(iota((C, 1), 0) == C - 1, to_last, 0.0))  # (C, 1): dL/dG
     dg = jnp.sum(jnp.where(c.vis, dG, 0.0), axis=0, keepdims=True)  # (1, C): sum of dG_s, s >= t, t's document
-    dtok_ref[...] = jnp.where(_iota((2, C), 0) == 0, _row(dbeta), jnp.where(c.start_row > 0, 0.0, dg))
+    dtok_ref[...] = jnp.where(iota((2, C), 0) == 0, _row(dbeta), jnp.where(c.start_row > 0, 0.0, dg))
     dS = c.gamma * dS + _dot((c.cg * c.q).T, do, (1, 0), cfg) - _dot(c.W.T, dU, (1, 0), cfg)
     dS_ref[...] = dS
 

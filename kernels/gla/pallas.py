@@ -70,6 +70,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from kernels.segments import document_starts
+from kernels.x64 import fori_loop, iota
 
 f32 = jnp.float32
 
@@ -141,13 +142,10 @@ def _dot(a, b, dims, cfg):
                            preferred_element_type=f32)
 
 
-def _iota(shape, axis):
-    return lax.broadcasted_iota(jnp.int32, shape, axis)
-
 
 def _column(M, j):
     """Column j of a (C, C) tile, as (C, 1)."""
-    return jnp.sum(jnp.where(_iota((1, M.shape[1]), 1) == j, M, 0.0), axis=1, keepdims=True)
+    return jnp.sum(jnp.where(iota((1, M.shape[1]), 1) == j, M, 0.0), axis=1, keepdims=True)
 
 
 def _load(n, q_ref, k_ref, b_ref, doc_ref, prev_ref, cfg):
@@ -161,7 +159,7 @@ def _load(n, q_ref, k_ref, b_ref, doc_ref, prev_ref, cfg):
         c.b, b_last = bv[:, None], b_ref[last][None, :]  # (C, 1), (1, 1)
     else:
         c.b, b_last = b_ref[sl, :], b_ref[last, :]  # (C, K), (1, K)
-    c.vis = _iota((C, 1), 0) >= _iota((1, C), 1)  # (C, C): key j visible from query i
+    c.vis = iota((C, 1), 0) >= iota((1, C), 1)  # (C, C): key j visible from query i
     q_decay, k_decay, c.decay = jnp.exp(c.b), jnp.exp(b_last - c.b), jnp.exp(b_last)
     if cfg.segmented:
         c.doc = doc_ref[sl]  # (C,)
@@ -182,7 +180,7 @@ def _key(j, c, k_ref, b_ref, doc_ref, cfg):
     exponent masked to 0 where key j is not visible (i < j: b_i - b_j > 0 could overflow), and
     which queries i see it (C, 1)."""
     row = pl.ds(c.t0 + j, 1)
-    vis = _iota((cfg.block_t, 1), 0) >= j
+    vis = iota((cfg.block_t, 1), 0) >= j
     if cfg.segmented:
         vis = vis & (c.doc == doc_ref[row])[:, None]
     E = jnp.exp(jnp.where(vis, c.b - b_ref[row, :], 0.0))
@@ -200,13 +198,13 @@ def _scores(c, k_ref, b_ref, doc_ref, cfg, dA=None):
         A, dk = carry
         kj, E, vis = _key(j, c, k_ref, b_ref, doc_ref, cfg)
         a = jnp.where(vis, jnp.sum(c.q * kj * E, axis=1, keepdims=True), 0.0)  # (C, 1): column j
-        A = A + jnp.where(_iota((1, C), 1) == j, a, 0.0)
+        A = A + jnp.where(iota((1, C), 1) == j, a, 0.0)
         if dA is not None:
             dkj = jnp.sum(jnp.where(vis, _column(dA, j), 0.0) * c.q * E, axis=0, keepdims=True)  # (1, K)
-            dk = dk + jnp.where(_iota((C, 1), 0) == j, dkj, 0.0)
+            dk = dk + jnp.where(iota((C, 1), 0) == j, dkj, 0.0)
         return A, dk
 
-    A, dk = lax.fori_loop(0, C, key, (jnp.zeros((C, C), f32), jnp.zeros(c.k.shape, f32)))
+    A, dk = fori_loop(0, C, key, (jnp.zeros((C, C), f32), jnp.zeros(c.k.shape, f32)))
     return A if dA is None else (A, dk)
 
 
@@ -218,7 +216,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, prev_ref, s0_ref, o_ref, st
         o_ref[c.sl, :] = (_dot(c.qd, St, (1, 1), cfg) + _dot(A, v, (1, 0), cfg)).astype(o_ref.dtype)
         return St * c.decay + _dot(v, c.kd, (0, 0), cfg)
 
-    st_ref[...] = lax.fori_loop(0, q_ref.shape[0] // cfg.block_t, chunk, s0_ref[...])
+    st_ref[...] = fori_loop(0, q_ref.shape[0] // cfg.block_t, chunk, s0_ref[...])
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, prev_ref, s0_ref, do_ref, dq_ref, *, cfg):
@@ -233,11 +231,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, prev_ref, s0_ref, do_ref, dq
             def key(j, dq):
                 kj, E, vis = _key(j, c, k_ref, b_ref, doc_ref, cfg)
                 return dq + jnp.where(vis, _column(dA, j), 0.0) * kj * E
-            dq = lax.fori_loop(0, cfg.block_t, key, dq)
+            dq = fori_loop(0, cfg.block_t, key, dq)
         dq_ref[c.sl, :] = dq * cfg.scale
         return St * c.decay + _dot(v, c.kd, (0, 0), cfg)
 
-    lax.fori_loop(0, q_ref.shape[0] // cfg.block_t, chunk, s0_ref[...])
+    fori_loop(0, q_ref.shape[0] // cfg.block_t, chunk, s0_ref[...])
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, prev_ref, do_ref, dst_ref, dk_ref, dv_ref, ds0_ref,
@@ -252,7 +250,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, prev_ref, do_ref, dst_ref, 
         dv_ref[c.sl, :] = (_dot(c.kd, dSt, (1, 1), cfg) + _dot(A, do, (0, 0), cfg)).astype(dv_ref.dtype)
         return dSt * c.decay + _dot(do, c.qd, (0, 0), cfg)
 
-    ds0_ref[...] = lax.fori_loop(0, num_chunks, chunk, dst_ref[...])
+    ds0_ref[...] = fori_loop(0, num_chunks, chunk, dst_ref[...])
 
 
 def _specs(cfg, q, v):

@@ -70,6 +70,7 @@ from jaxtyping import Array, Float, Int
 
 from kernels.gla.pallas import _doc_suffix_sum, _local_cumsum
 from kernels.segments import document_starts
+from kernels.x64 import div, fori_loop, indicator, iota
 
 f32 = jnp.float32
 
@@ -135,22 +136,19 @@ def _dot(a, b, dims, cfg, exact=None):
                            preferred_element_type=f32)
 
 
-def _iota(shape, axis):
-    return lax.broadcasted_iota(jnp.int32, shape, axis)
-
 
 def _load(r, cfg):
     """This step's chunk: q' (C, K), k (C, K) float32, the decays and masks of the docstring."""
     C = cfg.block_t
     c = SimpleNamespace(q=r.q[...].astype(f32) * cfg.scale, k=r.k[...].astype(f32), b=r.b[...])
     b_last = r.b[C - 1:C, :]  # (1, K) or (1, 1)
-    c.M = _iota((C, C), 0) >= _iota((C, C), 1)  # key j visible from query i
+    c.M = iota((C, C), 0) >= iota((C, C), 1)  # key j visible from query i
     c.q_decay, c.k_decay, c.decay = jnp.exp(c.b), jnp.exp(b_last - c.b), jnp.exp(b_last)
     if cfg.segmented:
         doc = r.doc[...]  # (C, 1)
         state_doc, doc_last = r.prev[0:1, :], r.doc[C - 1:C, :]  # (1, 1): documents of t0 - 1, t0 + C - 1
         c.M = c.M & (doc == r.doc_row[...])
-        keep = lambda m: jnp.where(m, 1.0, 0.0)  # masks broadcast as numbers, not booleans
+        keep = indicator  # masks broadcast as numbers, not booleans
         c.q_decay = c.q_decay * keep(doc == state_doc)
         c.k_decay = c.k_decay * keep(doc == doc_last)
         c.decay = c.decay * keep(doc_last == state_doc)
@@ -173,7 +171,7 @@ def _scores(c, cfg, dA=None, want=("A",)):
             out["dk"] = _dot(dA * c.E, c.q, (0, 0), cfg)
         return out
     C, sub = cfg.block_t, cfg.block_sub
-    row = _iota(c.k.shape, 0)  # (C, K)
+    row = iota(c.k.shape, 0)  # (C, K)
     zero = jnp.zeros((C, C) if "A" in want else (1, 1), f32), jnp.zeros(c.k.shape, f32)
     A, dq, dk = zero[0], zero[1], zero[1]
     # Keys in earlier sub-chunks, through the first token r of the query's sub-chunk: exponents <= 0.
@@ -193,14 +191,14 @@ def _scores(c, cfg, dA=None, want=("A",)):
         A = jnp.where(c.M, A, 0.0)
     # Keys in the query's own sub-chunk, offset o: row i reads key start(i) + o. The gathers are
     # exact: one 1 per row of P, and k in the dots' dtype (b in float32).
-    i = _iota((C, 1), 0)
-    start, col = i - jnp.bitwise_and(i, sub - 1), _iota((1, C), 1)
+    i = iota((C, 1), 0)
+    start, col = i - jnp.bitwise_and(i, sub - 1), iota((1, C), 1)
 
     def offset(o, carry):
         A, dq, dk = carry
         P = col == start + o  # (C, C)
-        Pf = jnp.where(P, 1.0, 0.0)
-        vis = jnp.max(jnp.where(P & c.M, 1.0, 0.0), axis=1, keepdims=True)  # (C, 1): 1 if visible
+        Pf = indicator(P)
+        vis = jnp.max(indicator(P & c.M), axis=1, keepdims=True)  # (C, 1): 1 if visible
         b_key, k_key = _dot(Pf, c.b, (1, 0), cfg, exact=True), _dot(Pf, c.k, (1, 0), cfg)
         E = jnp.exp((c.b - b_key) * vis)  # (C, K), exponent masked to 0 where not visible
         if "A" in want:
@@ -213,7 +211,7 @@ def _scores(c, cfg, dA=None, want=("A",)):
                 dk = dk + _dot(Pf, da * c.q * E, (0, 0), cfg, exact=True)  # scatter to the keys
         return A, dq, dk
 
-    A, dq, dk = lax.fori_loop(0, sub, offset, (A, dq, dk))
+    A, dq, dk = fori_loop(0, sub, offset, (A, dq, dk))
     return {name: x for name, x in (("A", A), ("dq", dq), ("dk", dk)) if name in want}
 
 
@@ -265,7 +263,7 @@ def _call(kernel, cfg, ins, outs, name, reverse=False):
     t = (lambda n: N - 1 - n) if reverse else (lambda n: n)
     K, (B, H, _, Vp), bv = ins["q"][1].shape[3], ins["v"][1].shape, cfg.block_v
     specs = {
-        "qk": pl.BlockSpec((None, None, C, K), lambda b, h, j, n: (b, lax.div(h, R), t(n), 0)),
+        "qk": pl.BlockSpec((None, None, C, K), lambda b, h, j, n: (b, div(h, R), t(n), 0)),
         "v": pl.BlockSpec((None, None, C, bv), lambda b, h, j, n: (b, h, t(n), j)),
         "b": pl.BlockSpec((None, None, C, 1 if cfg.scalar else K), lambda b, h, j, n: (b, h, t(n), 0)),
         "b_row": pl.BlockSpec((None, None, None, 1, C), lambda b, h, j, n: (b, h, t(n), 0, 0)),

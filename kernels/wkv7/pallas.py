@@ -82,16 +82,16 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-# The delta-rule kernels' triangular inverse; the GLA kernels' block knobs, dot, iota and column
-# helpers, and auto-dispatch rule.
+# The delta-rule kernels' triangular inverse; the GLA kernels' block knobs, dot and column helpers,
+# and auto-dispatch rule.
 from kernels.delta_rule.pallas import _inverse_t
-from kernels.gla.pallas import BlockSizes, _column, _dot, _fit, _iota, supports  # noqa: F401 (supports: re-exported)
+from kernels.gla.pallas import BlockSizes, _column, _dot, _fit, supports  # noqa: F401 (supports: re-exported)
 from kernels.segments import document_index
+from kernels.x64 import fori_loop, iota
 
 f32 = jnp.float32
 _EXACT = SimpleNamespace(dtype="float32", exact=True)  # a `_dot` config for float32 bookkeeping (masks)
@@ -126,7 +126,7 @@ def _key(j, c, refs):
     masked to 0 where key j is not seen (they could be > 0); which queries see it (C, 1)."""
     k_ref, b_ref, G_ref, doc_ref = refs.k, refs.b, refs.G, refs.doc
     row = pl.ds(c.t0 + j, 1)
-    i = _iota((c.r.shape[0], 1), 0)
+    i = iota((c.r.shape[0], 1), 0)
     incl = (i >= j) & (c.doc == doc_ref[row])[:, None]
     strict = incl & (i != j)
     Gj = G_ref[row, :]
@@ -146,10 +146,10 @@ def _scores(c, refs):
                 jnp.where(incl, jnp.sum(rE * bj, axis=1, keepdims=True), 0.0),
                 jnp.where(strict, jnp.sum(aE * kj, axis=1, keepdims=True), 0.0),
                 jnp.where(strict, jnp.sum(aE * bj, axis=1, keepdims=True), 0.0))
-        at_j = _iota((1, C), 1) == j
+        at_j = iota((1, C), 1) == j
         return tuple(A + jnp.where(at_j, col, 0.0) for A, col in zip(As, cols))
 
-    return lax.fori_loop(0, C, key, (jnp.zeros((C, C), f32),) * 4)
+    return fori_loop(0, C, key, (jnp.zeros((C, C), f32),) * 4)
 
 
 def _score_grads(c, refs, dArk, dArb, dAak, dAab):
@@ -164,12 +164,12 @@ def _score_grads(c, refs, dArk, dArb, dAak, dAab):
         rE, aE = c.r * E1, c.a * E2
         dr = dr + (crk * kj + crb * bj) * E1
         da = da + (cak * kj + cab * bj) * E2
-        at_j = _iota((C, 1), 0) == j
+        at_j = iota((C, 1), 0) == j
         dk = dk + jnp.where(at_j, jnp.sum(crk * rE + cak * aE, axis=0, keepdims=True), 0.0)
         db = db + jnp.where(at_j, jnp.sum(crb * rE + cab * aE, axis=0, keepdims=True), 0.0)
         return dr, da, dk, db
 
-    return lax.fori_loop(0, C, key, (jnp.zeros(c.r.shape, f32),) * 4)
+    return fori_loop(0, C, key, (jnp.zeros(c.r.shape, f32),) * 4)
 
 
 def _chunk(n, refs, cfg):
@@ -185,8 +185,8 @@ def _chunk(n, refs, cfg):
     reads = (c.doc == state_doc)[:, None]  # (C, 1): token reads the incoming state
     writes = (c.doc == doc_last)[:, None]  # (C, 1): token writes S_next
     c.start = (c.doc != refs.prev[sl])[:, None]  # (C, 1): a document starts here
-    c.vis = (_iota((C, C), 0) >= _iota((C, C), 1)) & (c.doc[:, None] == c.doc[None, :])  # key j seen by i
-    c.strict = c.vis & (_iota((C, C), 0) != _iota((C, C), 1))
+    c.vis = (iota((C, C), 0) >= iota((C, C), 1)) & (c.doc[:, None] == c.doc[None, :])  # key j seen by i
+    c.strict = c.vis & (iota((C, C), 0) != iota((C, C), 1))
     c.rdec = jnp.where(reads, jnp.exp(c.G), 0.0)  # (C, K)
     c.adec = jnp.where(reads, jnp.exp(c.Gm), 0.0)
     c.ri, c.ai = c.r * c.rdec, c.a * c.adec
@@ -220,7 +220,7 @@ def _fwd_kernel(*refs, cfg, states):
             out_ref[c.sl, :] = o.astype(out_ref.dtype)
         return St * c.gamma + _dot(c.v, c.ko, (0, 0), cfg) + _dot(SA, c.bo, (0, 0), cfg)
 
-    st_ref[...] = lax.fori_loop(0, ins.r.shape[0] // cfg.block_t, chunk, s0_ref[...])
+    st_ref[...] = fori_loop(0, ins.r.shape[0] // cfg.block_t, chunk, s0_ref[...])
 
 
 def _bwd_kernel(*refs, cfg):
@@ -253,14 +253,14 @@ def _bwd_kernel(*refs, cfg):
         out = c.ko * dko + c.bo * dbo  # (C, K): through e^{G_L - G_j}
         to_last = jnp.sum(out, axis=0, keepdims=True) + c.gamma * jnp.sum(dSt * St, axis=0, keepdims=True)
         dG = (c.r * dr + c.ri * dri - c.k * dk - c.b * db - out
-              + jnp.where(_iota((C, 1), 0) == C - 1, to_last, 0.0))  # (C, K): dL/dG
+              + jnp.where(iota((C, 1), 0) == C - 1, to_last, 0.0))  # (C, K): dL/dG
         dGm = c.a * da + c.ai * dai  # dL/dG-
         # d log w_t: sum over i >= t (G) and i > t (G-) in t's chunk and document.
         dw = _dot(c.vis.astype(f32), dG, (0, 0), _EXACT) + _dot(c.strict.astype(f32), dGm, (0, 0), _EXACT)
         dw_ref[c.sl, :] = jnp.where(c.start, 0.0, dw)
         return dSt * c.gamma + _dot(do, c.ri, (0, 0), cfg) + _dot(dSA, c.W, (0, 0), cfg)
 
-    ds0_ref[...] = lax.fori_loop(0, num_chunks, chunk, dst_ref[...])
+    ds0_ref[...] = fori_loop(0, num_chunks, chunk, dst_ref[...])
 
 
 def _specs(cfg, r, v):

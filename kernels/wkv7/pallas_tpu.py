@@ -81,6 +81,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from kernels.segments import document_index
+from kernels.x64 import fori_loop, indicator, iota
 
 f32 = jnp.float32
 
@@ -107,9 +108,6 @@ class _Config:
     interpret: bool
 
 
-def _iota(shape, axis):
-    return lax.broadcasted_iota(jnp.int32, shape, axis)
-
 
 def _mm(x, y, exact=True):
     """x @ y, float32."""
@@ -125,18 +123,18 @@ def _mm_nt(x, y, exact=True):
 
 def _row(x, j):
     """Row j of a 2-D tile as (1, D) (j may be traced): a masked sum, no unaligned slice."""
-    return jnp.sum(jnp.where(_iota((x.shape[0], 1), 0) == j, x, 0.0), axis=0, keepdims=True)
+    return jnp.sum(jnp.where(iota((x.shape[0], 1), 0) == j, x, 0.0), axis=0, keepdims=True)
 
 
 def _col(x, j):
     """Column j of a 2-D tile as (C, 1)."""
-    return jnp.sum(jnp.where(_iota((1, x.shape[1]), 1) == j, x, 0.0), axis=1, keepdims=True)
+    return jnp.sum(jnp.where(iota((1, x.shape[1]), 1) == j, x, 0.0), axis=1, keepdims=True)
 
 
 def _decays(G, Gm, Gj, j):
     """e^{G_t - G_j} (t >= j) and e^{G^-_t - G_j} (t > j) for all t (C, K); exponents masked to 0
     before exp elsewhere (they would be positive), so nothing overflows."""
-    t = _iota((G.shape[0], 1), 0)
+    t = iota((G.shape[0], 1), 0)
     return jnp.exp(jnp.where(t >= j, G - Gj, 0.0)), jnp.exp(jnp.where(t > j, Gm - Gj, 0.0))
 
 
@@ -147,11 +145,11 @@ def _chunk(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, fl_ref, row_ref, cfg):
     v = v_ref[...].astype(f32)  # (C, V)
     fl = fl_ref[...]  # (C, 4)
     doc, cont, last, start = (_col(fl, i) for i in range(4))  # (C, 1)
-    ti, si = _iota((C, C), 0), _iota((C, C), 1)
+    ti, si = iota((C, C), 0), iota((C, C), 1)
     same = doc == row_ref[...]  # (C, C): same document ((C, 1) against the (1, C) doc row)
     incl, strict = (ti >= si) & same, (ti > si) & same
-    G = _mm(jnp.where(ti >= si, 1.0, 0.0), lw)  # (C, K): chunk-local cumulative sums, exact dots
-    Gm = _mm(jnp.where(ti > si, 1.0, 0.0), lw)
+    G = _mm(indicator(ti >= si), lw)  # (C, K): chunk-local cumulative sums, exact dots
+    Gm = _mm(indicator(ti > si), lw)
     Gl, carry = _row(G, C - 1), _row(cont, C - 1)  # (1, K), (1, 1)
     eG, eGm = jnp.exp(G), jnp.exp(Gm)
     r_in = jnp.where(cont > 0, r * eG, 0.0)
@@ -164,14 +162,14 @@ def _chunk(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, fl_ref, row_ref, cfg):
         Gj, kj, bj = _row(G, j), _row(k, j), _row(b, j)  # (1, K)
         E, Em = _decays(G, Gm, Gj, j)
         rE, aE = r * E, a * Em
-        put = lambda A, x: jnp.where(_iota((1, C), 1) == j, jnp.sum(x, axis=1, keepdims=True), A)
+        put = lambda A, x: jnp.where(iota((1, C), 1) == j, jnp.sum(x, axis=1, keepdims=True), A)
         return put(Ark, rE * kj), put(Arb, rE * bj), put(Aak, aE * kj), put(Aab, aE * bj)
 
     zero = jnp.zeros((C, C), f32)
-    Ark, Arb, Aak, Aab = lax.fori_loop(0, C, key, (zero,) * 4)
+    Ark, Arb, Aak, Aab = fori_loop(0, C, key, (zero,) * 4)
     Ark, Arb = jnp.where(incl, Ark, 0.0), jnp.where(incl, Arb, 0.0)
     Aak, Aab = jnp.where(strict, Aak, 0.0), jnp.where(strict, Aab, 0.0)
-    Tm, P, p = jnp.where(ti == si, 1.0, 0.0) + Aab, Aab, 1  # (I - A)^{-1} = prod_i (I + A^{2^i})
+    Tm, P, p = indicator(ti == si) + Aab, Aab, 1  # (I - A)^{-1} = prod_i (I + A^{2^i})
     while 2 * p < C:
         P = _mm(P, P)
         Tm, p = Tm + _mm(Tm, P), 2 * p
@@ -237,13 +235,13 @@ def _bwd_kernel(*refs, cfg):
         E, Em = _decays(G, Gm, Gj, j)
         c_rk, c_rb, c_ak, c_ab = (_col(M, j) for M in (dArk, dArb, dAak, dAab))  # (C, 1)
         rE, aE = r * E, a * Em
-        row_j = _iota((C, 1), 0) == j
+        row_j = iota((C, 1), 0) == j
         dk = jnp.where(row_j, jnp.sum(c_rk * rE + c_ak * aE, axis=0, keepdims=True), dk)
         db = jnp.where(row_j, jnp.sum(c_rb * rE + c_ab * aE, axis=0, keepdims=True), db)
         return dr + (c_rk * kj + c_rb * bj) * E, da + (c_ak * kj + c_ab * bj) * Em, dk, db
 
     zero = jnp.zeros(r.shape, f32)
-    dr_s, da_s, dk_s, db_s = lax.fori_loop(0, C, key, (zero,) * 4)
+    dr_s, da_s, dk_s, db_s = fori_loop(0, C, key, (zero,) * 4)
     cont, tail, k_out, b_out = c.cont > 0, c.tail, c.k_out, c.b_out
     dr_ref[...] = dr_s + jnp.where(cont, dr_in * c.eG, 0.0)
     da_ref[...] = da_s + jnp.where(cont, da_in * c.eGm, 0.0)
@@ -253,10 +251,10 @@ def _bwd_kernel(*refs, cfg):
     out = k_out * dk_out + b_out * db_out
     dGl = jnp.sum(out, axis=0, keepdims=True) + c.g_row * dg_end  # (1, K)
     dG = (r * dr_s + c.r_in * dr_in - k * dk_s - b * db_s - out
-          + jnp.where(_iota((C, 1), 0) == C - 1, dGl, 0.0))
+          + jnp.where(iota((C, 1), 0) == C - 1, dGl, 0.0))
     dGm = a * da_s + c.a_in * da_in
     # G_s = sum_{t <= s} log w_t, G^-_s = sum_{t < s}: suffix sums inside t's document.
-    suffix = jnp.where((c.si >= c.ti) & c.same, 1.0, 0.0)  # (t, s)
+    suffix = indicator((c.si >= c.ti) & c.same)  # (t, s)
     dw = _mm(suffix, dG + dGm) - dGm
     dw_ref[...] = jnp.where(c.start > 0, 0.0, dw)
 
