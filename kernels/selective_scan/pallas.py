@@ -46,10 +46,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Bool, Float
+
+from kernels.x64 import fori_loop
 
 f32 = jnp.float32
 
@@ -118,7 +119,7 @@ def _fwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, h0_ref, y_r
             y_ref[t, :] = (jnp.sum(h * _row(C_ref, t)[None, :], axis=1) + D * x).astype(y_ref.dtype)
         return h
 
-    hT_ref[...] = lax.fori_loop(0, x_ref.shape[0] // L, chunk, h0_ref[...])
+    hT_ref[...] = fori_loop(0, x_ref.shape[0] // L, chunk, h0_ref[...])
 
 
 def _bwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, hs_ref, dy_ref, dhT_ref,
@@ -150,7 +151,7 @@ def _bwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, hs_ref, dy_
         return dh, dA, dD
 
     init = (dhT_ref[...], jnp.zeros(A.shape, f32), jnp.zeros(D.shape, f32))
-    dh0_ref[...], dA_ref[...], dD_ref[...] = lax.fori_loop(0, num_chunks, chunk, init)
+    dh0_ref[...], dA_ref[...], dD_ref[...] = fori_loop(0, num_chunks, chunk, init)
 
 
 class _Specs:

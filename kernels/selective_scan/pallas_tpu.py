@@ -61,10 +61,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float
+
+from kernels.x64 import fori_loop, iota
 
 f32 = jnp.float32
 G = 8  # tokens per aligned group (the sublane count of a float32 tile)
@@ -101,7 +102,7 @@ class _Config:
 
 def _col(tile, t):
     """Column t of an (R, L) tile as (R, 1): a masked lane sum (t is dynamic)."""
-    lane = lax.broadcasted_iota(jnp.int32, tile.shape, 1)
+    lane = iota(tile.shape, 1)
     return jnp.sum(jnp.where(lane == t, tile, 0.0), axis=1, keepdims=True)
 
 
@@ -112,7 +113,7 @@ def _decay(dt, A, keep, t):
 
 def _put_row(tile, s, row):
     """tile (G, C) with row s (static) replaced by row (1, C)."""
-    return jnp.where(lax.broadcasted_iota(jnp.int32, tile.shape, 0) == s, row, tile)
+    return jnp.where(iota(tile.shape, 0) == s, row, tile)
 
 
 def _chunk_inputs(A_ref, B_ref, C_ref, D_ref, keep_ref):
@@ -148,7 +149,7 @@ def _fwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, h0_ref, y_r
         y_ref[rows, :] = ys
         return h
 
-    h_scr[...] = lax.fori_loop(0, x_ref.shape[0] // G, group, h_scr[...])
+    h_scr[...] = fori_loop(0, x_ref.shape[0] // G, group, h_scr[...])
 
     @pl.when(n == pl.num_programs(2) - 1)
     def _():
@@ -177,7 +178,7 @@ def _bwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, hs_ref, dy_
             h = _decay(dt, A, keep, t) * h + _col(Bt, t) * (dt * xs[s:s + 1])
         return h
 
-    lax.fori_loop(0, groups, recompute, hs_ref[...])
+    fori_loop(0, groups, recompute, hs_ref[...])
 
     def group(i, carry):
         dh, dA, dD, dBt, dCt = carry  # (N, bd), (N, bd), (1, bd), (N, L), (N, L)
@@ -191,7 +192,7 @@ def _bwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, hs_ref, dy_
             a, h_prev, Bc, u = _decay(dt, A, keep, t), hbuf[t], _col(Bt, t), dt * x
             h = a * h_prev + Bc * u
             dh = dh + _col(Ct, t) * dy  # dL/dh_t
-            lane = lax.broadcasted_iota(jnp.int32, dBt.shape, 1) == t
+            lane = iota(dBt.shape, 1) == t
             dCt = jnp.where(lane, jnp.sum(dy * h, axis=1, keepdims=True), dCt)
             dBt = jnp.where(lane, jnp.sum(dh * u, axis=1, keepdims=True), dBt)
             dh_B = jnp.sum(dh * Bc, axis=0, keepdims=True)  # (1, bd)
@@ -203,7 +204,7 @@ def _bwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, hs_ref, dy_
         return dh, dA, dD, dBt, dCt
 
     zeros_nl = jnp.zeros(Bt.shape, f32)
-    dh, dA, dD, dBt, dCt = lax.fori_loop(
+    dh, dA, dD, dBt, dCt = fori_loop(
         0, groups, group, (dh_scr[...], dA_ref[...], dD_ref[...], zeros_nl, zeros_nl))
     dh_scr[...], dA_ref[...], dD_ref[...], dB_ref[...], dC_ref[...] = dh, dA, dD, dBt, dCt
 
