@@ -238,7 +238,9 @@ def selective_scan_pallas(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm
                   interpret=backend != "gpu" if interpret is None else interpret)
     td = lambda a: jnp.pad(a, ((0, 0), (0, Tp - T), (0, Dp - Dm)))
     tn = lambda a: jnp.pad(a, ((0, 0), (0, Tp - T), (0, Np - N)))
-    D = jnp.zeros((Dm,), f32) if D is None else D
+    # A and D enter the kernels in float32, as every row they load does (jax differentiates the casts):
+    # a float64 A (the default dtype under x64) would make the carried state float64.
+    A, D = A.astype(f32), jnp.zeros((Dm,), f32) if D is None else D.astype(f32)
     keep = jnp.pad(1.0 - starts.astype(f32), ((0, 0), (0, Tp - T)), constant_values=1.0)
     y, h = _scan(td(x), td(delta), jnp.pad(A, ((0, Dp - Dm), (0, Np - N))), tn(B), tn(C),
                  jnp.pad(D, (0, Dp - Dm)), keep, jnp.pad(h0.astype(f32), ((0, 0), (0, Dp - Dm), (0, Np - N))),
