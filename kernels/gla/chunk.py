@@ -65,7 +65,7 @@ def gla_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     causal = jnp.tril(jnp.ones((c, c), bool))[:, :, None, None]  # (c, c, 1, 1)
     pair = jnp.where(causal, b_sub[:, :, :, :, None] - b_sub[:, :, :, None, :], 0.0)  # (B, N, n, c, c, H, K)
     diag = jnp.einsum("bnsihk,bnsjhk,bnsijhk->bnhsij", qs, ks, jnp.exp(pair)) * causal[..., 0, 0]
-    diag = jnp.einsum("bnhsij,st->bnhsitj", diag, jnp.eye(n)).reshape(B, N, H, C, C)
+    diag = jnp.einsum("bnhsij,st->bnhsitj", diag, jnp.eye(n, dtype=jnp.float32)).reshape(B, N, H, C, C)
 
     # Off-diagonal blocks: reference point r = b at the end of the sub-chunk before the query's.
     bs = b.reshape(B, N, n, c, H, K)
