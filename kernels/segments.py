@@ -26,7 +26,7 @@ def document_index(segment_ids: Int[Array, "B T"] | None, batch: int, length: in
 
 
 def positions_in_document(segment_ids: Int[Array, "B T"] | None, batch: int, length: int,
-                          start: Int[Array, "B"] | None = None) -> Int[Array, "B T"]:
+                          start: Int[Array, " B"] | None = None) -> Int[Array, "B T"]:
     """Position of each token inside its document: counts up from `start` (default 0) and restarts
     at 0 at every document start. Used for rotary positions, so that packed documents see the same
     positions as when run alone."""

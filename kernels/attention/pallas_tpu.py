@@ -363,8 +363,8 @@ def flash_attention_tpu(
     *,
     segment_ids: Int[Array, "B T"] | None = None,
     kv_segment_ids: Int[Array, "B S"] | None = None,
-    q_positions: Int[Array, "B T"] | None = None,
-    kv_positions: Int[Array, "B S"] | None = None,
+    q_positions: Int[Array, "#B T"] | None = None,  # rows of 1 broadcast
+    kv_positions: Int[Array, "#B S"] | None = None,
     causal: bool = True,
     window: int | None = None,
     scale: float | None = None,

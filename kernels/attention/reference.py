@@ -20,8 +20,8 @@ def attention_reference(
     *,
     segment_ids: Int[Array, "B T"] | None = None,
     kv_segment_ids: Int[Array, "B S"] | None = None,
-    q_positions: Int[Array, "B T"] | None = None,
-    kv_positions: Int[Array, "B S"] | None = None,
+    q_positions: Int[Array, "#B T"] | None = None,  # rows of 1 broadcast
+    kv_positions: Int[Array, "#B S"] | None = None,
     causal: bool = True,
     window: int | None = None,
     scale: float | None = None,

@@ -16,15 +16,12 @@ XLA form elsewhere. This function is the one dispatch point.
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import pallas_platform, use_pallas
+from kernels import check_impl, check_mode, pallas_platform, use_pallas
 from kernels.delta_rule.chunk import delta_rule_chunk
 from kernels.delta_rule.pallas import delta_rule_pallas, supports
 from kernels.delta_rule.pallas_tpu import delta_rule_pallas_tpu
 from kernels.delta_rule.parallel import delta_rule_parallel
 from kernels.delta_rule.reference import delta_rule_recurrent, delta_rule_step
-
-MODES = ("recurrent", "chunk", "parallel")
-IMPLS = ("auto", "reference", "xla", "pallas")
 
 
 def delta_rule(
@@ -44,13 +41,11 @@ def delta_rule(
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"] | None]:
     """q, k (B, T, H, K) (the layers L2-normalise them), v (B, T, H, V), beta (B, T, H) in (0, 1),
     g (B, T, H) log-decay <= 0 or None, initial_state (B, H, K, V). scale defaults to K^-1/2.
-    Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None)."""
-    if mode not in MODES:
-        raise ValueError(f"delta_rule: mode={mode!r}; expected one of {MODES}")
-    if impl not in IMPLS:
-        raise ValueError(f"delta_rule: impl={impl!r}; expected one of {IMPLS}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"delta_rule: chunk_size={chunk_size!r}; expected a positive int")
+    Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None).
+    segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
+    start restarts from zero (kernels/__init__.py)."""
+    check_mode(mode, chunk_size, "delta_rule")
+    check_impl(impl, "delta_rule")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kwargs = dict(scale=scale, segment_ids=segment_ids, initial_state=initial_state)
     if impl == "reference":
@@ -67,4 +62,4 @@ def delta_rule(
     return o, (final.astype(jnp.float32) if output_final_state else None)
 
 
-__all__ = ["delta_rule", "delta_rule_step", "delta_rule_pallas", "MODES", "IMPLS"]
+__all__ = ["delta_rule", "delta_rule_step", "delta_rule_pallas"]

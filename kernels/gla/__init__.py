@@ -14,7 +14,7 @@ elsewhere.
 
 from jaxtyping import Array, Float, Int
 
-from kernels import pallas_platform, use_pallas
+from kernels import check_impl, check_mode, pallas_platform, use_pallas
 from kernels.gla.chunk import gla_chunk
 from kernels.gla.pallas import gla_pallas, supports
 from kernels.gla.pallas_tpu import gla_pallas_tpu
@@ -22,7 +22,6 @@ from kernels.gla.parallel import gla_parallel
 from kernels.gla.reference import gla_reference, gla_step
 
 _FORMS = {"recurrent": gla_reference, "chunk": gla_chunk, "parallel": gla_parallel}
-_IMPLS = ("auto", "reference", "xla", "pallas")
 
 
 def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -34,13 +33,11 @@ def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, 
     g: log of the forget gate alpha, <= 0 (not checked). mode: "recurrent", "chunk" or "parallel";
     all give the same result. impl: "auto", "reference", "xla" or "pallas" (module docstring).
     scale multiplies q; None means K^-1/2 (as flash-linear-attention's chunk_gla).
+    segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
+    start restarts from zero (kernels/__init__.py).
     """
-    if mode not in _FORMS:
-        raise ValueError(f"gla: mode={mode!r}; valid modes are {sorted(_FORMS)}")
-    if impl not in _IMPLS:
-        raise ValueError(f"gla: impl={impl!r}; valid impls are {list(_IMPLS)}")
-    if chunk_size < 1:
-        raise ValueError(f"gla: chunk_size={chunk_size} must be >= 1")
+    check_mode(mode, chunk_size, "gla")
+    check_impl(impl, "gla")
     kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
                   initial_state=initial_state)
     if use_pallas(impl, supports(q, k, v)):

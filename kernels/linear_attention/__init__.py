@@ -11,7 +11,7 @@ elsewhere; "reference" is the token-by-token scan; "xla" the form picked by `mod
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import pallas_platform, use_pallas
+from kernels import check_impl, check_mode, pallas_platform, use_pallas
 from kernels.gla.pallas import gla_pallas, supports
 from kernels.gla.pallas_tpu import gla_pallas_tpu
 from kernels.linear_attention.chunk import linear_attention_chunk
@@ -20,7 +20,6 @@ from kernels.linear_attention.reference import linear_attention_reference, linea
 
 _FORMS = {"recurrent": linear_attention_reference, "chunk": linear_attention_chunk,
           "parallel": linear_attention_parallel}
-_IMPLS = ("auto", "reference", "xla", "pallas")
 
 
 def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"], *,
@@ -32,13 +31,11 @@ def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
     mode: "recurrent" (token-by-token scan), "chunk" (chunkwise parallel, chunk_size tokens) or
     "parallel" (quadratic masked form); all give the same result. impl: "auto", "reference", "xla"
     or "pallas" (module docstring). scale multiplies q (None means 1).
+    segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
+    start restarts from zero (kernels/__init__.py).
     """
-    if mode not in _FORMS:
-        raise ValueError(f"linear_attention: mode={mode!r}; valid modes are {sorted(_FORMS)}")
-    if impl not in _IMPLS:
-        raise ValueError(f"linear_attention: impl={impl!r}; valid impls are {list(_IMPLS)}")
-    if chunk_size < 1:
-        raise ValueError(f"linear_attention: chunk_size={chunk_size} must be >= 1")
+    check_mode(mode, chunk_size, "linear_attention")
+    check_impl(impl, "linear_attention")
     kwargs = dict(scale=1.0 if scale is None else scale, segment_ids=segment_ids, initial_state=initial_state)
     if use_pallas(impl, supports(q, k, v)):
         kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas

@@ -11,7 +11,7 @@ the token-by-token scan; "xla" the form picked by `mode`.
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import pallas_platform, use_pallas
+from kernels import check_impl, check_mode, pallas_platform, use_pallas
 from kernels.gla.pallas import gla_pallas, supports
 from kernels.gla.pallas_tpu import gla_pallas_tpu
 from kernels.retention.chunk import retention_chunk
@@ -19,11 +19,10 @@ from kernels.retention.parallel import retention_parallel
 from kernels.retention.reference import retention_reference, retention_step
 
 _FORMS = {"recurrent": retention_reference, "chunk": retention_chunk, "parallel": retention_parallel}
-_IMPLS = ("auto", "reference", "xla", "pallas")
 
 
 def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
-              gamma: Float[Array, "H"], *, segment_ids: Int[Array, "B T"] | None = None,
+              gamma: Float[Array, " H"], *, segment_ids: Int[Array, "B T"] | None = None,
               initial_state: Float[Array, "B H K V"] | None = None, output_final_state: bool = False,
               mode: str = "chunk", chunk_size: int = 64, impl: str = "auto", scale: float | None = None):
     """Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None).
@@ -31,13 +30,11 @@ def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     gamma (H,) in (0, 1]: the per-head decay. mode: "recurrent", "chunk" or "parallel"; all give the
     same result. impl: "auto", "reference", "xla" or "pallas" (module docstring). scale multiplies q;
     None means K^-1/2 as in the paper (which scales k by the same factor).
+    segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
+    start restarts from zero (kernels/__init__.py).
     """
-    if mode not in _FORMS:
-        raise ValueError(f"retention: mode={mode!r}; valid modes are {sorted(_FORMS)}")
-    if impl not in _IMPLS:
-        raise ValueError(f"retention: impl={impl!r}; valid impls are {list(_IMPLS)}")
-    if chunk_size < 1:
-        raise ValueError(f"retention: chunk_size={chunk_size} must be >= 1")
+    check_mode(mode, chunk_size, "retention")
+    check_impl(impl, "retention")
     log_gamma = jnp.log(jnp.asarray(gamma, jnp.float32))
     kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
                   initial_state=initial_state)

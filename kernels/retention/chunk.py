@@ -27,7 +27,7 @@ from kernels.segments import document_index
 
 
 def retention_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
-                    log_gamma: Float[Array, "H"], *, scale: float = 1.0,
+                    log_gamma: Float[Array, " H"], *, scale: float = 1.0,
                     segment_ids: Int[Array, "B T"] | None = None,
                     initial_state: Float[Array, "B H K V"] | None = None, chunk_size: int = 64):
     B, T, H, K = q.shape

@@ -18,7 +18,7 @@ from kernels.segments import document_starts
 
 
 def retention_step(q: Float[Array, "B H K"], k: Float[Array, "B H K"], v: Float[Array, "B H V"],
-                   log_gamma: Float[Array, "H"], state: Float[Array, "B H K V"], scale: float = 1.0):
+                   log_gamma: Float[Array, " H"], state: Float[Array, "B H K V"], scale: float = 1.0):
     """One token: S <- gamma S + k v^T, o = scale * q S. Returns (o (B, H, V), S), both float32."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     gamma = jnp.exp(log_gamma.astype(jnp.float32))[None, :, None, None]
@@ -27,7 +27,7 @@ def retention_step(q: Float[Array, "B H K"], k: Float[Array, "B H K"], v: Float[
 
 
 def retention_reference(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
-                        log_gamma: Float[Array, "H"], *, scale: float = 1.0,
+                        log_gamma: Float[Array, " H"], *, scale: float = 1.0,
                         segment_ids: Int[Array, "B T"] | None = None,
                         initial_state: Float[Array, "B H K V"] | None = None):
     """Scan of `retention_step` over time. Returns (o (B, T, H, V) in q's dtype, S float32)."""

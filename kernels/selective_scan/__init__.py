@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import pallas_platform, use_pallas
+from kernels import MODES, check_impl, check_mode, pallas_platform, use_pallas
 from kernels.segments import document_starts
 from kernels.selective_scan.chunk import selective_scan_chunk
 from kernels.selective_scan.pallas import selective_scan_pallas, supports
@@ -48,25 +48,18 @@ from kernels.selective_scan.pallas_tpu import selective_scan_pallas_tpu
 from kernels.selective_scan.parallel import selective_scan_parallel
 from kernels.selective_scan.reference import selective_scan_recurrent, selective_scan_step
 
-MODES = ("recurrent", "chunk", "parallel")
-IMPLS = ("auto", "reference", "xla", "pallas")
-
 
 def selective_scan(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: Float[Array, "Dm N"],
-                   B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, "Dm"] | None = None, *,
+                   B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, " Dm"] | None = None, *,
                    segment_ids: Int[Array, "B T"] | None = None,
                    initial_state: Float[Array, "B Dm N"] | None = None, output_final_state: bool = False,
                    mode: str = "auto", chunk_size: int = 64, impl: str = "auto"):
     """Returns (y (B, T, Dm) in x's dtype, final state (B, Dm, N) float32 or None).
 
-    With segment_ids, the state resets to zero at t >= 1 where the id changes; token 0 continues
-    `initial_state` (zero when None)."""
-    if mode not in MODES + ("auto",):
-        raise ValueError(f"selective_scan: mode={mode!r}; valid modes are {MODES + ('auto',)}")
-    if impl not in IMPLS:
-        raise ValueError(f"selective_scan: impl={impl!r}; valid impls are {IMPLS}")
-    if chunk_size < 1:
-        raise ValueError(f"selective_scan: chunk_size={chunk_size} must be >= 1")
+    segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
+    start restarts from zero (kernels/__init__.py)."""
+    check_mode(mode, chunk_size, "selective_scan", MODES + ("auto",))
+    check_impl(impl, "selective_scan")
     Bsz, T, Dm = x.shape
     N = A.shape[1]
     if A.shape != (Dm, N) or delta.shape != x.shape or B.shape != (Bsz, T, N) or C.shape != (Bsz, T, N):
@@ -93,4 +86,4 @@ def selective_scan(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: 
     return y.astype(x.dtype), (h if output_final_state else None)
 
 
-__all__ = ["selective_scan", "selective_scan_step", "MODES", "IMPLS"]
+__all__ = ["selective_scan", "selective_scan_step"]

@@ -25,7 +25,7 @@ from kernels.selective_scan.reference import selective_scan_recurrent
 
 
 def selective_scan_chunk(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: Float[Array, "Dm N"],
-                         B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, "Dm"] | None,
+                         B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, " Dm"] | None,
                          starts: Bool[Array, "B T"], h0: Float[Array, "B Dm N"], chunk_size: int):
     Bsz, T, Dm = x.shape
     N = A.shape[1]

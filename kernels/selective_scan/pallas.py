@@ -222,7 +222,7 @@ _scan.defvjp(_scan_fwd, _scan_bwd)
 
 
 def selective_scan_pallas(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: Float[Array, "Dm N"],
-                          B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, "Dm"] | None,
+                          B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, " Dm"] | None,
                           starts: Bool[Array, "B T"], h0: Float[Array, "B Dm N"], *,
                           block_sizes: BlockSizes | None = None, interpret: bool | None = None):
     """Same function as selective_scan_recurrent, differentiable in every float input. Returns

@@ -291,7 +291,7 @@ def _round_up(n, m):
 
 def selective_scan_pallas_tpu(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"],
                               A: Float[Array, "Dm N"], B: Float[Array, "B T N"], C: Float[Array, "B T N"],
-                              D: Float[Array, "Dm"] | None, starts: Bool[Array, "B T"],
+                              D: Float[Array, " Dm"] | None, starts: Bool[Array, "B T"],
                               h0: Float[Array, "B Dm N"], *, block_sizes: BlockSizes | None = None,
                               interpret: bool | None = None):
     """Same function as selective_scan_recurrent, differentiable in every float input. Returns

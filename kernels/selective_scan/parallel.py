@@ -21,7 +21,7 @@ def _combine(earlier, later):
 
 
 def selective_scan_parallel(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: Float[Array, "Dm N"],
-                            B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, "Dm"] | None,
+                            B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, " Dm"] | None,
                             starts: Bool[Array, "B T"], h0: Float[Array, "B Dm N"]):
     decay = jnp.where(starts[..., None, None], 0.0, jnp.exp(delta[..., None] * A))  # (B, T, Dm, N)
     inputs = (delta * x)[..., None] * B[:, :, None, :]  # (B, T, Dm, N)

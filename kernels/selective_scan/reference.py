@@ -21,7 +21,7 @@ from jaxtyping import Array, Bool, Float
 
 def selective_scan_step(h: Float[Array, "B Dm N"], x: Float[Array, "B Dm"], delta: Float[Array, "B Dm"],
                         A: Float[Array, "Dm N"], B: Float[Array, "B N"], C: Float[Array, "B N"],
-                        D: Float[Array, "Dm"] | None = None):
+                        D: Float[Array, " Dm"] | None = None):
     """One token: returns (h_t, y_t) in float32. Used by the scan below and by decoding."""
     f32 = jnp.float32
     x, delta, B, C = x.astype(f32), delta.astype(f32), B.astype(f32), C.astype(f32)
@@ -34,7 +34,7 @@ def selective_scan_step(h: Float[Array, "B Dm N"], x: Float[Array, "B Dm"], delt
 
 
 def selective_scan_recurrent(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: Float[Array, "Dm N"],
-                             B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, "Dm"] | None,
+                             B: Float[Array, "B T N"], C: Float[Array, "B T N"], D: Float[Array, " Dm"] | None,
                              starts: Bool[Array, "B T"], h0: Float[Array, "B Dm N"]):
     """Sequential lax.scan over time. `starts` marks document starts: the state is zeroed before the
     update there. Returns y (B, T, Dm) float32 and the final state (B, Dm, N) float32."""

@@ -26,31 +26,24 @@ kernels.AUTO_PALLAS is set and pallas.supports() the call, the XLA form elsewher
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import use_pallas
+from kernels import check_impl, check_mode, use_pallas
 from kernels.segments import document_starts
 from kernels.ssd.chunk import ssd_chunk
 from kernels.ssd.pallas import ssd_pallas, supports
 from kernels.ssd.parallel import ssd_parallel
 from kernels.ssd.reference import ssd_recurrent, ssd_step
 
-MODES = ("recurrent", "chunk", "parallel")
-IMPLS = ("auto", "reference", "xla", "pallas")
 
-
-def ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "H"], B: Float[Array, "B T G N"],
-        C: Float[Array, "B T G N"], D: Float[Array, "H"] | None = None, *,
+def ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, " H"], B: Float[Array, "B T G N"],
+        C: Float[Array, "B T G N"], D: Float[Array, " H"] | None = None, *,
         segment_ids: Int[Array, "B T"] | None = None, initial_state: Float[Array, "B H P N"] | None = None,
         output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64, impl: str = "auto"):
     """Returns (y (B, T, H, P) in x's dtype, final state (B, H, P, N) float32 or None).
 
-    With segment_ids, the state resets to zero at t >= 1 where the id changes; token 0 continues
-    `initial_state` (zero when None)."""
-    if mode not in MODES:
-        raise ValueError(f"ssd: mode={mode!r}; valid modes are {MODES}")
-    if impl not in IMPLS:
-        raise ValueError(f"ssd: impl={impl!r}; valid impls are {IMPLS}")
-    if chunk_size < 1:
-        raise ValueError(f"ssd: chunk_size={chunk_size} must be >= 1")
+    segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
+    start restarts from zero (kernels/__init__.py)."""
+    check_mode(mode, chunk_size, "ssd")
+    check_impl(impl, "ssd")
     Bsz, T, H, P = x.shape
     G, N = B.shape[2:]
     if (dt.shape != (Bsz, T, H) or A.shape != (H,) or B.shape != (Bsz, T, G, N) or C.shape != B.shape
@@ -75,4 +68,4 @@ def ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "
     return y.astype(x.dtype), (h if output_final_state else None)
 
 
-__all__ = ["ssd", "ssd_step", "MODES", "IMPLS"]
+__all__ = ["ssd", "ssd_step"]

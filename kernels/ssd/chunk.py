@@ -10,9 +10,10 @@ any T. With chunks of L tokens and a_t = Δ_t A_h:
 Departures from the paper's listing: L_c uses exp(cum_t - cum_s), as the official Triton kernels do,
 rather than the listing's stable segsum (see the comment in the code); step 3 is a lax.scan over
 chunks (linear in T / L, like the official `_state_passing` kernel) instead of the listing's
-quadratic segsum over chunks; B and C are repeated from G groups to H heads once at the start. Document starts are masked, never
-approximated: L_c is exactly 0 across documents (parallel.decay_mask), and the carried state and
-the chunk decay are zeroed from the first start inside a chunk on. Padding to a multiple of L uses
+quadratic segsum over chunks; B and C are repeated from G groups to H heads once at the start.
+Document starts are masked, never approximated: L_c is exactly 0 across documents
+(parallel.decay_mask), and the carried state and the chunk decay are zeroed from the first start
+inside a chunk on. Padding to a multiple of L uses
 Δ = 0 (decay 1, input 0), so padded steps leave the state unchanged.
 """
 
@@ -24,8 +25,8 @@ from kernels.ssd.parallel import decay_mask
 from kernels.ssd.reference import heads_from_groups
 
 
-def ssd_chunk(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "H"],
-              B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, "H"] | None,
+def ssd_chunk(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, " H"],
+              B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, " H"] | None,
               starts: Bool[Array, "B T"], h0: Float[Array, "B H P N"], chunk_size: int):
     Bsz, T, H, P = x.shape
     L = chunk_size

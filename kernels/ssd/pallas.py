@@ -53,8 +53,8 @@ def supports(x, B) -> bool:
             and max(x.shape[-1], B.shape[-1]) <= 256 and x.shape[1] > 16)
 
 
-def ssd_pallas(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "H"],
-               B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, "H"] | None = None, *,
+def ssd_pallas(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, " H"],
+               B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, " H"] | None = None, *,
                segment_ids: Int[Array, "B T"] | None = None,
                initial_state: Float[Array, "B H P N"] | None = None,
                block_sizes: BlockSizes | TPUBlockSizes | None = None, interpret: bool | None = None):

@@ -20,14 +20,14 @@ from jaxtyping import Array, Bool, Float, Int
 from kernels.ssd.reference import heads_from_groups
 
 
-def segsum(a: Float[Array, "... L"]) -> Float[Array, "... L L"]:
+def segsum(a: Float[Array, "... T"]) -> Float[Array, "... T T"]:
     """out[..., t, s] = Σ_{s < r ≤ t} a_r for s ≤ t (0 on the diagonal) and 0 for s > t (mask it)."""
     L = a.shape[-1]
     terms = jnp.where(jnp.tri(L, k=-1, dtype=bool), a[..., :, None], 0.0)  # [r, s] = a_r if r > s
     return jnp.cumsum(terms, axis=-2)
 
 
-def decay_mask(seg: Float[Array, "B H ... L L"], doc: Int[Array, "B ... L"]) -> Float[Array, "B H ... L L"]:
+def decay_mask(seg: Float[Array, "B H ... T T"], doc: Int[Array, "B ... T"]) -> Float[Array, "B H ... T T"]:
     """L[t, s] = exp(seg[t, s]) of the docstring, exactly 0 above the diagonal and across documents.
     seg is masked before exp too: above the diagonal a difference of cumulative sums is positive and
     exp may overflow, and inf * 0 in the backward pass of `where` would be NaN."""
@@ -36,8 +36,8 @@ def decay_mask(seg: Float[Array, "B H ... L L"], doc: Int[Array, "B ... L"]) -> 
     return jnp.where(keep, jnp.exp(jnp.where(keep, seg, 0.0)), 0.0)
 
 
-def ssd_parallel(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "H"],
-                 B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, "H"] | None,
+def ssd_parallel(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, " H"],
+                 B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, " H"] | None,
                  starts: Bool[Array, "B T"], h0: Float[Array, "B H P N"]):
     H = x.shape[2]
     B, C = heads_from_groups(B, H), heads_from_groups(C, H)  # (B, T, H, N)

@@ -24,8 +24,8 @@ def heads_from_groups(B: Float[Array, "... G N"], num_heads: int) -> Float[Array
     return jnp.repeat(B, num_heads // B.shape[-2], axis=-2)
 
 
-def ssd_step(h: Float[Array, "B H P N"], x: Float[Array, "B H P"], dt: Float[Array, "B H"], A: Float[Array, "H"],
-             B: Float[Array, "B G N"], C: Float[Array, "B G N"], D: Float[Array, "H"] | None = None):
+def ssd_step(h: Float[Array, "B H P N"], x: Float[Array, "B H P"], dt: Float[Array, "B H"], A: Float[Array, " H"],
+             B: Float[Array, "B G N"], C: Float[Array, "B G N"], D: Float[Array, " H"] | None = None):
     """One token: returns (h_t, y_t) in float32. Used by the scan below and by decoding."""
     f32 = jnp.float32
     H = x.shape[1]
@@ -39,8 +39,8 @@ def ssd_step(h: Float[Array, "B H P N"], x: Float[Array, "B H P"], dt: Float[Arr
     return h, y
 
 
-def ssd_recurrent(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "H"],
-                  B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, "H"] | None,
+def ssd_recurrent(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, " H"],
+                  B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, " H"] | None,
                   starts: Bool[Array, "B T"], h0: Float[Array, "B H P N"]):
     """Sequential lax.scan over time; the state is zeroed before the update at a document start.
     Returns y (B, T, H, P) float32 and the final state (B, H, P, N) float32."""

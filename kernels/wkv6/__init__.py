@@ -16,26 +16,25 @@ and they support the call, the XLA form elsewhere. This function is the one disp
 
 from jaxtyping import Array, Float, Int
 
-from kernels import IMPLS, check_impl, use_pallas
+from kernels import check_impl, check_mode, use_pallas
 from kernels.gla.pallas import supports
 from kernels.wkv6.chunk import wkv6_chunk
-from kernels.wkv6.parallel import wkv6_parallel
 from kernels.wkv6.pallas import wkv6_pallas
+from kernels.wkv6.parallel import wkv6_parallel
 from kernels.wkv6.reference import wkv6_recurrent, wkv6_step
-
-MODES = ("recurrent", "chunk", "parallel")
 
 
 def wkv6(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
          log_w: Float[Array, "B T H K"], u: Float[Array, "H K"], *,
          segment_ids: Int[Array, "B T"] | None = None, initial_state: Float[Array, "B H K V"] | None = None,
          output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64, impl: str = "auto"):
-    """Returns (o (B, T, H, V) in r's dtype, final state (B, H, K, V) float32 or None)."""
-    if mode not in MODES:
-        raise ValueError(f"wkv6: unknown mode {mode!r}; modes: {MODES}")
+    """Returns (o (B, T, H, V) in r's dtype, final state (B, H, K, V) float32 or None).
+
+    segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
+    start restarts from zero (kernels/__init__.py).
+    """
+    check_mode(mode, chunk_size, "wkv6")
     check_impl(impl, "wkv6")
-    if chunk_size < 1:
-        raise ValueError(f"wkv6: chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K = r.shape
     if k.shape != r.shape or log_w.shape != r.shape or v.shape[:3] != (B, T, H) or u.shape != (H, K):
         raise ValueError(f"wkv6: shapes r{r.shape} k{k.shape} v{v.shape} log_w{log_w.shape} u{u.shape} do not "
@@ -52,4 +51,4 @@ def wkv6(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array,
     return o, (state if output_final_state else None)
 
 
-__all__ = ["wkv6", "wkv6_step", "wkv6_recurrent", "wkv6_chunk", "wkv6_parallel", "wkv6_pallas", "MODES", "IMPLS"]
+__all__ = ["wkv6", "wkv6_step", "wkv6_recurrent", "wkv6_chunk", "wkv6_parallel", "wkv6_pallas"]

@@ -21,26 +21,25 @@ kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens),
 
 from jaxtyping import Array, Float, Int
 
-from kernels import IMPLS, check_impl, pallas_platform, use_pallas
+from kernels import check_impl, check_mode, pallas_platform, use_pallas
 from kernels.wkv7.chunk import wkv7_chunk
 from kernels.wkv7.pallas import supports, wkv7_pallas
 from kernels.wkv7.pallas_tpu import wkv7_pallas_tpu
 from kernels.wkv7.parallel import wkv7_parallel
 from kernels.wkv7.reference import wkv7_recurrent, wkv7_step
 
-MODES = ("recurrent", "chunk", "parallel")
-
 
 def wkv7(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
          v: Float[Array, "B T H V"], a: Float[Array, "B T H K"], b: Float[Array, "B T H K"], *,
          segment_ids: Int[Array, "B T"] | None = None, initial_state: Float[Array, "B H K V"] | None = None,
          output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64, impl: str = "auto"):
-    """Returns (o (B, T, H, V) in r's dtype, final state (B, H, K, V) float32 or None)."""
-    if mode not in MODES:
-        raise ValueError(f"wkv7: unknown mode {mode!r}; modes: {MODES}")
+    """Returns (o (B, T, H, V) in r's dtype, final state (B, H, K, V) float32 or None).
+
+    segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
+    start restarts from zero (kernels/__init__.py).
+    """
+    check_mode(mode, chunk_size, "wkv7")
     check_impl(impl, "wkv7")
-    if chunk_size < 1:
-        raise ValueError(f"wkv7: chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K = r.shape
     if any(x.shape != r.shape for x in (w_log, k, a, b)) or v.shape[:3] != (B, T, H):
         raise ValueError(f"wkv7: shapes r{r.shape} w_log{w_log.shape} k{k.shape} v{v.shape} a{a.shape} "
@@ -58,4 +57,4 @@ def wkv7(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Ar
     return o, (state if output_final_state else None)
 
 
-__all__ = ["wkv7", "wkv7_step", "wkv7_recurrent", "wkv7_chunk", "wkv7_parallel", "wkv7_pallas", "MODES", "IMPLS"]
+__all__ = ["wkv7", "wkv7_step", "wkv7_recurrent", "wkv7_chunk", "wkv7_parallel", "wkv7_pallas"]

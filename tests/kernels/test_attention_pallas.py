@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kernels.attention import IMPLS, attention
+from kernels import IMPLS
+from kernels.attention import attention
 from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention
 from kernels.attention.reference import attention_reference
 from layers import Attention
@@ -118,11 +119,11 @@ def test_lowers_for_cuda_through_triton():
     gpu_blocks = partial(flash_attention, block_sizes=default_block_sizes("gpu"), interpret=False)
     q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in ((2, 300, 8, 64), (2, 300, 2, 64), (2, 300, 2, 64)))
     seg = jnp.zeros((2, 300), jnp.int32)
-    for q, kw in ((q, dict(window=100, segment_ids=seg)),
-                  (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
-                                  kv_segment_ids=seg))):
+    for query, kw in ((q, dict(window=100, segment_ids=seg)),
+                      (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
+                                      kv_segment_ids=seg))):
         f = partial(_out_and_grads, partial(gpu_blocks, **kw), kw={})
-        hlo = jax.jit(f).trace(q, k, v, q).lower(lowering_platforms=("cuda",)).as_text()
+        hlo = jax.jit(f).trace(query, k, v, query).lower(lowering_platforms=("cuda",)).as_text()
         assert hlo.count("__gpu$xla.gpu.triton") == 3
 
 

@@ -92,9 +92,9 @@ def test_lowers_for_tpu_through_mosaic():
     q, k = jnp.zeros((1, 1024, 2, 128), jnp.bfloat16), jnp.zeros((1, 1024, 1, 128), jnp.bfloat16)
     seg = jnp.zeros((1, 1024), jnp.int32)
     tpu = partial(flash_attention_tpu, interpret=False)
-    for q, kw in ((q, dict(window=300, segment_ids=seg)),
-                  (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
-                                  kv_segment_ids=seg))):
+    for query, kw in ((q, dict(window=300, segment_ids=seg)),
+                      (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
+                                      kv_segment_ids=seg))):
         f = partial(_out_and_grads, partial(tpu, **kw), kw={})
-        text = jax.jit(f).trace(q, k, k, q).lower(lowering_platforms=("tpu",)).as_text()
+        text = jax.jit(f).trace(query, k, k, query).lower(lowering_platforms=("tpu",)).as_text()
         assert text.count("tpu_custom_call") == 3

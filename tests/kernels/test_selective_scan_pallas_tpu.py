@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 from kernels.selective_scan.pallas_tpu import BlockSizes, selective_scan_pallas_tpu
-from tests.kernels.test_selective_scan_pallas import _inputs, _packed
 from tests.kernels.test_selective_scan_pallas import _compare as _compare_kernel
+from tests.kernels.test_selective_scan_pallas import _inputs, _packed
 
 BS = BlockSizes(block_t=8, block_d=8)
 # Value tests run in the TPU interpreter on every machine (their tiny blocks are below Mosaic's

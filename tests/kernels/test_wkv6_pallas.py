@@ -25,7 +25,8 @@ def value_and_grads(inputs, segment_ids, cotangents, impl):
 def test_pallas_matches_reference(B, T, K, V, packed):
     x = make_inputs(3, B, T, 2, K, V)
     seg = jnp.array([[0] * 5 + [1] * 9 + [2] * 7, [0] * 16 + [1] + [2] * 4])[:B, :T] if packed else None
-    cot = (jax.random.normal(jax.random.key(1), x["v"].shape), jax.random.normal(jax.random.key(2), x["initial_state"].shape))
+    cot = (jax.random.normal(jax.random.key(1), x["v"].shape),
+           jax.random.normal(jax.random.key(2), x["initial_state"].shape))
     o, s, g = value_and_grads(x, seg, cot, "pallas")
     o_ref, s_ref, g_ref = value_and_grads(x, seg, cot, "reference")
     assert_close(o, o_ref, 1e-4, "o")
