@@ -60,7 +60,8 @@ def quality(graphdef, params, x, y, full_top):
                 rows.append({"measure": measure, "state": "propagate" if propagate else "full_state",
                              "threshold": threshold, "layers": round(float(used.mean()), 3),
                              "agreement": round(float((jnp.argmax(logits, -1) == full_top).mean()), 4),
-                             "val_loss": round(float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()), 4)})
+                             "val_loss": round(float(
+                                 optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()), 4)})
                 print(rows[-1], flush=True)
     return rows
 

@@ -1,6 +1,7 @@
 """Pallas kernels against the machine's ceilings and against the XLA / vendor forms, one table.
 
-    python -m benchmarks.kernels [--kernels flash_attention gla delta_rule selective_scan wkv6 wkv7] [--lengths 1024 ...]
+    python -m benchmarks.kernels [--kernels flash_attention gla delta_rule selective_scan wkv6 wkv7]
+                                 [--lengths 1024 ...]
 
 First the ceilings: a large bfloat16 matmul (TFLOP/s) and a large elementwise copy (GB/s read +
 written). Then every entry of KERNELS: it checks its kernel against the reference (max relative

@@ -3,10 +3,11 @@
     python -m benchmarks.ops [--ops gla mamba ...] [--lengths 512 1024 2048 4096 8192]
 
 B=1, H=4, head dim 64 (Mamba: Dm=256, N=16; SSD: P=64, N=64), float32, jitted; each figure is the
-minimum of 5 runs after a compile, the runs of all of an op's forms and lengths interleaved. fwd+bwd is the gradient of sum(o) with respect to every floating input. A quadratic
-("parallel") form is skipped where its (T, T) intermediates would not fit in memory ("-"). The
-ratio columns divide by the chunk form's time in the same run; chunk_fwdbwd_vs_T/2 is the chunk form's
-growth from the previous (half) length, 2.0 when linear.
+minimum of 5 runs after a compile, the runs of all of an op's forms and lengths interleaved. fwd+bwd
+is the gradient of sum(o) with respect to every floating input. A quadratic ("parallel") form is
+skipped where its (T, T) intermediates would not fit in memory ("-"). The ratio columns divide by the
+chunk form's time in the same run; chunk_fwdbwd_vs_T/2 is the chunk form's growth from the previous
+(half) length, 2.0 when linear.
 """
 
 import argparse

@@ -9,26 +9,36 @@ import sys
 from pathlib import Path
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer", description="Generate text from a run's latest "
                                 "checkpoint, or from a config with random weights.")
     p.add_argument("source", help="a run folder (runs/NAME) or a YAML config (random init)")
-    p.add_argument("overrides", nargs="*", help="config overrides, only with a YAML config")
-    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: newline)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("overrides", nargs="*", help="config overrides (dotted.key=value), only with a YAML config")
+    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature; 0 is greedy decoding (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this much mass")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default: %(default)s)")
     p.add_argument("--stop", default=None, help="stop at this character (one byte)")
     p.add_argument("--exit-threshold", type=float, default=None, help="early exit: confidence in [0, 1] to stop at")
-    p.add_argument("--exit-measure", default="softmax", help="softmax, margin, saturation or classifier")
-    p.add_argument("--exit-decay", type=float, default=0.0, help="CALM's threshold decay along the output")
-    p.add_argument("--exit-level", default="token", help="token (per token and row) or sequence (one depth)")
-    p.add_argument("--speculative", type=int, default=None, help="self-speculative decoding: draft length k")
+    p.add_argument("--exit-measure", default="softmax",
+                   help="softmax, margin, saturation or classifier (default: %(default)s)")
+    p.add_argument("--exit-decay", type=float, default=0.0,
+                   help="CALM's threshold decay along the output (default: %(default)s)")
+    p.add_argument("--exit-level", default="token",
+                   help="token (per token and row) or sequence (one depth) (default: %(default)s)")
+    p.add_argument("--speculative", type=int, default=None,
+                   help="self-speculative decoding: draft length k; forces greedy decoding (temperature 0)")
     p.add_argument("--draft-layers", type=int, default=None, help="the exit layer that drafts (default: the first)")
     p.add_argument("--show-exits", action="store_true", help="print the layer each generated token used")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     try:
         from flax import nnx
 

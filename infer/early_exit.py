@@ -51,7 +51,8 @@ def confidence(model, measure: str, j: int, h, h_prev, logits):
 def confident(model, measure: str, threshold):
     """The stop rule of exit_pass: a row stops at exit j when its confidence reaches the threshold
     (threshold 1 never stops; 0 always does)."""
-    return lambda j, h, h_prev, logits: (confidence(model, measure, j, h, h_prev, logits) >= threshold) & (threshold < 1)
+    return lambda j, h, h_prev, logits: ((confidence(model, measure, j, h, h_prev, logits) >= threshold)
+                                         & (threshold < 1))
 
 
 def threshold_at(threshold, decay: float, t, n: int):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+from jaxtyping import Array, Float, Int
 
 from infer import early_exit
 from zoo import tokenizer
@@ -25,8 +26,10 @@ from zoo import tokenizer
 TRACES = {"generate": 0}  # incremented at trace time: tests check the loop compiles once
 
 
-def sample_logits(logits, key, temperature, top_k: int | None, top_p: float | None, greedy: bool):
-    """Pick one token per row from float32 logits (B, V)."""
+def sample_logits(logits: Float[Array, "B V"], key, temperature, top_k: int | None, top_p, greedy: bool
+                  ) -> Int[Array, " B"]:
+    """Pick one token per row from float32 logits (B, V); temperature and top_p are scalars (traced),
+    top_p None for no nucleus cut."""
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
@@ -155,7 +158,8 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
     graphdef, params = nnx.split(model)
     out, layers, accepted, count = _generate(
         graphdef, params, jnp.asarray(tokens), jnp.asarray(segments), jax.random.key(seed),
-        jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p or 1.0), jnp.int32(-2 if stop_token is None else stop_token),
+        jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p or 1.0),
+        jnp.int32(-2 if stop_token is None else stop_token),
         jnp.float32(1.0 if exit_threshold is None else exit_threshold), max_new_tokens=max_new_tokens, top_k=top_k,
         greedy=temperature == 0, use_top_p=top_p is not None, exits=exits)
     if not out.is_fully_addressable:  # params spread over several processes: every one gets all of it
@@ -200,8 +204,9 @@ def _exits(model, temperature, threshold, measure, decay, level, speculative, dr
     return Exits(measure=measure, level=level, decay=float(decay), speculative=speculative or 0, draft=draft)
 
 
-def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str | None = None, **kwargs) -> list[str]:
-    """`generate` for strings through the byte tokenizer; `stop` is a single-byte stop character."""
+def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str | None = None, **kwargs):
+    """`generate` for strings through the byte tokenizer; `stop` is a single-byte stop character.
+    Returns the texts (with `return_info`: the texts and the info dict)."""
     stop_token = None if stop is None else tokenizer.encode(stop)[0]
     out = generate(model, [tokenizer.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
                    stop_token=stop_token, **kwargs)

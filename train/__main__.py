@@ -10,13 +10,13 @@ import dataclasses
 import os
 import sys
 
-from zoo.config import DataConfig, MeshConfig, ModelConfig, TrainConfig, load_config
+from zoo.config import DataConfig, ExitsConfig, MeshConfig, ModelConfig, TrainConfig, load_config
 from zoo.registry import FFNS, MIXERS
 
 
 def _help() -> str:
     parts = ["Config sections (YAML keys; override any with dotted.key=value):"]
-    for cls in (ModelConfig, DataConfig, TrainConfig, MeshConfig):
+    for cls in (ModelConfig, ExitsConfig, DataConfig, TrainConfig, MeshConfig):
         parts.append("  " + " ".join(cls.__doc__.split()))
         parts.append("    defaults: " + ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls)
                                                   if f.default is not dataclasses.MISSING))
@@ -40,12 +40,16 @@ def initialize_distributed():
     jax.distributed.initialize(**env)
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train", description="Pretrain a zoo model from a YAML config.",
+                                epilog=_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="a YAML file from configs/")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=2000 model.d_model=256")
+    return p
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m train", description="Pretrain a zoo model from a YAML config.",
-                                     epilog=_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="a YAML file from configs/")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=2000 model.d_model=256")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         initialize_distributed()  # before anything asks jax for its devices

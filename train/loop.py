@@ -105,7 +105,7 @@ def make_train_step(graphdef, tx, out_shardings=None):
 
 def init_state(cfg: Config, tx, mesh: Mesh):
     """(graphdef, params, rest, opt_state, shardings) of a new run with optimiser `tx` on `mesh`.
-    The model and the optimiser state are made inside jit with the rules' shardings as outputs, so
+    The model and the optimiser state are made inside jit with the parameters' shardings as outputs, so
     no device ever holds more than its shards; `shardings` = NamedShardings of (params, rest,
     opt_state)."""
     graphdef, params, rest, (param_sh, rest_sh) = init_on_mesh(
@@ -327,9 +327,10 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log) -> dict:
                     eval_time += time.perf_counter() - e0
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
+                val = (f"  val {last['val_loss']:.4f} nats/byte ({last['val_bpb']:.3f} bpb)"
+                       if "val_loss" in last else "")
                 log(f"step {step:>6}/{t.steps}  loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
-                    f"{last['tokens_per_s']:,.0f} tok/s" + (f"  val {last['val_loss']:.4f} nats/byte "
-                                                           f"({last['val_bpb']:.3f} bpb)" if "val_loss" in last else ""))
+                    f"{last['tokens_per_s']:,.0f} tok/s" + val)
                 if "sample" in last:
                     log("  sample: " + last["sample"].replace("\n", "\n  "))
                 if bar:

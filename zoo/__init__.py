@@ -1,6 +1,6 @@
-"""Configs as dataclasses, the registry of kinds, and LanguageModel."""
+"""Configs as dataclasses, the registry of kinds, LanguageModel, and loading a trained run."""
 
-from zoo import tokenizer
+from zoo import checkpoint, tokenizer
 from zoo.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig, load_config
 from zoo.model import LanguageModel
 from zoo.registry import FFNS, MIXERS

@@ -37,20 +37,20 @@ def restore_latest(mngr: ocp.CheckpointManager, targets: dict):
     """Restore the newest complete step into the structure of `targets` (pure pytrees; `meta` is
     JSON). Returns (step, restored) or (None, None) when there is no usable checkpoint."""
     for stray in Path(mngr.directory).glob("*.orbax-checkpoint-tmp*"):
-        warnings.warn(f"checkpoint {stray} was left half-written; ignoring it")
+        warnings.warn(f"checkpoint {stray} was left half-written; ignoring it", stacklevel=2)
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
             return step, mngr.restore(step, args=_restore_args(targets))
         except Exception as e:  # noqa: BLE001 - any unreadable step is skipped, never loaded
             warnings.warn(f"checkpoint step {step} in {mngr.directory} is incomplete or unreadable "
-                          f"({type(e).__name__}: {str(e)[:200]}); skipping it")
+                          f"({type(e).__name__}: {str(e)[:200]}); skipping it", stacklevel=2)
     return None, None
 
 
 def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None):
     """(config, model with the latest (or given) checkpoint's parameters, step) from a run folder.
-    On a `mesh` each parameter is read straight into its shards there (the zoo/sharding.py rules),
-    whichever mesh wrote the checkpoint; without one, onto the default device."""
+    On a `mesh` each parameter is read straight into its shards there (by the logical axes its layer
+    names, zoo/sharding.py), whichever mesh wrote the checkpoint; without one, onto the default device."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").exists():
         raise ValueError(f"{run_dir} is not a run folder (no config.yaml)")

@@ -1,7 +1,7 @@
 """Run configuration: YAML on disk, frozen dataclasses in code.
 
 A run file has three sections, `model`, `data` and `train`. `model.mixer` and `model.ffn` are
-picked by their `kind` from the registry (zoo/registry.py). Overrides are `dotted.path=value`
+picked by their `kind` from the registry (zoo/registry.py, the kinds in zoo/kinds.py). Overrides are `dotted.path=value`
 strings whose value is read as YAML (`model.mixer.window=64`, `model.mixer.window=null`).
 
 Every mistake is a ValueError that names the dotted path and what was expected, raised before any
@@ -9,13 +9,15 @@ array is made: an unknown key, a wrong type, a value outside its choices, an imp
 """
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from zoo import kinds  # noqa: F401  (registers every kind)
+from zoo.registry import FFNS, LAYER_OF, MIXERS, build_kind
+from zoo.schema import build, to_dict  # noqa: F401  (to_dict: part of this module's interface)
 
 
 @dataclass(frozen=True)
@@ -35,15 +37,16 @@ class ExitsConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """model: vocab_size; d_model (residual width); num_layers; max_seq_len (longest sequence the
-    model accepts in training); mixer (the sequence mixer, picked by `kind`); ffn (`kind: mlp|moe`);
+    """model: vocab_size; d_model (residual width); num_layers; max_seq_len (the context the model
+    is trained for, null = train.seq_len: the longest training sequence, and where attention's
+    long_context choice starts at inference); mixer (the sequence mixer, picked by `kind`); ffn (`kind: mlp|moe`);
     layer_pattern (optional list of mixer configs, repeated over the layers; replaces `mixer`);
     tie_embeddings (LM head shares the embedding matrix); norm_eps; dtype (compute dtype;
-    parameters stay float32); exits (optional early exits, see ExitsConfig)."""
+    parameters stay float32); exits (optional early exits: the model.exits keys below)."""
     vocab_size: int = 256
     d_model: int = 128
     num_layers: int = 4
-    max_seq_len: int = 1024
+    max_seq_len: int | None = None
     mixer: Any = None
     ffn: Any = None
     layer_pattern: tuple | None = None
@@ -124,71 +127,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
-def _type_name(tp) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " or ".join(repr(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
-
-
-def _convert(value, tp, path: str):
-    """Check `value` against the annotation `tp`, converting int to float and lists to tuples."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(value, a, path)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{path}: expected one of {', '.join(map(repr, args))}, got {value!r}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{path}: expected a list, got {value!r}")
-        if args and args[-1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
-        return tuple(value)
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        return build(tp, value, path)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp in (int, float, str, bool):
-        if type(value) is not tp:
-            raise ValueError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
-        return value
-    raise TypeError(f"{path}: unsupported annotation {tp}")
-
-
-def build(cls, data, path: str):
-    """Make dataclass `cls` from a mapping, checking every key and type; `path` names it in errors."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of keys, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)] + (["kind"] if hasattr(cls, "KIND") else [])
-    for key in data:
-        if key not in names:
-            raise ValueError(f"{path}.{key}: unknown key; expected one of {', '.join(names)}")
-    kwargs = {k: _convert(v, hints[k], f"{path}.{k}") for k, v in data.items() if k != "kind"}
-    return cls(**kwargs)
-
-
 def _build_model(data, path: str) -> ModelConfig:
-    from zoo.registry import FFNS, MIXERS, build_kind
-
     data = dict(data or {})
     mixer, ffn, pattern = data.pop("mixer", None), data.pop("ffn", None), data.pop("layer_pattern", None)
     exits = data.pop("exits", None)
@@ -221,8 +160,6 @@ def check_model(cfg: ModelConfig, path: str = "model"):
         else [f"{path}.mixer"]
     for p, m in zip(where, cfg.layer_pattern or (cfg.mixer,)):
         m.check(cfg.d_model, p)
-    from zoo.registry import LAYER_OF
-
     carries = [getattr(LAYER_OF[type(m)], "carries_v_first", False) for m in cfg.mixers()]
     if any(carries) and not carries[0]:
         raise ValueError(f"{where[0]}: RWKV-7's value residual takes its values from layer 0, so layer 0 "
@@ -274,9 +211,12 @@ def from_dict(data: dict) -> Config:
     for key in data:
         if key not in ("model", "data", "train"):
             raise ValueError(f"{key}: unknown section; expected model, data or train")
-    cfg = Config(model=_build_model(data.get("model"), "model"),
-                 data=build(DataConfig, data.get("data") or {}, "data"),
-                 train=build(TrainConfig, data.get("train") or {}, "train"))
+    train = build(TrainConfig, data.get("train") or {}, "train")
+    model = data.get("model") or {}
+    if isinstance(model, dict) and model.get("max_seq_len") is None:  # null: the trained length
+        model = {**model, "max_seq_len": train.seq_len}
+    cfg = Config(model=_build_model(model, "model"), data=build(DataConfig, data.get("data") or {}, "data"),
+                 train=train)
     _check_train(cfg)
     return cfg
 
@@ -317,15 +257,3 @@ def load_config(path, overrides=None) -> Config:
     except yaml.YAMLError as e:
         raise ValueError(f"config {str(path)!r} is not valid YAML: {e}") from None
     return from_dict(apply_overrides(data, overrides))
-
-
-def to_dict(cfg) -> dict:
-    """The resolved config as plain YAML-able data (tuples as lists, mixer kinds included)."""
-    if dataclasses.is_dataclass(cfg):
-        out = {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-        if hasattr(cfg, "KIND"):
-            out = {"kind": cfg.KIND, **out}
-        return out
-    if isinstance(cfg, (list, tuple)):
-        return [to_dict(v) for v in cfg]
-    return cfg

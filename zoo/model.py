@@ -26,7 +26,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from layers import RMSNorm
-from layers.sharding import constrain
+from layers.sharding import axes, constrain
 from zoo.config import ModelConfig
 from zoo.registry import make_layer
 
@@ -71,24 +71,28 @@ class LanguageModel(nnx.Module):
         self.cfg = cfg
         dtype = DTYPES[cfg.dtype]
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
-                               embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        L = cfg.num_layers
+                               embedding_init=nnx.initializers.normal(0.02),
+                               embedding_metadata=axes("vocab", "embed"), rngs=rngs)
+        model_kwargs = lambda i: dict(layer_id=i, num_layers=cfg.num_layers, max_seq_len=cfg.max_seq_len)
         self.blocks = nnx.List([
-            Block(make_layer(m, cfg.d_model, dtype=dtype, rngs=rngs, layer_id=i, num_layers=L),
-                  make_layer(cfg.ffn, cfg.d_model, dtype=dtype, rngs=rngs, layer_id=i, num_layers=L),
+            Block(make_layer(m, cfg.d_model, dtype=dtype, rngs=rngs, **model_kwargs(i)),
+                  make_layer(cfg.ffn, cfg.d_model, dtype=dtype, rngs=rngs, **model_kwargs(i)),
                   cfg.d_model, cfg.norm_eps)
             for i, m in enumerate(cfg.mixers())])
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nnx.Param(
-            nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
+            nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size)),
+            **axes("embed", "vocab"))
         exits = cfg.exits
         self.exit_layers = exits.layers if exits else ()
         if exits:
             E = len(exits.layers)
             self.exit_norms = nnx.List([RMSNorm(cfg.d_model, eps=cfg.norm_eps) for _ in range(E)])
             self.exit_heads = nnx.Param(nnx.initializers.normal(cfg.d_model ** -0.5)(
-                rngs.params(), (E, cfg.d_model, cfg.vocab_size))) if exits.own_head else None
-            self.exit_classifier = nnx.Param(jnp.zeros((E, cfg.d_model + 1), jnp.float32))  # weights, bias
+                rngs.params(), (E, cfg.d_model, cfg.vocab_size)), **axes(None, "embed", "vocab")) \
+                if exits.own_head else None
+            self.exit_classifier = nnx.Param(jnp.zeros((E, cfg.d_model + 1), jnp.float32),  # weights, bias
+                                             **axes(None, None))
             self.layer_dropout, self.deterministic = exits.layer_dropout, False
             if exits.layer_dropout > 0:
                 self.dropout_rngs = rngs["layer_dropout"].fork()

@@ -1,27 +1,19 @@
-"""A LanguageModel over a device mesh: the mesh from `train.mesh`, the rule table that gives every
-parameter logical axis names, and the NamedShardings that follow from them.
+"""A LanguageModel over a device mesh: the mesh from `train.mesh`, the logical axes every parameter
+carries, and the NamedShardings that follow from them.
 
 Everything runs through JAX's own SPMD machinery: arrays carry a `NamedSharding` over a `Mesh`, the
 jitted step is partitioned by XLA (GSPMD) from those shardings and the hints of
 `layers.sharding.constrain`, and the result is the same function as on one device.
 
-The rule table is keyed by layer class. Each entry maps a parameter's path inside that layer (a
-glob: `[qkv]_proj/kernel`) to one logical name per dimension, or to REPLICATED for any rank. The
-logical names map to mesh axes in `layers.sharding.LOGICAL_TO_MESH`, the one other table. A layer's
-rules apply to its subclasses; a parent's rule wins over its child's (Mamba-2 keeps its fused
-convolution whole). The scheme is Megatron's for `tensor` (projections into heads split by
-columns, out of heads by rows, so each block needs one all-reduce) and ZeRO-3's for `fsdp` (every
-weight sharded over the model width and gathered when used). Projections whose output fuses several
-quantities ([x, z] in Mamba, [x, z, B, C, dt] in Mamba-2) are not split over `tensor`: a column
-split would cut between the quantities, not within each. Non-parameter state (MoE's router bias,
-Performer features, random-number counters) is small and replicated.
-
-A parameter no rule covers is an error naming its path; so is a mesh axis that does not divide the
-dimension it shards, or a mesh whose size is not the device count.
+Each layer names a parameter's logical axes where it makes it (`axes` metadata on the nnx.Param,
+layers/sharding.py); `LOGICAL_TO_MESH` there maps the names to mesh axes. A parameter without axes
+is replicated, so a new kind trains on any mesh with no edit here. Non-parameter state (MoE's router
+bias, Performer features, random-number counters) is small and replicated. An annotation of the
+wrong rank is an error naming the parameter; so is a mesh axis that does not divide the dimension
+it shards, or a mesh whose size is not the device count.
 """
 
 import dataclasses
-import fnmatch
 import math
 
 import jax
@@ -29,76 +21,25 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-import layers
 from layers.sharding import LOGICAL_TO_MESH, MESH_AXES, WHOLE_WHEN_INDIVISIBLE
 from zoo.config import MeshConfig
-from zoo.model import LanguageModel
-
-REPLICATED = ()  # any rank, every dimension whole on every device
-COLUMNS, ROWS = ("embed", "heads"), ("heads", "embed")  # into heads / out of heads (Megatron)
-DELTA_RULE = [("[qkvg]_proj/kernel", COLUMNS), ("o_proj/kernel", ROWS), ("[ab]_proj/kernel", ("embed", None)),
-              ("A_log", REPLICATED), ("dt_bias", REPLICATED)]  # DeltaNet and Gated DeltaNet
-RULES: dict[type, list[tuple[str, tuple]]] = {
-    LanguageModel: [("embed/embedding", ("vocab", "embed")), ("head", ("embed", "vocab")),
-                    ("exit_heads", (None, "embed", "vocab")), ("exit_classifier", REPLICATED)],
-    layers.RMSNorm: [("weight", REPLICATED)],
-    layers.ShortConvolution: [("weight", (None, "heads")), ("bias", ("heads",))],
-    layers.MLP: [("w_gate", ("embed", "mlp")), ("w_up", ("embed", "mlp")), ("w_down", ("mlp", "embed"))],
-    layers.MoE: [("w_router", ("embed", None)), ("w_gate", ("expert", "embed", "mlp")),
-                 ("w_up", ("expert", "embed", "mlp")), ("w_down", ("expert", "mlp", "embed"))],
-    layers.Attention: [("wq", ("embed", "heads", None)), ("w[kv]", ("embed", "kv_heads", None)),
-                       ("wo", ("heads", None, "embed"))],
-    layers.LinearAttention: [("[qkv]_proj/kernel", COLUMNS), ("o_proj/kernel", ROWS),
-                             ("hedgehog_[qk]", ("heads", None, None)), ("hedgehog_[qk]_bias", ("heads", None))],
-    layers.MultiScaleRetention: [("[qkvg]_proj/kernel", COLUMNS), ("o_proj/kernel", ROWS)],
-    layers.GatedLinearAttention: [("[qkvg]_proj/kernel", COLUMNS), ("o_proj/kernel", ROWS),
-                                  ("gk_down/kernel", ("embed", None)), ("gk_up/kernel", (None, "heads")),
-                                  ("gk_up/bias", ("heads",))],
-    layers.DeltaNet: DELTA_RULE,
-    layers.GatedDeltaNet: DELTA_RULE,
-    layers.Mamba: [("in_proj/kernel", ("embed", None)), ("x_proj/kernel", ("heads", None)),
-                   ("dt_proj/kernel", (None, "heads")), ("dt_bias", ("heads",)), ("A_log", ("heads", None)),
-                   ("D", ("heads",)), ("out_proj/kernel", ROWS)],
-    layers.Mamba2: [("in_proj/kernel", ("embed", None)), ("conv/*", REPLICATED), ("dt_bias", REPLICATED),
-                    ("A_log", REPLICATED), ("D", REPLICATED), ("out_proj/kernel", ROWS)],
-    layers.RWKV6TimeMix: [("w_[rkvg]", COLUMNS), ("w_o", ROWS), ("mix_a", ("embed", None)),
-                          ("mix_b", (None, None, "embed")), ("decay_a", ("embed", None)), ("decay_b", (None, "embed")),
-                          ("mu*", REPLICATED), ("decay_base", REPLICATED), ("bonus", REPLICATED),
-                          ("ln_*", REPLICATED)],
-    layers.RWKV7TimeMix: [("w_[rkv]", COLUMNS), ("w_o", ROWS), ("*_a", ("embed", None)), ("*_b", (None, "embed")),
-                          ("mu", REPLICATED), ("*_base", REPLICATED), ("removal_scale", REPLICATED),
-                          ("replace_rate", REPLICATED), ("bonus", REPLICATED), ("ln_*", REPLICATED)],
-    layers.RWKV6ChannelMix: [("w_k", ("embed", "mlp")), ("w_r", ("embed", None)), ("w_v", ("mlp", "embed")),
-                             ("mu_*", REPLICATED)],
-    layers.RWKV7ChannelMix: [("w_k", ("embed", "mlp")), ("w_v", ("mlp", "embed")), ("mu_k", REPLICATED)],
-}
-
-
-def _rules_of(module) -> list:
-    """The rules of a module's class and of its base classes, the most specific first."""
-    return [r for cls in type(module).__mro__ for r in RULES.get(cls, [])]
 
 
 def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
-    """Parameter path -> one logical axis name (or None) per dimension, for every nnx.Param."""
-    modules = dict(nnx.iter_modules(model))
+    """Parameter path -> one logical axis name (or None) per dimension, for every nnx.Param: its
+    `axes` metadata, or all None (replicated) where the layer gives none."""
     out = {}
     for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        for i in range(len(path)):  # the outermost layer with a matching rule decides
-            inner = "/".join(map(str, path[i:]))
-            axes = next((a for pattern, a in _rules_of(modules.get(path[:i])) if fnmatch.fnmatchcase(inner, pattern)),
-                        None)
-            if axes is not None:
-                break
-        else:
-            owners = " > ".join(type(modules[path[:i]]).__name__ for i in range(len(path)) if path[:i] in modules)
-            raise ValueError(f"parameter {'/'.join(map(str, path))} (shape {tuple(param.shape)}, in {owners}) has "
-                             "no sharding rule; add one for its layer to RULES in zoo/sharding.py")
-        axes = axes or (None,) * len(param.shape)
-        if len(axes) != len(param.shape):
-            raise ValueError(f"parameter {'/'.join(map(str, path))}: its rule names {len(axes)} axes {axes} "
-                             f"for shape {tuple(param.shape)}")
-        out[path] = axes
+        names = param.get_metadata().get("axes")
+        names = (None,) * len(param.shape) if names is None else tuple(names)
+        if len(names) != len(param.shape):
+            raise ValueError(f"parameter {'/'.join(map(str, path))}: its axes {names} name {len(names)} "
+                             f"dimensions of shape {tuple(param.shape)}")
+        unknown = [n for n in names if n is not None and n not in LOGICAL_TO_MESH]
+        if unknown:
+            raise ValueError(f"parameter {'/'.join(map(str, path))}: unknown logical axes {unknown}; expected "
+                             f"names from layers.sharding.LOGICAL_TO_MESH ({', '.join(LOGICAL_TO_MESH)})")
+        out[path] = names
     return out
 
 
@@ -140,9 +81,10 @@ def partition_spec(name: str, shape: tuple, axes: tuple, mesh) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
-def state_shardings(model: nnx.Module, mesh: Mesh) -> tuple[nnx.State, nnx.State]:
-    """NamedShardings shaped like `nnx.split(model, nnx.Param, ...)[1:]`: the parameters by the
-    rules, the rest replicated. `model` may be abstract (nnx.eval_shape)."""
+def state_shardings(model: nnx.Module, mesh: Mesh):
+    """(parameter shardings, rest shardings): two nnx.States of NamedShardings shaped like
+    `nnx.split(model, nnx.Param, ...)[1:]`, the parameters by their logical axes, the rest
+    replicated. `model` may be abstract (nnx.eval_shape)."""
     axes = logical_axes(model)
     _, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -157,7 +99,7 @@ def state_shardings(model: nnx.Module, mesh: Mesh) -> tuple[nnx.State, nnx.State
 
 def init_on_mesh(build, mesh: Mesh):
     """(graphdef, params, rest, (param shardings, rest shardings)) of the module `build()` makes,
-    made inside one jit whose outputs carry the rules' shardings: no device ever holds more than
+    made inside one jit whose outputs carry the parameters' shardings: no device ever holds more than
     its shards, and the values are those of `build()` on one device."""
     abstract = nnx.eval_shape(build)
     shardings = state_shardings(abstract, mesh)

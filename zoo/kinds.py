@@ -1,0 +1,224 @@
+"""The config dataclass of every kind, each registered with its layer (zoo/registry.py).
+
+A dataclass's fields are its layer's keyword arguments with the layer's defaults; its docstring is
+what `python -m train --help` prints for the kind. Mixers inherit `impl` (registry.Mixer) and, where
+the kind has several exact forms, `mode` and `chunk_size` (registry.Chunked).
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import layers
+from kernels import MODES
+from zoo.registry import Chunked, Kind, Mixer, ffn, mixer
+
+
+@mixer(layers.Attention)
+@dataclass(frozen=True)
+class AttentionConfig(Mixer):
+    """Softmax attention: MHA (num_kv_heads = num_heads or null), GQA, MQA (num_kv_heads = 1);
+    window: sliding-window length in tokens (null = full causal); long_context: past the trained
+    context (model.max_seq_len), window = each query sees the last max_seq_len tokens (the distances
+    it was trained on), full = every earlier token (distances it never saw)."""
+    KIND: ClassVar[str] = "attention"
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    window: int | None = None
+    rope_base: float = 10000.0
+    long_context: Literal["window", "full"] = "window"
+
+    def check(self, d_model: int, path: str):
+        if self.num_heads <= 0 or d_model % self.num_heads and self.head_dim is None:
+            raise ValueError(f"{path}.num_heads: {self.num_heads} does not divide model.d_model={d_model}")
+        kv = self.num_kv_heads
+        if kv is not None and (kv <= 0 or self.num_heads % kv):
+            raise ValueError(f"{path}.num_kv_heads: {kv} does not divide {path}.num_heads={self.num_heads}")
+        if self.window is not None and self.window <= 0:
+            raise ValueError(f"{path}.window: expected a positive number of tokens or null, got {self.window}")
+        super().check(d_model, path)
+
+
+@mixer(layers.LinearAttention)
+@dataclass(frozen=True)
+class LinearAttentionConfig(Chunked):
+    """Linear attention (Katharopoulos et al. 2020) with a feature map: identity, elu (elu+1), relu,
+    performer (FAVOR+), cosformer (relu + cos re-weighting), hedgehog (learned); normalize adds the
+    denominator q . sum(k)."""
+    KIND: ClassVar[str] = "linear_attention"
+    num_heads: int = 4
+    feature_map: Literal["identity", "elu", "relu", "performer", "cosformer", "hedgehog"] = "elu"
+    normalize: bool = True
+    num_features: int | None = None
+    cosformer_max_len: int = 2048
+    eps: float = 1e-6
+
+
+@mixer(layers.MultiScaleRetention)
+@dataclass(frozen=True)
+class RetNetConfig(Chunked):
+    """Multi-scale retention (Sun et al. 2023): fixed per-head decay, rotary, norm and swish gate."""
+    KIND: ClassVar[str] = "retnet"
+    num_heads: int = 4
+    expand_k: float = 1.0
+    expand_v: float = 2.0
+    rotary_base: float = 10000.0
+    norm_eps: float = 1e-5
+
+
+@mixer(layers.GatedLinearAttention)
+@dataclass(frozen=True)
+class GLAConfig(Chunked):
+    """Gated linear attention (Yang et al. 2024): data-dependent per-key decay from a low-rank gate."""
+    KIND: ClassVar[str] = "gla"
+    num_heads: int = 4
+    expand_k: float = 0.5
+    expand_v: float = 1.0
+    gate_low_rank_dim: int = 16
+    gate_logit_normalizer: float = 16.0
+    conv_size: int = 0
+    use_output_gate: bool = True
+    norm_eps: float = 1e-5
+
+
+@mixer(layers.Mamba)
+@dataclass(frozen=True)
+class MambaConfig(Chunked):
+    """Mamba (Gu & Dao 2023): selective SSM with input-dependent Δ, B, C; mode auto picks the fastest
+    exact scan for the backend (recurrent on CPU)."""
+    KIND: ClassVar[str] = "mamba"
+    state_size: int = 16
+    expand: int = 2
+    conv_size: int = 4
+    dt_rank: int | Literal["auto"] = "auto"
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    mode: Literal[("auto", *MODES)] = "auto"
+
+
+@mixer(layers.Mamba2)
+@dataclass(frozen=True)
+class Mamba2Config(Chunked):
+    """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head and grouped B/C."""
+    KIND: ClassVar[str] = "mamba2"
+    state_size: int = 64
+    expand: int = 2
+    head_dim: int = 64
+    num_groups: int = 1
+    conv_size: int = 4
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    A_init_range: tuple[float, float] = (1.0, 16.0)
+
+
+@mixer(layers.RWKV6TimeMix)
+@dataclass(frozen=True)
+class RWKV6Config(Chunked):
+    """RWKV-6 "Finch" time mix (Peng et al. 2024): data-dependent token shift and decay, bonus u."""
+    KIND: ClassVar[str] = "rwkv6"
+    head_dim: int = 64
+    mix_lora_dim: int = 32
+    decay_lora_dim: int = 64
+
+
+@mixer(layers.RWKV7TimeMix)
+@dataclass(frozen=True)
+class RWKV7Config(Chunked):
+    """RWKV-7 "Goose" time mix (Peng et al. 2025): generalised delta rule with vector decay and
+    in-context learning rate, value residual from layer 0 (LoRA ranks null = the official sizes)."""
+    KIND: ClassVar[str] = "rwkv7"
+    head_dim: int = 64
+    decay_lora_dim: int | None = None
+    icl_lora_dim: int | None = None
+    value_lora_dim: int | None = None
+    gate_lora_dim: int | None = None
+
+
+@mixer(layers.DeltaNet)
+@dataclass(frozen=True)
+class DeltaNetConfig(Chunked):
+    """DeltaNet (Schlag et al. 2021; Yang et al. 2024): the delta rule with L2-normalised q, k."""
+    KIND: ClassVar[str] = "deltanet"
+    num_heads: int = 4
+    head_dim: int | None = None
+    expand_v: float = 1.0
+    conv_size: int = 4
+    use_beta: bool = True
+    qk_norm: Literal["l2", "sum"] = "l2"
+    use_output_gate: bool = False
+    norm_eps: float = 1e-5
+
+
+@mixer(layers.GatedDeltaNet)
+@dataclass(frozen=True)
+class GatedDeltaNetConfig(Chunked):
+    """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024): the delta rule with a Mamba-2 decay."""
+    KIND: ClassVar[str] = "gated_deltanet"
+    num_heads: int = 4
+    head_dim: int | None = None
+    expand_v: float = 2.0
+    conv_size: int = 4
+    use_output_gate: bool = True
+    norm_eps: float = 1e-5
+
+
+@ffn(layers.MLP)
+@dataclass(frozen=True)
+class MLPConfig(Kind):
+    """SwiGLU MLP; hidden_dim null = 8/3 d_model rounded up to 32."""
+    KIND: ClassVar[str] = "mlp"
+    hidden_dim: int | None = None
+
+
+@ffn(layers.MoE)
+@dataclass(frozen=True)
+class MoEConfig(Kind):
+    """Mixture of SwiGLU experts: routers topk (softmax_then_topk or topk_then_softmax), switch
+    (top-1), expert_choice (not causal; outside training it routes by token choice); dispatch, in
+    training: capacity (drops overflow, GShard order) or dropless (ragged_dot), and always dropless
+    outside training (evaluation, decoding); balance aux_loss (Switch loss), bias (DeepSeek-V3,
+    loss-free) or none; shared experts (DeepSeekMoE). hidden_dim null = the dense width / active
+    experts (same active params)."""
+    KIND: ClassVar[str] = "moe"
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int | None = None
+    router: Literal["topk", "switch", "expert_choice"] = "topk"
+    score_order: Literal["softmax_then_topk", "topk_then_softmax"] = "softmax_then_topk"
+    renormalize: bool = True
+    dispatch: Literal["capacity", "dropless"] = "capacity"
+    capacity_factor: float = 1.25
+    num_shared_experts: int = 0
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    balance_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    bias_update_rate: float = 0.001
+    router_jitter: float = 0.0
+
+    def check(self, d_model: int, path: str):
+        if self.num_shared_experts > 0 and self.num_experts == 0:
+            raise ValueError(f"{path}.num_shared_experts: {self.num_shared_experts} shared experts need "
+                             f"{path}.num_experts >= 1 routed experts (got 0); use ffn.kind: mlp for a dense FFN")
+        if not 1 <= self.top_k <= max(self.num_experts, 1):
+            raise ValueError(f"{path}.top_k: {self.top_k} must be between 1 and {path}.num_experts={self.num_experts}")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"{path}.capacity_factor: expected > 0, got {self.capacity_factor}")
+        super().check(d_model, path)
+
+
+@ffn(layers.RWKV6ChannelMix)
+@dataclass(frozen=True)
+class RWKV6ChannelMixConfig(Kind):
+    """RWKV-6 channel mix: token-shifted squared-ReLU FFN with a receptance gate (hidden null = 3.5 D)."""
+    KIND: ClassVar[str] = "rwkv6_channel_mix"
+    hidden_dim: int | None = None
+
+
+@ffn(layers.RWKV7ChannelMix)
+@dataclass(frozen=True)
+class RWKV7ChannelMixConfig(Kind):
+    """RWKV-7 channel mix: token-shifted squared-ReLU FFN (hidden null = 4 D)."""
+    KIND: ClassVar[str] = "rwkv7_channel_mix"
+    hidden_dim: int | None = None
