@@ -7,20 +7,25 @@ Every sequence mixer follows one protocol:
     y, state = mixer.decode(x, state, segment_ids=None)   # prefill (T tokens) or a step (T = 1)
 
 `decode` continues from `state`; inside one call, a change of segment id starts a new document
-(see kernels/segments.py). A recurrent mixer's state does not grow with max_len.
+(see kernels/segments.py). A recurrent mixer's state does not grow with max_len; a mixer whose
+state does (attention's KV cache) says so with `grows_with_context = True`. A mixer keeps `impl`
+(and `mode`, where it has several exact forms) as attributes read at call time. States are
+`layers.state.state` dataclasses; shape annotations use the one letter legend of kernels/__init__.py.
+Parameters name their logical sharding axes where they are made (layers/sharding.py).
+tests/layers/conformance.py checks all of this for every registered kind.
 """
 
-from layers.conv import ShortConvolution
-from layers.norm import GatedRMSNorm, RMSNorm
-from layers.rotary import apply_rotary
 from layers.attention import Attention, KVCache
-from layers.mlp import MLP
+from layers.conv import ShortConvolution
 from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
 from layers.gla import GatedLinearAttention, GLAState
 from layers.linear_attention import LinearAttention, LinearAttentionState
-from layers.retnet import MultiScaleRetention, RetentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
+from layers.mlp import MLP
 from layers.moe import MoE
+from layers.norm import GatedRMSNorm, RMSNorm
+from layers.retnet import MultiScaleRetention, RetentionState
+from layers.rotary import apply_rotary
 from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
 from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix

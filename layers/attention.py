@@ -7,28 +7,39 @@ absolute step s of the row, so a causal/window mask on slot indices is exact; ea
 the running document number of its token, so packed or left-padded rows never attend across a
 document start. Rotary positions count inside a document, so a packed document gets the same
 positions as when run alone.
+
+Past the trained context (`max_seq_len`, given by the model: the longest sequence it was trained
+on), `long_context` decides: "window" (the default) lets each query see only the last max_seq_len
+tokens, so no query ever meets a rotary distance it was not trained on (within the trained context
+this is exactly full causal attention); "full" lets it see every earlier token (extrapolation to
+distances it never saw: text degrades quickly past the trained length). With `window` set, the
+smaller of the two windows holds. max_seq_len=None means no trained context is known: full.
+
+Parameters carry their logical sharding axes (layers/sharding.py): the query heads and kv heads over
+`tensor`, the model width over `fsdp`.
 """
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kernels import check_impl
 from kernels.attention import attention
 from kernels.segments import document_starts, positions_in_document
 from layers.rotary import apply_rotary
-from layers.sharding import constrain
+from layers.sharding import axes, constrain
+from layers.state import state
 
 
-@struct.dataclass
+@state
 class KVCache:
-    k: Array  # (B, S, G, K)
-    v: Array  # (B, S, G, K)
-    doc: Array  # (B, S) int32: document number of the token in each slot
-    cur_doc: Array  # (B,) int32: document number of the last token written
-    pos: Array  # (B,) int32: position in its document of the next token
-    index: Array  # () int32: next slot to write
+    k: Float[Array, "B S G K"]  # (B, S, G, K)
+    v: Float[Array, "B S G K"]  # (B, S, G, K)
+    doc: Int[Array, "B S"]  # (B, S) int32: document number of the token in each slot
+    cur_doc: Int[Array, " B"]  # (B,) int32: document number of the last token written
+    pos: Int[Array, " B"]  # (B,) int32: position in its document of the next token
+    index: Int[Array, ""]  # () int32: next slot to write
 
 
 def _documents(segment_ids, B, T, start):
@@ -39,10 +50,17 @@ def _documents(segment_ids, B, T, start):
 
 
 class Attention(nnx.Module):
+    grows_with_context = True  # the KV cache holds max_len slots (every other mixer's state is fixed)
+
     def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
                  head_dim: int | None = None, window: int | None = None, rope_base: float = 10000.0,
-                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+                 long_context: str = "window", max_seq_len: int | None = None, impl: str = "auto",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "Attention")
+        if long_context not in ("window", "full"):
+            raise ValueError(f"long_context={long_context!r}; expected 'window' or 'full'")
+        if window is not None and window < 1 or max_seq_len is not None and max_seq_len < 1:
+            raise ValueError(f"window={window} and max_seq_len={max_seq_len} must be positive or None")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None and d_model % num_heads:
             raise ValueError(f"num_heads={num_heads} does not divide d_model={d_model}")
@@ -50,12 +68,15 @@ class Attention(nnx.Module):
             raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
         H, G, K = num_heads, num_kv_heads, head_dim or d_model // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, K
-        self.window, self.rope_base, self.impl, self.dtype = window, rope_base, impl, dtype
+        if long_context == "window" and max_seq_len is not None:
+            window = max_seq_len if window is None else min(window, max_seq_len)
+        self.window, self.rope_base, self.impl, self.dtype = window, rope_base, impl, dtype  # the window in force
         init = nnx.initializers.normal(d_model ** -0.5)
-        self.wq = nnx.Param(init(rngs.params(), (d_model, H, K)))
-        self.wk = nnx.Param(init(rngs.params(), (d_model, G, K)))
-        self.wv = nnx.Param(init(rngs.params(), (d_model, G, K)))
-        self.wo = nnx.Param(nnx.initializers.normal((H * K) ** -0.5)(rngs.params(), (H, K, d_model)))
+        self.wq = nnx.Param(init(rngs.params(), (d_model, H, K)), **axes("embed", "heads", None))
+        self.wk = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
+        self.wv = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
+        self.wo = nnx.Param(nnx.initializers.normal((H * K) ** -0.5)(rngs.params(), (H, K, d_model)),
+                            **axes("heads", None, "embed"))
 
     def _qkv(self, x, positions):
         x = x.astype(self.dtype)
@@ -98,7 +119,7 @@ class Attention(nnx.Module):
             v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at),
             doc=jax.lax.dynamic_update_slice(cache.doc, doc, (0, cache.index)),
             cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
-        slots = cache.index - T + jnp.arange(T, dtype=jnp.int32)[None]  # (1, T)
+        slots = jnp.broadcast_to(cache.index - T + jnp.arange(T, dtype=jnp.int32), (B, T))  # (B, T)
         o = attention(q, cache.k.astype(self.dtype), cache.v.astype(self.dtype), segment_ids=doc,
                       kv_segment_ids=cache.doc, q_positions=slots, window=self.window, impl=self.impl)
         return self._out(o), cache

@@ -2,8 +2,10 @@
 
     y_t = act(sum_{j=0}^{W-1} w_j * x_{t-W+1+j} + b)
 
-Decoding keeps the last W-1 inputs as state, (B, W-1, D), so it costs the same at any context. A
-tap never reads across a document boundary: with `segment_ids`, inputs from an earlier document
+`channel_axis` is the logical sharding axis of the channels ("heads" by default; None keeps a conv
+over fused quantities whole). Decoding keeps the last kernel_size - 1 inputs as state, (B, W, D), so
+it costs the same at any context. A tap never reads across a document boundary: with `segment_ids`,
+inputs from an earlier document
 count as zeros, exactly as if the document had been run alone.
 """
 
@@ -13,24 +15,26 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kernels.segments import document_starts
+from layers.sharding import axes
 
 
 class ShortConvolution(nnx.Module):
     def __init__(self, dim: int, kernel_size: int = 4, *, activation: bool = True, use_bias: bool = False,
-                 rngs: nnx.Rngs):
+                 channel_axis: str | None = "heads", rngs: nnx.Rngs):
         self.kernel_size = kernel_size
         self.activation = activation
         bound = 1.0 / kernel_size ** 0.5  # PyTorch's Conv1d default (fan_in = W for depthwise)
-        self.weight = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, dim), jnp.float32, -bound, bound))
-        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32)) if use_bias else None
+        self.weight = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, dim), jnp.float32, -bound, bound),
+                                **axes(None, channel_axis))
+        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32), **axes(channel_axis)) if use_bias else None
 
-    def init_state(self, batch_size: int, dtype=jnp.float32) -> Float[Array, "B W-1 D"]:
+    def init_state(self, batch_size: int, dtype=jnp.float32) -> Float[Array, "B W D"]:
         return jnp.zeros((batch_size, self.kernel_size - 1, self.weight.shape[1]), dtype)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
         return self.decode(x, self.init_state(x.shape[0], x.dtype), segment_ids=segment_ids)[0]
 
-    def decode(self, x: Float[Array, "B T D"], state: Float[Array, "B W-1 D"], *,
+    def decode(self, x: Float[Array, "B T D"], state: Float[Array, "B W D"], *,
                segment_ids: Int[Array, "B T"] | None = None):
         W, T = self.kernel_size, x.shape[1]
         xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # (B, W-1+T, D)

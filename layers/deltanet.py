@@ -20,7 +20,7 @@ Code names: `num_heads` H, `head_dim` K (query/key width per head), `expand_v` V
 across heads, as in fla), `impl` the op's implementation ("auto", "reference", "xla" or "pallas", see
 kernels/delta_rule) on every path: the training call, a multi-token decode and the single-token
 step; impl="pallas" runs the Pallas kernels, whose chunk is their own block size (mode and
-chunk_size are then unused), and is an error on TPU (no kernel there), raised by the constructor.
+chunk_size are then unused): the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()).
 Decode state: the H x K x V delta-rule state plus the last conv_size - 1 inputs of each short
 convolution (fla's `conv_state`).
 
@@ -32,21 +32,23 @@ grouped value heads (`num_v_heads`) and no qk activations other than SiLU.
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
-from kernels.delta_rule import MODES, delta_rule
+from kernels import check_impl, check_mode
+from kernels.delta_rule import delta_rule
 from layers.conv import ShortConvolution
 from layers.norm import GatedRMSNorm, RMSNorm
+from layers.sharding import COLUMNS, ROWS, axes
+from layers.state import state
 
 
-@struct.dataclass
+@state
 class DeltaNetState:
     recurrent: Float[Array, "B H K V"]  # (B, H, K, V) float32 delta-rule state
-    conv_q: Float[Array, "B W-1 HK"] | None  # (B, conv_size - 1, H*K); None when conv_size = 0
-    conv_k: Float[Array, "B W-1 HK"] | None  # (B, conv_size - 1, H*K)
-    conv_v: Float[Array, "B W-1 HV"] | None  # (B, conv_size - 1, H*V)
+    conv_q: Float[Array, "B W H*K"] | None  # (B, conv_size - 1, H*K); None when conv_size = 0
+    conv_k: Float[Array, "B W H*K"] | None  # (B, conv_size - 1, H*K)
+    conv_v: Float[Array, "B W H*V"] | None  # (B, conv_size - 1, H*V)
 
 
 def _normalize(x: Float[Array, "B T H K"], kind: str) -> Float[Array, "B T H K"]:
@@ -78,18 +80,16 @@ class _DeltaRuleMixer(nnx.Module):
             raise ValueError(f"{name}: conv_size={conv_size} must be >= 0 (0 = no short convolution)")
         if qk_norm not in ("l2", "sum"):
             raise ValueError(f"{name}: qk_norm={qk_norm!r}; expected 'l2' or 'sum'")
-        if mode not in MODES:
-            raise ValueError(f"{name}: mode={mode!r}; expected one of {MODES}")
-        if chunk_size < 1:
-            raise ValueError(f"{name}: chunk_size={chunk_size} must be positive")
+        check_mode(mode, chunk_size, name)
         check_impl(impl, name)
         H, K, V = num_heads, head_dim, int(value_dim)
         self.num_heads, self.head_dim, self.value_dim = H, K, V
         self.conv_size, self.qk_norm, self.dtype = conv_size, qk_norm, dtype
         self.mode, self.chunk_size, self.impl = mode, chunk_size, impl
 
-        def linear(i, o):
-            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        def linear(i, o, names=COLUMNS):
+            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+                              kernel_metadata=axes(*names))
 
         self.q_proj, self.k_proj, self.v_proj = linear(d_model, H * K), linear(d_model, H * K), linear(d_model, H * V)
         if conv_size:
@@ -98,7 +98,7 @@ class _DeltaRuleMixer(nnx.Module):
             self.v_conv = ShortConvolution(H * V, conv_size, rngs=rngs)
         self.g_proj = linear(d_model, H * V) if use_output_gate else None
         self.o_norm = GatedRMSNorm(V, eps=norm_eps) if use_output_gate else RMSNorm(V, eps=norm_eps)
-        self.o_proj = linear(H * V, d_model)
+        self.o_proj = linear(H * V, d_model, ROWS)
 
     def init_state(self, batch_size: int, max_len: int = 0) -> DeltaNetState:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
@@ -152,7 +152,8 @@ class DeltaNet(_DeltaRuleMixer):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm=qk_norm, norm_eps=norm_eps, mode=mode,
                          chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="DeltaNet")
-        self.b_proj = nnx.Linear(d_model, num_heads, use_bias=False, dtype=dtype, rngs=rngs) if use_beta else None
+        self.b_proj = nnx.Linear(d_model, num_heads, use_bias=False, dtype=dtype, rngs=rngs,
+                                 kernel_metadata=axes("embed", None)) if use_beta else None
 
     def _gates(self, x):
         if self.b_proj is None:  # beta = 1: the plain delta rule of Schlag et al.
@@ -168,8 +169,9 @@ class GatedDeltaNet(_DeltaRuleMixer):
                          use_output_gate=use_output_gate, qk_norm="l2", norm_eps=norm_eps, mode=mode,
                          chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="GatedDeltaNet")
         H = num_heads
-        self.a_proj = nnx.Linear(d_model, H, use_bias=False, dtype=dtype, rngs=rngs)
-        self.b_proj = nnx.Linear(d_model, H, use_bias=False, dtype=dtype, rngs=rngs)
+        gate = lambda: nnx.Linear(d_model, H, use_bias=False, dtype=dtype, rngs=rngs,
+                                  kernel_metadata=axes("embed", None))
+        self.a_proj, self.b_proj = gate(), gate()
         A = 16.0 * (1.0 - jax.random.uniform(rngs.params(), (H,)))  # U(0, 16], never 0
         self.A_log = nnx.Param(jnp.log(A))
         log_dt = jax.random.uniform(rngs.params(), (H,), minval=jnp.log(1e-3), maxval=jnp.log(1e-1))

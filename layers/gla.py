@@ -14,7 +14,7 @@ chunk or parallel, all equal); `impl` picks its implementation ("auto", "referen
 "pallas", see kernels/gla) on every path: the training call, a multi-token decode and the
 single-token decode step. impl="reference" runs the token-by-token scan whatever the mode;
 impl="pallas" runs the Pallas kernels, whose chunk is their own block size (mode and chunk_size are
-then unused), and is an error on TPU (no kernel there), raised by the constructor.
+then unused): the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()).
 
 Departures from the paper, named (all as in the authors' flash-linear-attention layer):
 - norm_h is an RMSNorm per head with a weight shared by the heads (the paper writes LayerNorm),
@@ -28,23 +28,23 @@ Departures from the paper, named (all as in the authors' flash-linear-attention 
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
+from kernels import check_impl, check_mode
 from kernels.gla import gla
 from layers.conv import ShortConvolution
 from layers.norm import GatedRMSNorm, RMSNorm
+from layers.sharding import COLUMNS, ROWS, axes
+from layers.state import state
 
-MODES = ("recurrent", "chunk", "parallel")
 
-
-@struct.dataclass
+@state
 class GLAState:
     S: Float[Array, "B H K V"]  # (B, H, K, V) float32 recurrent state
-    conv_q: Float[Array, "B W Dk"] | None  # (B, conv_size - 1, key_dim) conv window, None if conv_size=0
-    conv_k: Float[Array, "B W Dk"] | None  # (B, conv_size - 1, key_dim)
-    conv_v: Float[Array, "B W Dv"] | None  # (B, conv_size - 1, value_dim)
+    conv_q: Float[Array, "B W H*K"] | None  # (B, conv_size - 1, key_dim) conv window, None if conv_size=0
+    conv_k: Float[Array, "B W H*K"] | None  # (B, conv_size - 1, key_dim)
+    conv_v: Float[Array, "B W H*V"] | None  # (B, conv_size - 1, value_dim)
 
 
 class GatedLinearAttention(nnx.Module):
@@ -67,23 +67,21 @@ class GatedLinearAttention(nnx.Module):
                              f"gate_logit_normalizer={gate_logit_normalizer} > 0")
         if conv_size < 0:
             raise ValueError(f"conv_size={conv_size} must be >= 0 (0 = no short convolution)")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}; expected one of {MODES}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+        check_mode(mode, chunk_size, "GLA")
         check_impl(impl, "GLA")
         self.num_heads, self.key_dim, self.value_dim = num_heads, key_dim, value_dim
         self.gate_logit_normalizer, self.use_output_gate = gate_logit_normalizer, use_output_gate
         self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
         xavier = nnx.initializers.variance_scaling(2 ** -5, "fan_avg", "uniform")  # gain 2^-2.5
-        linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, kernel_init=xavier,
-                                                     rngs=rngs)
+        linear = lambda i, o, names=COLUMNS, bias=False: nnx.Linear(
+            i, o, use_bias=bias, dtype=dtype, kernel_init=xavier, rngs=rngs, kernel_metadata=axes(*names),
+            bias_metadata=axes(names[1]))
         self.q_proj, self.k_proj = linear(d_model, key_dim), linear(d_model, key_dim)
         self.v_proj = linear(d_model, value_dim)
-        self.gk_down = linear(d_model, gate_low_rank_dim)
-        self.gk_up = linear(gate_low_rank_dim, key_dim, bias=True)
+        self.gk_down = linear(d_model, gate_low_rank_dim, ("embed", None))
+        self.gk_up = linear(gate_low_rank_dim, key_dim, (None, "heads"), bias=True)
         self.g_proj = linear(d_model, value_dim) if use_output_gate else None
-        self.o_proj = linear(value_dim, d_model)
+        self.o_proj = linear(value_dim, d_model, ROWS)
         head_v = value_dim // num_heads
         self.norm = GatedRMSNorm(head_v, eps=norm_eps) if use_output_gate else RMSNorm(head_v, eps=norm_eps)
         if conv_size:

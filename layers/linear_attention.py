@@ -39,35 +39,36 @@ multi-token decode and the single-token decode step. Every feature map and norma
 with every impl (the feature map and the normaliser column are applied outside the op);
 impl="reference" runs the token-by-token scan whatever the mode; impl="pallas" runs the GLA Pallas
 kernels with a zero scalar gate, whose chunk is their own block size (mode and chunk_size are then
-unused), and is an error on TPU (no kernel there), raised by the constructor.
+unused): the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()).
 """
 
 import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
+from kernels import check_impl, check_mode
 from kernels.linear_attention import linear_attention
 from kernels.segments import positions_in_document
+from layers.sharding import COLUMNS, ROWS, axes
+from layers.state import state
 
 FEATURE_MAPS = ("identity", "elu", "relu", "performer", "cosformer", "hedgehog")
-MODES = ("recurrent", "chunk", "parallel")
 
 
-@struct.dataclass
+@state
 class LinearAttentionState:
-    S: Float[Array, "B H F W"]  # (B, H, F, V + 1) with the normaliser column, else (B, H, F, V); float32
-    pos: Int[Array, "B"]  # (B,) position of the next token inside its document (used by cosformer)
+    S: Float[Array, "B H F _V1"]  # (B, H, F, V + 1) with the normaliser column, else (B, H, F, V); float32
+    pos: Int[Array, " B"]  # (B,) position of the next token inside its document (used by cosformer)
 
 
 class RandomFeatures(nnx.Variable):
     """Performer's random projection: state of the layer, but not a trained parameter."""
 
 
-def orthogonal_random_features(key: jax.Array, num_features: int, dim: int) -> Float[Array, "M K"]:
+def orthogonal_random_features(key: jax.Array, num_features: int, dim: int) -> Float[Array, "F K"]:
     """Rows w_i: blocks of `dim` orthogonal directions (QR of a Gaussian matrix) with the lengths of
     independent Gaussian vectors, so each row is marginally N(0, I) (Choromanski et al., 2021,
     orthogonal random features)."""
@@ -98,27 +99,29 @@ class LinearAttention(nnx.Module):
             raise ValueError(f"feature_map={feature_map!r}; expected one of {FEATURE_MAPS}")
         if normalize and feature_map == "identity":
             raise ValueError("feature_map='identity' needs normalize=False: phi(q) z can be zero or negative")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}; expected one of {MODES}")
+        check_mode(mode, chunk_size, "LinearAttention")
         if num_features is not None and num_features < 1:
             raise ValueError(f"num_features={num_features} must be >= 1")
-        if cosformer_max_len < 1 or chunk_size < 1:
-            raise ValueError(f"cosformer_max_len={cosformer_max_len} and chunk_size={chunk_size} must be >= 1")
+        if cosformer_max_len < 1:
+            raise ValueError(f"cosformer_max_len={cosformer_max_len} must be >= 1")
         check_impl(impl, "LinearAttention")
         self.num_heads, self.head_dim = num_heads, d_model // num_heads
         self.feature_map, self.normalize, self.eps = feature_map, normalize, eps
         self.cosformer_max_len, self.mode, self.chunk_size, self.dtype = cosformer_max_len, mode, chunk_size, dtype
         self.impl = impl
-        linear = lambda: nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = linear(), linear(), linear(), linear()
+        linear = lambda names: nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs,
+                                          kernel_metadata=axes(*names))
+        self.q_proj, self.k_proj, self.v_proj = linear(COLUMNS), linear(COLUMNS), linear(COLUMNS)
+        self.o_proj = linear(ROWS)
         K, H = self.head_dim, num_heads
         self.num_features = num_features or K
         if feature_map == "performer":
             self.features = RandomFeatures(orthogonal_random_features(rngs.params(), self.num_features, K))
         if feature_map == "hedgehog":
             eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (H, K, K))
-            self.hedgehog_q, self.hedgehog_k = nnx.Param(eye), nnx.Param(eye)
-            self.hedgehog_q_bias, self.hedgehog_k_bias = nnx.Param(jnp.zeros((H, K))), nnx.Param(jnp.zeros((H, K)))
+            self.hedgehog_q, self.hedgehog_k = (nnx.Param(eye, **axes("heads", None, None)) for _ in range(2))
+            self.hedgehog_q_bias, self.hedgehog_k_bias = (nnx.Param(jnp.zeros((H, K)), **axes("heads", None))
+                                                          for _ in range(2))
 
     @property
     def feature_dim(self) -> int:

@@ -28,26 +28,28 @@ backend (on CPU the sequential scan; see kernels/selective_scan). `decode` runs 
 "reference", "xla" or "pallas", see kernels/selective_scan) picks the op's implementation for the
 training call and a multi-token decode; the single-token step is always the plain
 `selective_scan_step` (the op has no impl there). impl="reference" runs the token-by-token scan
-whatever the mode; impl="pallas" runs the Pallas kernels (mode and chunk_size then unused) and is an
-error on TPU (no kernel there), raised by the constructor.
+whatever the mode; impl="pallas" runs the Pallas kernels (mode and chunk_size then unused):
+the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()).
 """
 
 import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
-from kernels.selective_scan import MODES, selective_scan, selective_scan_step
+from kernels import MODES, check_impl, check_mode
+from kernels.selective_scan import selective_scan, selective_scan_step
 from layers.conv import ShortConvolution
+from layers.sharding import ROWS, axes
+from layers.state import state
 
 
-@struct.dataclass
+@state
 class MambaState:
-    ssm: Float[Array, "B Di N"]  # (B, Di, N) float32 SSM state h
-    conv: Float[Array, "B W-1 Di"] | None  # (B, conv_size - 1, Di) last conv inputs; None when conv_size = 0
+    ssm: Float[Array, "B Dm N"]  # (B, Dm, N) float32 SSM state h, Dm = Di = expand * d_model
+    conv: Float[Array, "B W Dm"] | None  # (B, conv_size - 1, Di) last conv inputs; None when conv_size = 0
 
 
 def inverse_softplus_dt(key, shape, dt_min: float, dt_max: float, dt_init_floor: float):
@@ -72,27 +74,29 @@ class Mamba(nnx.Module):
             raise ValueError(f"Mamba: need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
         if conv_size < 0:
             raise ValueError(f"Mamba: conv_size={conv_size} must be >= 0 (0 = no convolution)")
-        if mode not in MODES + ("auto",):
-            raise ValueError(f"Mamba: mode={mode!r}; expected one of {MODES + ('auto',)}")
-        if chunk_size < 1:
-            raise ValueError(f"Mamba: chunk_size={chunk_size} must be >= 1")
+        check_mode(mode, chunk_size, "Mamba", ("auto", *MODES))
         check_impl(impl, "Mamba")
         Di, N, R = expand * d_model, state_size, dt_rank
         self.d_inner, self.state_size, self.dt_rank = Di, N, R
         self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
 
-        def linear(i, o, **kw):
-            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs, **kw)
+        def linear(i, o, names, **kw):
+            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+                              kernel_metadata=axes(*names), **kw)
 
-        self.in_proj = linear(d_model, 2 * Di)
+        # The inner channels split over `tensor`; in_proj's output fuses [u, z], so it stays whole there.
+        self.in_proj = linear(d_model, 2 * Di, ("embed", None))
         self.conv = ShortConvolution(Di, conv_size, use_bias=True, rngs=rngs) if conv_size else None
-        self.x_proj = linear(Di, R + 2 * N)
+        self.x_proj = linear(Di, R + 2 * N, ("heads", None))
         std = R ** -0.5
-        self.dt_proj = linear(R, Di, kernel_init=lambda key, shape, dt: jax.random.uniform(key, shape, dt, -std, std))
-        self.dt_bias = nnx.Param(inverse_softplus_dt(rngs.params(), (Di,), dt_min, dt_max, dt_init_floor))
-        self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.float32), (Di, N))))
-        self.D = nnx.Param(jnp.ones((Di,), jnp.float32))
-        self.out_proj = linear(Di, d_model)
+        self.dt_proj = linear(R, Di, (None, "heads"),
+                              kernel_init=lambda key, shape, dt: jax.random.uniform(key, shape, dt, -std, std))
+        self.dt_bias = nnx.Param(inverse_softplus_dt(rngs.params(), (Di,), dt_min, dt_max, dt_init_floor),
+                                 **axes("heads"))
+        self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.float32), (Di, N))),
+                               **axes("heads", None))
+        self.D = nnx.Param(jnp.ones((Di,), jnp.float32), **axes("heads"))
+        self.out_proj = linear(Di, d_model, ROWS)
 
     def init_state(self, batch_size: int, max_len: int = 0) -> MambaState:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
@@ -129,8 +133,8 @@ class Mamba(nnx.Module):
         y = y * jax.nn.silu(z)
         return self.out_proj(y), MambaState(ssm, conv)
 
-    def step(self, h: Float[Array, "B Di N"], u: Float[Array, "B Di"], delta: Float[Array, "B Di"],
-             A: Float[Array, "Di N"], B: Float[Array, "B N"], C: Float[Array, "B N"]):
+    def step(self, h: Float[Array, "B Dm N"], u: Float[Array, "B Dm"], delta: Float[Array, "B Dm"],
+             A: Float[Array, "Dm N"], B: Float[Array, "B N"], C: Float[Array, "B N"]):
         """One token of the SSM, the core of the official `Mamba.step` (`decode` with T = 1 is the whole
         step: conv window, projections, gate). Returns (h_t, y_t) float32."""
         return selective_scan_step(h, u, delta, A, B, C, self.D[...])

@@ -30,25 +30,27 @@ training path; `decode` runs `step` (`ssd_step`) for T = 1 and the chunked form 
 training call and a multi-token decode; the single-token step is always the plain `ssd_step` (the
 op has no impl there). impl="reference" runs the token-by-token scan whatever the mode;
 impl="pallas" runs the Pallas kernels, whose chunk is their own block size (mode and chunk_size then
-unused), and is an error on TPU (no kernel there), raised by the constructor.
+unused): the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()).
 """
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
-from kernels.ssd import MODES, ssd, ssd_step
+from kernels import check_impl, check_mode
+from kernels.ssd import ssd, ssd_step
 from layers.conv import ShortConvolution
 from layers.mamba import inverse_softplus_dt
 from layers.norm import GatedRMSNorm
+from layers.sharding import ROWS, axes
+from layers.state import state
 
 
-@struct.dataclass
+@state
 class Mamba2State:
     ssm: Float[Array, "B H P N"]  # (B, H, P, N) float32 SSM state h
-    conv: Float[Array, "B W-1 E"] | None  # (B, conv_size - 1, Di + 2 G N) last conv inputs; None if conv_size = 0
+    conv: Float[Array, "B W _Dconv"] | None  # (B, conv_size - 1, Di + 2 G N) last conv inputs; None if conv_size = 0
 
 
 class Mamba2(nnx.Module):
@@ -74,26 +76,27 @@ class Mamba2(nnx.Module):
             raise ValueError(f"Mamba2: A_init_range={A_init_range} must satisfy 0 < low <= high")
         if conv_size < 0:
             raise ValueError(f"Mamba2: conv_size={conv_size} must be >= 0 (0 = no convolution)")
-        if mode not in MODES:
-            raise ValueError(f"Mamba2: mode={mode!r}; expected one of {MODES}")
-        if chunk_size < 1:
-            raise ValueError(f"Mamba2: chunk_size={chunk_size} must be >= 1")
+        check_mode(mode, chunk_size, "Mamba2")
         check_impl(impl, "Mamba2")
         G, N = num_groups, state_size
         self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size = Di, H, head_dim, G, N
         self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
 
-        def linear(i, o):
-            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        def linear(i, o, names):
+            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+                              kernel_metadata=axes(*names))
 
-        self.in_proj = linear(d_model, 2 * Di + 2 * G * N + H)
+        # in_proj's output and the conv fuse [z, x, B, C, dt] / [x, B, C]: a split over `tensor` would cut
+        # between the quantities, so they stay whole there (the small per-head vectors are replicated).
+        self.in_proj = linear(d_model, 2 * Di + 2 * G * N + H, ("embed", None))
         conv_dim = Di + 2 * G * N
-        self.conv = ShortConvolution(conv_dim, conv_size, use_bias=True, rngs=rngs) if conv_size else None
+        self.conv = ShortConvolution(conv_dim, conv_size, use_bias=True, channel_axis=None,
+                                     rngs=rngs) if conv_size else None
         self.dt_bias = nnx.Param(inverse_softplus_dt(rngs.params(), (H,), dt_min, dt_max, dt_init_floor))
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, lo, hi)))
         self.D = nnx.Param(jnp.ones((H,), jnp.float32))
         self.norm = GatedRMSNorm(Di, eps=1e-5)
-        self.out_proj = linear(Di, d_model)
+        self.out_proj = linear(Di, d_model, ROWS)
 
     def init_state(self, batch_size: int, max_len: int = 0) -> Mamba2State:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
@@ -133,7 +136,7 @@ class Mamba2(nnx.Module):
         return self.out_proj(y), Mamba2State(ssm, conv)
 
     def step(self, h: Float[Array, "B H P N"], x: Float[Array, "B H P"], dt: Float[Array, "B H"],
-             A: Float[Array, "H"], B: Float[Array, "B G N"], C: Float[Array, "B G N"]):
+             A: Float[Array, " H"], B: Float[Array, "B G N"], C: Float[Array, "B G N"]):
         """One token of SSD, the core of the official `Mamba2.step` (`decode` with T = 1 is the whole
         step: conv window, projections, norm). Returns (h_t, y_t) float32."""
         return ssd_step(h, x, dt, A, B, C, self.D[...])

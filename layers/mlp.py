@@ -5,6 +5,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from layers.sharding import axes
+
 
 def default_hidden_dim(d_model: int) -> int:
     """8/3 d_model (the parameter count of a 4x GELU MLP), rounded up to a multiple of 32."""
@@ -15,9 +17,10 @@ class MLP(nnx.Module):
     def __init__(self, d_model: int, *, hidden_dim: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         F = hidden_dim or default_hidden_dim(d_model)
         self.dtype = dtype
-        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)))
-        self.w_up = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)))
-        self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (F, d_model)))
+        into, out = axes("embed", "mlp"), axes("mlp", "embed")  # Megatron: columns in, rows out
+        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)), **into)
+        self.w_up = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)), **into)
+        self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (F, d_model)), **out)
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         x = x.astype(self.dtype)

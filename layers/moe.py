@@ -27,11 +27,11 @@ Switch (`router="switch"`, top_k must be 1): S_n = argmax(p_n + b), g = p_{n,S_n
 Expert choice (`router="expert_choice"`): each expert picks its C highest-scoring tokens of the whole
   batch: G, I = TopK(p^T, C) over the N tokens, y_n = sum_{e: n in I_e} G_{e,n} FFN_e(x_n) (no
   renormalization). A token can get 0 or up to E experts. It looks across the batch and the sequence,
-  so it is NOT causal: a token's output depends on later tokens (and on other rows). With T == 1
-  (a decoding step) there is no sequence to choose from: it falls back to token-choice top-k on the
-  same scores (S_n = TopK(p_n), g = p_{n,S_n}), so generation runs but sees a different router than
-  training did. score_order, renormalize and dispatch do not apply; balance="bias" is refused (every
-  expert already takes exactly C tokens).
+  so it is NOT causal: a token's output depends on later tokens (and on other rows). Outside
+  training (deterministic, see below) and in any call with T == 1 it routes by token-choice top-k on
+  the same scores (S_n = TopK(p_n), g = p_{n,S_n}, dropless), so evaluation and generation are causal
+  and the same function, but see a different router than training did. score_order, renormalize
+  and dispatch do not apply; balance="bias" is refused (every expert already takes exactly C tokens).
 
 Capacity (dispatch="capacity", and expert choice): C = min(N, ceil(capacity_factor * N * k / E))
   (Zhou et al.'s "capacity factor c" is our top_k * capacity_factor). Token-choice assignments are
@@ -40,8 +40,14 @@ Capacity (dispatch="capacity", and expert choice): C = min(N, ceil(capacity_fact
   assignment contributes exactly zero (in a residual block the token passes through unchanged).
 dispatch="dropless": assignments are stably sorted by expert (the same queue order) and the experts
   run as one grouped matmul `jax.lax.ragged_dot` with the per-expert counts as group sizes; nothing is
-  dropped, and it equals capacity dispatch whenever capacity drops nothing. A call with T == 1
-  (decoding) always uses dropless, so decoding never drops a token.
+  dropped, and it equals capacity dispatch whenever capacity drops nothing.
+Outside training, dispatch is always dropless. Which assignments capacity drops depends on every
+  other token of the call (other rows, other documents, later tokens), so capacity dispatch is not
+  a causal function of a row: with it, validation loss, a packed batch and token-by-token decoding
+  would each see a different model. Dropless is one function of each token, whatever the batch, so
+  evaluation, packed rows and decoding agree exactly; `dispatch` is training's choice (capacity:
+  GShard/Switch's fixed buffers; dropless: MegaBlocks). A training-mode call with T == 1 is dropless
+  too.
   Cost note: on CPU (and wherever XLA has no native ragged dot) `ragged_dot` lowers to a masked dense
   product over all E groups: E times the FLOPs and an (E, k*N, D) masked operand (benchmarks/moe.py,
   4096 tokens, d_model 256, E=8: 6.4x the GFLOP of capacity dispatch, 7-9x the dense MLP's time on CPU).
@@ -99,7 +105,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from layers.mlp import MLP, default_hidden_dim
-from layers.sharding import constrain
+from layers.sharding import axes, constrain
 
 ROUTERS = ("topk", "switch", "expert_choice")
 SCORE_ORDERS = ("softmax_then_topk", "topk_then_softmax")
@@ -176,10 +182,12 @@ class MoE(nnx.Module):
         self.balance_loss_weight, self.z_loss_weight = balance_loss_weight, z_loss_weight
         self.bias_update_rate, self.router_jitter, self.dtype = bias_update_rate, router_jitter, dtype
         self.deterministic = False
-        self.w_router = nnx.Param(nnx.initializers.normal((0.1 / d_model) ** 0.5)(rngs.params(), (d_model, E)))
-        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (E, d_model, F)))
-        self.w_up = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (E, d_model, F)))
-        self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (E, F, d_model)))
+        into, out = axes("expert", "embed", "mlp"), axes("expert", "mlp", "embed")
+        self.w_router = nnx.Param(nnx.initializers.normal((0.1 / d_model) ** 0.5)(rngs.params(), (d_model, E)),
+                                  **axes("embed", None))
+        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (E, d_model, F)), **into)
+        self.w_up = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (E, d_model, F)), **into)
+        self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (E, F, d_model)), **out)
         self.bias = RouterBias(jnp.zeros((E,), jnp.float32))
         if num_shared_experts:
             self.shared = MLP(d_model, hidden_dim=num_shared_experts * F, dtype=dtype, rngs=rngs)
@@ -262,14 +270,15 @@ class MoE(nnx.Module):
             xr = xr * jax.random.uniform(self.jitter_rngs(), xr.shape, jnp.float32, 1 - eps, 1 + eps)
         logits = xr @ self.w_router[...]  # (N, E) float32
         probs = jax.nn.softmax(logits, axis=-1)
-        if self.router == "expert_choice" and T > 1:
+        if self.router == "expert_choice" and not self.deterministic and T > 1:
             y, load, dropped = self._expert_choice(xf, probs)
         else:
             topk = self.router == "topk"
             k = self.top_k if self.router != "switch" else 1
             order = self.score_order if topk else "softmax_then_topk"
             experts, gates = self._token_choice(logits, probs, k, order, self.renormalize and topk)
-            y, load, dropped = self._dispatch(xf, experts, gates, self.dispatch == "dropless" or T == 1)
+            dropless = self.dispatch == "dropless" or self.deterministic or T == 1
+            y, load, dropped = self._dispatch(xf, experts, gates, dropless)
         y = y.reshape(B, T, D).astype(self.dtype)
         if self.num_shared_experts:
             y = y + self.shared(x)

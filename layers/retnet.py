@@ -13,8 +13,8 @@ chunk or parallel, all equal); `impl` picks its implementation ("auto", "referen
 "pallas", see kernels/retention) on every path: the training call, a multi-token decode and the
 single-token decode step. impl="reference" runs the token-by-token scan whatever the mode;
 impl="pallas" runs the GLA Pallas kernels with a scalar gate, whose chunk is their own block size
-(mode and chunk_size are then unused), and is an error on TPU (no kernel there), raised by the
-constructor.
+(mode and chunk_size are then unused): the Triton kernels on a GPU, the Mosaic ones
+on a TPU (kernels.pallas_platform()).
 
 Departures from the paper, named:
 - positions: rotary embeddings (layers.rotary.apply_rotary, rotate-half layout, base `rotary_base`)
@@ -31,22 +31,22 @@ Departures from the paper, named:
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
+from kernels import check_impl, check_mode
 from kernels.retention import retention
 from kernels.segments import positions_in_document
 from layers.norm import GatedRMSNorm
 from layers.rotary import apply_rotary
+from layers.sharding import COLUMNS, ROWS, axes
+from layers.state import state
 
-MODES = ("recurrent", "chunk", "parallel")
 
-
-@struct.dataclass
+@state
 class RetentionState:
     S: Float[Array, "B H K V"]  # (B, H, K, V) float32 retention state
-    pos: Int[Array, "B"]  # (B,) position of the next token inside its document (rotary)
+    pos: Int[Array, " B"]  # (B,) position of the next token inside its document (rotary)
 
 
 def _xavier(gain: float):
@@ -68,19 +68,16 @@ class MultiScaleRetention(nnx.Module):
                              f"and the value width {value_dim} (d_model * expand_v)")
         if (key_dim // num_heads) % 2:
             raise ValueError(f"the key head dim {key_dim // num_heads} must be even for rotary embeddings")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}; expected one of {MODES}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+        check_mode(mode, chunk_size, "RetNet")
         check_impl(impl, "RetNet")
         self.num_heads, self.key_dim, self.value_dim = num_heads, key_dim, value_dim
         self.rotary_base, self.mode, self.chunk_size, self.dtype = rotary_base, mode, chunk_size, dtype
         self.impl = impl
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, kernel_init=_xavier(2 ** -2.5),
-                                         rngs=rngs)
+        linear = lambda i, o, names=COLUMNS: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs,
+                                                        kernel_init=_xavier(2 ** -2.5), kernel_metadata=axes(*names))
         self.q_proj, self.k_proj = linear(d_model, key_dim), linear(d_model, key_dim)
         self.v_proj, self.g_proj = linear(d_model, value_dim), linear(d_model, value_dim)
-        self.o_proj = linear(value_dim, d_model)
+        self.o_proj = linear(value_dim, d_model, ROWS)
         self.norm = GatedRMSNorm(value_dim // num_heads, eps=norm_eps)
 
     @property

@@ -36,21 +36,23 @@ Departures from the official code, all deliberate:
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
+from kernels import check_impl, check_mode
 from kernels.segments import document_starts
 from kernels.wkv6 import wkv6
+from layers.sharding import COLUMNS, ROWS, axes
+from layers.state import state
 
 
-@struct.dataclass
+@state
 class RWKVTimeMixState:
     shift: Float[Array, "B D"]  # (B, D) float32: the previous token's input, for the token shift
     wkv: Float[Array, "B H K V"]  # (B, H, K, V) float32: the WKV recurrent state
 
 
-@struct.dataclass
+@state
 class RWKVChannelMixState:
     shift: Float[Array, "B D"]  # (B, D) float32: the previous token's input, for the token shift
 
@@ -83,23 +85,18 @@ def orthogonal(key, shape, gain: float = 1.0):
     return jax.nn.initializers.orthogonal(scale=gain)(key, shape, jnp.float32)
 
 
-def param(value) -> nnx.Param:
-    """A float32 parameter from a host (numpy) constant."""
-    return nnx.Param(jnp.asarray(value, jnp.float32))
-
-
-def check_mode(mode: str, chunk_size: int, modes=("recurrent", "chunk", "parallel")):
-    if mode not in modes:
-        raise ValueError(f"mode={mode!r} must be one of {modes}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+def param(value, *names) -> nnx.Param:
+    """A float32 parameter from a host (numpy) constant or an array, with its logical axes (none
+    given: replicated, as the small per-channel vectors here are)."""
+    value = jnp.asarray(value, jnp.float32)
+    return nnx.Param(value, **axes(*(names or (None,) * value.ndim)))
 
 
 class RWKV6TimeMix(nnx.Module):
     """The RWKV-6 time-mixing block (the sequence mixer). `mode` ("chunk", "recurrent" or "parallel")
     picks the WKV6 algorithm of __call__; decode uses "chunk" for T > 1 and the recurrence for T = 1.
     `impl` ("auto", "reference", "xla", "pallas") picks the op's implementation on every path
-    (kernels/wkv6: "pallas" runs the GLA Pallas kernels on shifted inputs; an error on TPU).
+    (kernels/wkv6: "pallas" runs the GLA Pallas kernels of the platform on shifted inputs).
     `layer_id` (default 0) and `num_layers` (default 1) only shape the official depth-dependent
     initialisation. State: the previous token (B, D) and the WKV state (B, H, K, K), both float32."""
 
@@ -110,7 +107,7 @@ class RWKV6TimeMix(nnx.Module):
             raise ValueError(f"head_dim={head_dim} does not divide d_model={d_model}")
         if mix_lora_dim < 1 or decay_lora_dim < 1:
             raise ValueError(f"mix_lora_dim={mix_lora_dim} and decay_lora_dim={decay_lora_dim} must be >= 1")
-        check_mode(mode, chunk_size)
+        check_mode(mode, chunk_size, "RWKV6TimeMix")
         check_impl(impl, "RWKV6TimeMix")
         r0, r1 = depth_ratios(layer_id, num_layers)
         D, H = d_model, d_model // head_dim
@@ -122,18 +119,20 @@ class RWKV6TimeMix(nnx.Module):
         self.mu_x = param(1.0 - ddd ** r1)
         self.mu = param(np.stack([1.0 - ddd ** r1, 1.0 - ddd ** r1, 1.0 - (ddd ** r1 + 0.3 * r0),
                                   1.0 - ddd ** (0.5 * r1), 1.0 - ddd ** (0.5 * r1)]))  # (5, D): w k v r g
-        self.mix_a = nnx.Param(jnp.zeros((D, 5 * mix_lora_dim), jnp.float32))
-        self.mix_b = nnx.Param(jax.random.uniform(rngs.params(), (5, mix_lora_dim, D), jnp.float32, -0.01, 0.01))
+        self.mix_a = param(np.zeros((D, 5 * mix_lora_dim)), "embed", None)
+        self.mix_b = param(jax.random.uniform(rngs.params(), (5, mix_lora_dim, D), jnp.float32, -0.01, 0.01),
+                           None, None, "embed")
         self.decay_base = param(-6.0 + 5.0 * n ** (0.7 + 1.3 * r0))
-        self.decay_a = nnx.Param(jnp.zeros((D, decay_lora_dim), jnp.float32))
-        self.decay_b = nnx.Param(jax.random.uniform(rngs.params(), (decay_lora_dim, D), jnp.float32, -0.01, 0.01))
+        self.decay_a = param(np.zeros((D, decay_lora_dim)), "embed", None)
+        self.decay_b = param(jax.random.uniform(rngs.params(), (decay_lora_dim, D), jnp.float32, -0.01, 0.01),
+                             None, "embed")
         zigzag = ((np.arange(D) + 1) % 3 - 1) * 0.1
         self.bonus = param((r0 * (1.0 - n) + zigzag).reshape(H, head_dim))
-        self.w_r = nnx.Param(orthogonal(rngs.params(), (D, D)))
-        self.w_k = nnx.Param(orthogonal(rngs.params(), (D, D), 0.1))
-        self.w_v = nnx.Param(orthogonal(rngs.params(), (D, D)))
-        self.w_g = nnx.Param(orthogonal(rngs.params(), (D, D), 0.1))
-        self.w_o = nnx.Param(jnp.zeros((D, D), jnp.float32))
+        self.w_r = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
+        self.w_k = param(orthogonal(rngs.params(), (D, D), 0.1), *COLUMNS)
+        self.w_v = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
+        self.w_g = param(orthogonal(rngs.params(), (D, D), 0.1), *COLUMNS)
+        self.w_o = param(np.zeros((D, D)), *ROWS)
         self.ln_weight = param(np.full(D, ((1 + layer_id) / num_layers) ** 0.7))
         self.ln_bias = param(np.zeros(D))
 
@@ -186,9 +185,9 @@ class RWKV6ChannelMix(nnx.Module):
         ddd = np.arange(d_model) / d_model
         self.mu_k = param(1.0 - ddd ** r1)
         self.mu_r = param(1.0 - ddd ** r1)
-        self.w_k = nnx.Param(orthogonal(rngs.params(), (d_model, hidden_dim)))
-        self.w_r = nnx.Param(jnp.zeros((d_model, d_model), jnp.float32))
-        self.w_v = nnx.Param(jnp.zeros((hidden_dim, d_model), jnp.float32))
+        self.w_k = param(orthogonal(rngs.params(), (d_model, hidden_dim)), "embed", "mlp")
+        self.w_r = param(np.zeros((d_model, d_model)), "embed", None)
+        self.w_v = param(np.zeros((hidden_dim, d_model)), "mlp", "embed")
 
     def init_state(self, batch_size: int, max_len: int) -> RWKVChannelMixState:
         """max_len is ignored: the state has a fixed size."""

@@ -54,10 +54,18 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
+from kernels import check_impl, check_mode
 from kernels.wkv7 import wkv7
-from layers.rwkv6 import (RWKVChannelMixState, RWKVTimeMixState, check_mode, depth_ratios, head_group_norm,
-                          orthogonal, param, token_shift)
+from layers.rwkv6 import (
+    RWKVChannelMixState,
+    RWKVTimeMixState,
+    depth_ratios,
+    head_group_norm,
+    orthogonal,
+    param,
+    token_shift,
+)
+from layers.sharding import COLUMNS, ROWS
 
 
 def lora_rank(d_model: int, factor: float) -> int:
@@ -81,7 +89,7 @@ class RWKV7TimeMix(nnx.Module):
                  chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if head_dim < 1 or d_model % head_dim:
             raise ValueError(f"head_dim={head_dim} does not divide d_model={d_model}")
-        check_mode(mode, chunk_size)
+        check_mode(mode, chunk_size, "RWKV7TimeMix")
         check_impl(impl, "RWKV7TimeMix")
         r0, r1 = depth_ratios(layer_id, num_layers)
         ranks = {name: lora_rank(d_model, c) if rank is None else rank for name, rank, c in (
@@ -103,8 +111,8 @@ class RWKV7TimeMix(nnx.Module):
 
         def lora(rank, scale=0.1):  # (first, second): zeros, orthogonal * 0.1 (gain sqrt(rank/D) if rank > D)
             gain = math.sqrt(rank / D) if rank > D else 1.0
-            return (nnx.Param(jnp.zeros((D, rank), jnp.float32)),
-                    nnx.Param(orthogonal(rngs.params(), (rank, D), gain * scale)))
+            return (param(np.zeros((D, rank)), "embed", None),
+                    param(orthogonal(rngs.params(), (rank, D), gain * scale), None, "embed"))
 
         www = -6.0 + 6.0 * (i / max(D - 1, 1)) ** (1.0 + r0 ** 0.3)
         self.decay_base = param(www + 0.5 + 2.5 * zigzag)
@@ -118,10 +126,10 @@ class RWKV7TimeMix(nnx.Module):
         self.removal_scale = param(0.71 - 0.1 * linear)
         self.replace_rate = param(np.full(D, 1.02))
         self.bonus = param(np.full((H, head_dim), -0.04))
-        self.w_r = nnx.Param(orthogonal(rngs.params(), (D, D)))
-        self.w_k = nnx.Param(orthogonal(rngs.params(), (D, D), 0.1))
-        self.w_v = nnx.Param(orthogonal(rngs.params(), (D, D)))
-        self.w_o = nnx.Param(jnp.zeros((D, D), jnp.float32))
+        self.w_r = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
+        self.w_k = param(orthogonal(rngs.params(), (D, D), 0.1), *COLUMNS)
+        self.w_v = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
+        self.w_o = param(np.zeros((D, D)), *ROWS)
         self.ln_weight = param(np.full(D, ((1 + layer_id) / num_layers) ** 0.7))
         self.ln_bias = param(np.zeros(D))
 
@@ -185,8 +193,8 @@ class RWKV7ChannelMix(nnx.Module):
         _, r1 = depth_ratios(layer_id, num_layers)
         self.dtype = dtype
         self.mu_k = param(1.0 - (np.arange(d_model) / d_model) ** (r1 ** 4))
-        self.w_k = nnx.Param(orthogonal(rngs.params(), (d_model, hidden_dim)))
-        self.w_v = nnx.Param(jnp.zeros((hidden_dim, d_model), jnp.float32))
+        self.w_k = param(orthogonal(rngs.params(), (d_model, hidden_dim)), "embed", "mlp")
+        self.w_v = param(np.zeros((hidden_dim, d_model)), "mlp", "embed")
 
     def init_state(self, batch_size: int, max_len: int) -> RWKVChannelMixState:
         """max_len is ignored: the state has a fixed size."""

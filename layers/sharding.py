@@ -12,7 +12,16 @@ below says which mesh axes split it, as in MaxText and T5X:
     expert   -> expert               MoE experts
     None     -> (replicated)
 
-The mesh axes are `train.mesh` in the run config; the parameter rules are in zoo/sharding.py.
+Every layer writes a parameter's logical axes where it makes the parameter, as metadata on the
+`nnx.Param`: `nnx.Param(value, axes=("embed", "heads"))`, or `kernel_metadata=axes(*COLUMNS)` on an
+`nnx.Linear`. A parameter without `axes` is replicated, so a new layer trains on any mesh unedited
+(and shards once it names its axes). The key is `axes`, not flax's `out_sharding`: flax shards a
+variable with `out_sharding` eagerly when it is made, which needs a mesh in context and mesh-axis
+names, whereas these are logical names that `LOGICAL_TO_MESH` maps when the mesh is known
+(zoo/sharding.py). The scheme is Megatron's for `tensor` (projections into heads split by columns,
+out of heads by rows, so each block needs one all-reduce) and ZeRO-3's for `fsdp` (every weight
+sharded over the model width and gathered when used).
+
 `constrain` is the activation hint layers use; it is a no-op without a multi-device mesh in
 context (`jax.set_mesh`), so single-device code traces exactly as before.
 """
@@ -33,6 +42,12 @@ LOGICAL_TO_MESH = {
 # Split only where the mesh axis divides them, else kept whole: MQA's single key/value head is
 # copied to every tensor rank (as Megatron and vLLM do) rather than making tensor parallelism an error.
 WHOLE_WHEN_INDIVISIBLE = {"kv_heads"}
+COLUMNS, ROWS = ("embed", "heads"), ("heads", "embed")  # (D, H*K) into heads, (H*V, D) out of heads
+
+
+def axes(*names) -> dict:
+    """Variable metadata naming one logical axis (or None) per dimension: `kernel_metadata=axes(...)`."""
+    return {"axes": names}
 
 
 def constrain(x: jax.Array, axes: tuple) -> jax.Array:
