@@ -1,5 +1,5 @@
 # make train: set up .venv, pretrain the default config on Shakespeare, print generated text.
-# make test:  set up .venv, run the whole test suite.
+# make test:  set up .venv, lint (ruff), run the whole test suite.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,6 +19,7 @@ train: $(STAMP)
 	$(PY) -m infer runs/transformer --prompt "ROMEO:" --max-new-tokens 300 --top-k 40
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 --dist loadfile tests
 
 clean:

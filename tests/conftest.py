@@ -1,6 +1,15 @@
 import os
 import tempfile
 
+import jaxtyping
+
+# Every function and dataclass of the packages is checked against its annotations at run time:
+# jaxtyping's import hook with beartype (as equinox's suite does), installed before any of them is
+# imported. An int passes for a float, as PEP 484 says. (Not through pytest's --jaxtyping-packages:
+# jaxtyping 0.3's option parser splits a typechecker with arguments at its commas.)
+jaxtyping.install_import_hook(["kernels", "layers", "zoo", "infer", "train"],
+                              "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
+
 # Keep the tokenised-corpus cache of the test run away from the user's.
 os.environ.setdefault("ZOO_CACHE", os.path.join(tempfile.gettempdir(), "zoo-test-cache"))
 # Compiling dominates the suite's time (tiny shapes): XLA's cheapest CPU optimisation level makes

@@ -1,5 +1,7 @@
 """Shared test helpers."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,3 +82,16 @@ def packed_equals_alone(model, doc_lengths, key=0, tol=1e-4):
     alone = forward(model, docs)
     alone = jnp.concatenate([alone[i, :n] for i, n in enumerate(doc_lengths)])[None]
     assert_close(packed, alone, tol, "packed vs alone")
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Without the suite's run-time annotation checks (tests/conftest.py), as users run: for tests
+    of the library's own error messages on inputs the annotations already reject."""
+    import jaxtyping
+
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)

@@ -30,3 +30,17 @@ def test_cache_overflow_is_an_error():
 def test_bad_heads():
     with pytest.raises(ValueError, match="num_kv_heads=3"):
         Attention(32, num_heads=4, num_kv_heads=3, rngs=nnx.Rngs(0))
+
+
+def test_past_the_trained_context_a_window_of_the_trained_length_or_every_token():
+    """long_context="window": each query sees the last max_seq_len tokens, exactly a sliding window of
+    that length (and full attention within it); "full": every earlier token."""
+    x = randn(3, (1, 20, 32))
+    make = lambda **kw: Attention(32, num_heads=4, rngs=nnx.Rngs(0), **kw)
+    window, full = make(max_seq_len=8), make(max_seq_len=8, long_context="full")
+    assert window.window == 8 and full.window is None and make(max_seq_len=8, window=4).window == 4
+    assert_close(window(x), make(window=8)(x), 1e-6, "window vs a sliding window of 8")
+    assert_close(window(x)[:, :8], full(x)[:, :8], 1e-6, "within the trained context")
+    assert float(jnp.abs(window(x)[:, 8:] - full(x)[:, 8:]).max()) > 1e-3
+    with pytest.raises(ValueError, match="long_context='none'"):
+        make(long_context="none")

@@ -1,22 +1,22 @@
-"""GatedLinearAttention layer against the mixer protocol (modes agree, prefill + decode equals the full
-pass, packed equals alone, fixed-size state, gradients reach every parameter; see
-test_linear_attention.check_protocol), with and without the short convolution and the output gate."""
+"""GatedLinearAttention: what is specific to it (the protocol runs in test_conformance.py, with the
+short convolution and the output gate): the variant without either, and constructor errors."""
 
 import jax
 import pytest
 from flax import nnx
 
+from kernels import MODES
 from layers.gla import GatedLinearAttention
-from tests.layers.test_linear_attention import B, D, check_protocol
+from tests.layers.conformance import B, check_mixer
+
+D = 16
 
 
-@pytest.mark.parametrize("conv_size,use_output_gate", [(0, True), (4, False)])
-def test_protocol(conv_size, use_output_gate):
-    make = lambda **kw: GatedLinearAttention(D, num_heads=2, conv_size=conv_size, use_output_gate=use_output_gate,
-                                             chunk_size=8, rngs=nnx.Rngs(0), **kw)
-    check_protocol(make)
-    state = jax.eval_shape(lambda: make().init_state(B, 128))
-    assert (state.conv_q is None) == (conv_size == 0)
+def test_without_convolution_and_output_gate():
+    make = lambda **kw: GatedLinearAttention(D, num_heads=2, conv_size=0, use_output_gate=False, chunk_size=8,
+                                             rngs=nnx.Rngs(0), **kw)
+    check_mixer(make, D, MODES)
+    assert jax.eval_shape(lambda: make().init_state(B, 128)).conv_q is None
 
 
 def test_constructor_errors():

@@ -184,6 +184,7 @@ def test_jitter_only_in_training_and_eval_toggles_submodules():
     assert float(jnp.abs(y1 - y2).max()) > 1e-3  # fresh noise on each training call
     outer.eval()
     assert outer[0].deterministic
+    plain.eval()
     assert jnp.array_equal(outer[0](x), plain(x))  # eval: no noise, same function as without jitter
     outer.train()
     assert not outer[0].deterministic
@@ -201,6 +202,20 @@ def test_decoding_step_never_drops():
     assert sown[0]["dropped_fraction"] == 0
     assert_close(ys[0], ys[1], 1e-6, "T=1 is dropless")
     assert_close(ys[2], ys[3], 1e-6, "expert choice at T=1")
+
+
+def test_outside_training_each_token_is_routed_alone():
+    """Eval: capacity dispatch and expert choice become dropless token choice, so a row's outputs do
+    not depend on the other rows nor on later tokens (in training, capacity drops decide otherwise)."""
+    for kw in (dict(capacity_factor=0.05), dict(router="expert_choice", capacity_factor=0.5)):
+        m = moe(**kw)
+        training = nnx.jit(lambda m, x: m(x))
+        assert not jnp.allclose(training(m, X)[1:], training(m, X[1:]), atol=1e-4), kw  # drops differ
+        nnx.pop(m, nnx.Intermediate)
+        m.eval()
+        y = nnx.jit(lambda m, x: m(x))(m, X)
+        assert_close(nnx.jit(lambda m, x: m(x))(m, X[1:]), y[1:], 1e-5, f"{kw}: one row alone")
+        assert_close(nnx.jit(lambda m, x: m(x))(m, X[:, :3]), y[:, :3], 1e-5, f"{kw}: causal")
 
 
 def test_expert_choice_each_expert_takes_its_top_tokens():

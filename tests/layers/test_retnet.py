@@ -1,21 +1,19 @@
-"""MultiScaleRetention layer against the mixer protocol (modes agree, prefill + decode equals the full
-pass, packed equals alone, fixed-size state, gradients reach every parameter; see
-test_linear_attention.check_protocol), plus its fixed decays and constructor errors."""
+"""MultiScaleRetention: what is specific to it (the protocol runs in test_conformance.py): the paper's
+widths and fixed decays, and constructor errors."""
 
 import numpy as np
 import pytest
 from flax import nnx
 
 from layers.retnet import MultiScaleRetention
-from tests.layers.test_linear_attention import D, check_protocol
+
+D = 16
 
 
-def test_protocol():
-    make = lambda **kw: MultiScaleRetention(D, num_heads=2, chunk_size=8, rngs=nnx.Rngs(0), **kw)
-    layer = make()
+def test_widths_and_decays_are_the_papers():
+    layer = MultiScaleRetention(D, num_heads=2, rngs=nnx.Rngs(0))
     assert (layer.key_dim, layer.value_dim) == (D, 2 * D)  # the paper's allocation: V is twice as wide
     np.testing.assert_allclose(layer.gamma, [1 - 1 / 32, 1 - 1 / 64])
-    check_protocol(make)
 
 
 def test_constructor_errors():

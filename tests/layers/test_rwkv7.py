@@ -1,126 +1,23 @@
-"""RWKV-7 time mix (as a 2-layer stack, so that v_first flows) and channel mix: modes agree, prefill +
-step decoding equals the full pass, packed documents equal documents alone (token shift included),
-constant state size, gradients everywhere."""
+"""RWKV-7: what is specific to it (the protocol, with layer 1's value residual, runs in
+test_conformance.py): layer 0 has no value-residual parameters and a later layer needs v_first; the
+channel mix's width; constructor errors."""
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
 from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix
-from tests.util import assert_close
+from tests.layers.conformance import randn
 
-D, HEAD, B, T, PREFIX = 32, 16, 2, 12, 7
-
-
-def randn(seed, shape, scale=1.0):
-    """numpy, not jax.random (eager jax ops compile one kernel per shape: slow for tests)."""
-    return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+D, HEAD = 32, 16
 
 
-def perturbed(module, seed=0):
-    """The module with noise on every parameter: the official init zeroes W_o and the first LoRA
-    matrices, which would make the outputs, and most gradients, vanish and the tests vacuous."""
-    params = nnx.state(module, nnx.Param)
-    leaves, tree = jax.tree.flatten(params)
-    noisy = [jnp.asarray(np.asarray(x) + randn(seed + i, x.shape, 0.2)) for i, x in enumerate(leaves)]
-    nnx.update(module, jax.tree.unflatten(tree, noisy))
-    return module
-
-
-class Functions:
-    """jitted pure functions of one module: call(params, x, seg) and decode(params, x, state)."""
-
-    def __init__(self, module):
-        graph, self.params = nnx.split(module)
-        self.module = module
-        self.call = jax.jit(lambda p, x, seg: nnx.merge(graph, p)(x, segment_ids=seg))
-        self.decode = jax.jit(lambda p, x, st: nnx.merge(graph, p).decode(x, st))
-        loss = lambda p, x, seg, c: jnp.sum(nnx.merge(graph, p)(x, segment_ids=seg) * c)
-        self.grad = jax.jit(jax.grad(loss))
-
-
-def check_layer(make, modes=()):
-    """The layer conventions, for a factory make(mode) of identically initialised modules."""
-    fns = Functions(perturbed(make(modes[0] if modes else None)))
-    x = randn(1, (B, T, D))
-    one_doc = np.zeros((B, T), np.int32)
-    y = np.asarray(fns.call(fns.params, x, one_doc))
-    assert y.shape == (B, T, D) and np.isfinite(y).all() and np.abs(y).max() > 1e-3
-
-    for mode in modes[1:]:  # every mode computes the same function
-        other = Functions(perturbed(make(mode)))
-        assert_close(other.call(other.params, x, one_doc), y, 1e-4, f"mode {mode}")
-
-    # prefill of PREFIX tokens, then one token at a time, equals the full pass
-    state = fns.module.init_state(B, 64)
-    y_pre, state = fns.decode(fns.params, x[:, :PREFIX], state)
-    outs = [y_pre]
-    for t in range(PREFIX, T):
-        y_t, state = fns.decode(fns.params, x[:, t:t + 1], state)
-        outs.append(y_t)
-    assert np.abs(np.concatenate(outs, axis=1) - y).max() <= 1e-4
-
-    # a packed row (two documents of T/2) equals the documents run alone, token shift included
-    packed = np.array([[0] * (T // 2) + [1] * (T // 2), [3] * T], np.int32)
-    y_packed = np.asarray(fns.call(fns.params, x, packed))
-    y_alone = np.asarray(fns.call(fns.params, x[0].reshape(2, T // 2, D), np.zeros((2, T // 2), np.int32)))
-    assert_close(y_packed[0], y_alone.reshape(T, D), 1e-5, "packed row")
-    assert_close(y_packed[1], y[1], 1e-5, "unpacked row")
-    assert not np.allclose(y_packed[0], y[0], atol=1e-3)  # the reset is real
-
-    # the decoding state does not grow with max_len
-    size = lambda n: sum(a.nbytes for a in jax.tree.leaves(fns.module.init_state(B, n)))
-    assert size(128) == size(16384)
-
-    # gradients are finite and reach every parameter
-    grads = fns.grad(fns.params, x, packed, randn(2, (B, T, D)))
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        g = np.asarray(g)
-        assert np.isfinite(g).all(), jax.tree_util.keystr(path)
-        assert np.abs(g).max() > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
-
-
-class TwoLayers(nnx.Module):
-    """Layer 0 hands its v to layer 1 (the value residual), with residual lines as in a block."""
-
-    def __init__(self, mode, dtype=jnp.float32):
-        kw = dict(head_dim=HEAD, num_layers=2, mode=mode, chunk_size=8, dtype=dtype, rngs=nnx.Rngs(0))
-        self.first, self.second = RWKV7TimeMix(D, layer_id=0, **kw), RWKV7TimeMix(D, layer_id=1, **kw)
-
-    def init_state(self, batch_size, max_len):
-        return self.first.init_state(batch_size, max_len), self.second.init_state(batch_size, max_len)
-
-    def __call__(self, x, *, segment_ids=None):
-        y, v_first = self.first(x, segment_ids=segment_ids)
-        h = x + y
-        return h + self.second(h, segment_ids=segment_ids, v_first=v_first)[0]
-
-    def decode(self, x, state, *, segment_ids=None):
-        y, s0, v_first = self.first.decode(x, state[0], segment_ids=segment_ids)
-        h = x + y
-        y, s1, v_passed = self.second.decode(h, state[1], segment_ids=segment_ids, v_first=v_first)
-        assert v_passed is v_first
-        return h + y, (s0, s1)
-
-
-def test_time_mix_stack():
+def test_value_residual_and_constructor_errors():
+    first, second = (RWKV7TimeMix(D, head_dim=HEAD, layer_id=i, num_layers=2, rngs=nnx.Rngs(0)) for i in (0, 1))
     assert RWKV7TimeMix.carries_v_first
-    check_layer(TwoLayers, modes=("chunk", "recurrent", "parallel"))
-
-
-def test_channel_mix():
-    check_layer(lambda _: RWKV7ChannelMix(D, layer_id=1, num_layers=3, rngs=nnx.Rngs(0)))
-
-
-def test_bfloat16_and_constructor_errors():
-    stack = perturbed(TwoLayers("chunk", jnp.bfloat16))
-    y = Functions(stack).call(nnx.state(stack), jnp.asarray(randn(1, (1, 5, D)), jnp.bfloat16), None)
-    assert y.dtype == jnp.bfloat16 and np.isfinite(np.asarray(y, np.float32)).all()
-    assert not hasattr(stack.first, "vres_a") and hasattr(stack.second, "vres_a")
+    assert not hasattr(first, "vres_a") and hasattr(second, "vres_a")
     with pytest.raises(ValueError, match="v_first"):
-        stack.second(randn(1, (1, 5, D)))
+        second(jnp.asarray(randn(1, (1, 5, D))))
     assert RWKV7ChannelMix(D, rngs=nnx.Rngs(0)).w_k.shape == (D, 4 * D)
     for bad in (dict(head_dim=12), dict(mode="fused"), dict(layer_id=3, num_layers=3), dict(gate_lora_dim=0)):
         with pytest.raises(ValueError):

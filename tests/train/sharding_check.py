@@ -3,7 +3,8 @@ two parts the test starts side by side (compiles dominate; each part shares one 
 prints one JSON object:
 
   losses[arch][mesh]   10 training losses; mesh "one" is one device (a 1-device mesh); (a) the
-                       Transformer, (b) GLA, Mamba and MoE
+                       Transformer, (b) GLA, Mamba, MoE and a new kind that names no sharding axes
+                       (tests/zoo/toy_kind.py: registered here, with no other edit)
   resume[where]        (a) losses of steps 6-10 after restoring the step-5 checkpoint written on
                        fsdp=4 data=2, on tensor=2 data=4 and on one device, and whether the run
                        did resume (kept the written lines of steps 1-5)
@@ -22,6 +23,7 @@ from pathlib import Path
 import jax
 
 from infer import generate
+from tests.zoo import toy_kind
 from train import optim
 from train.data import Batches, load_streams
 from train.loop import batch_placer, init_state, make_train_step, run
@@ -30,7 +32,8 @@ from zoo.config import MeshConfig, from_dict
 from zoo.sharding import as_numpy, bytes_per_device, make_mesh
 
 MIXERS = {"transformer": {"kind": "attention", "num_heads": 4}, "gla": {"kind": "gla", "num_heads": 4},
-          "mamba": {"kind": "mamba", "state_size": 4}, "moe": {"kind": "attention", "num_heads": 4}}
+          "mamba": {"kind": "mamba", "state_size": 4}, "moe": {"kind": "attention", "num_heads": 4},
+          "toy": {"kind": "shift"}}
 MESHES = {"data=8": MeshConfig(data=8), "fsdp=4 data=2": MeshConfig(fsdp=4, data=2),
           "tensor=2 fsdp=2 data=2": MeshConfig(tensor=2, fsdp=2, data=2),
           "expert=4 data=2": MeshConfig(expert=4, data=2)}
@@ -115,12 +118,15 @@ def part_a(root: Path, one, streams) -> dict:
 
 
 def part_b(root: Path, one, streams) -> dict:
-    """GLA and Mamba losses on the three meshes, MoE's on expert=4 data=2."""
+    """GLA and Mamba losses on the three meshes, MoE's on expert=4 data=2, the new kind's on one."""
     out = {"losses": {}}
-    for arch, meshes in (("gla", THREE), ("mamba", THREE), ("moe", ["expert=4 data=2"])):
-        out["losses"][arch] = {"one": train_losses(config(arch, MeshConfig()), one, streams)}
-        for name in meshes:
-            out["losses"][arch][name] = train_losses(config(arch, MESHES[name]), make_mesh(MESHES[name]), streams)
+    with toy_kind.registered():
+        for arch, meshes in (("gla", THREE), ("mamba", THREE), ("moe", ["expert=4 data=2"]),
+                             ("toy", ["tensor=2 fsdp=2 data=2"])):
+            out["losses"][arch] = {"one": train_losses(config(arch, MeshConfig()), one, streams)}
+            for name in meshes:
+                out["losses"][arch][name] = train_losses(config(arch, MESHES[name]), make_mesh(MESHES[name]),
+                                                         streams)
     return out
 
 

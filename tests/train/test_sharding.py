@@ -73,7 +73,7 @@ def _rel(a, b):
     ("transformer", ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]),
     ("gla", ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]),
     ("mamba", ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]),
-    ("moe", ["expert=4 data=2"])])
+    ("moe", ["expert=4 data=2"]), ("toy", ["tensor=2 fsdp=2 data=2"])])
 def test_meshes_train_like_one_device(results, arch, meshes):
     losses = results["losses"][arch]
     one = losses["one"]

@@ -9,11 +9,10 @@ the single-token steps run the kernels too, except for mamba and mamba2, which s
 step functions. RWKV-6 and RWKV-7 (whose official init zeroes W_o) run on perturbed weights.
 """
 
-import importlib
-
 import jax
 import pytest
 
+from tests.layers.conformance import perturbed
 from tests.util import assert_close, decode_in_pieces, forward, tiny_config, tiny_model
 
 TINY = {
@@ -49,7 +48,7 @@ def _kernels(fn, *args) -> str | None:
 def _model(kind, impl):
     model = tiny_model({**TINY[kind], "impl": impl}, num_layers=1)
     if kind.startswith("rwkv"):
-        model = importlib.import_module(f"tests.layers.test_{kind}").perturbed(model)
+        model = perturbed(model)
     return model
 
 

@@ -1,9 +1,13 @@
+"""LanguageModel itself: causality, prompts of different lengths in one batch, an untied head and
+bfloat16 compute. Decoding and packing of every shipped config: test_kinds.py; every mixer's own
+protocol: tests/layers/test_conformance.py."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.util import assert_close, decode_in_pieces, forward, packed_equals_alone, tiny_model
+from tests.util import assert_close, decode_in_pieces, forward, tiny_model
 
 ATTENTION_VARIANTS = {
     "mha": {"kind": "attention", "num_heads": 4},
@@ -20,15 +24,6 @@ def test_causality():
     a, b = forward(model, tokens), forward(model, changed)
     np.testing.assert_array_equal(np.asarray(a[:, :9]), np.asarray(b[:, :9]))
     assert not np.allclose(a[:, 9:], b[:, 9:])
-
-
-@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
-def test_prefill_then_token_by_token_equals_full_pass(variant):
-    model = tiny_model(ATTENTION_VARIANTS[variant])
-    tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, 256)
-    full = forward(model, tokens)
-    pieces, _ = decode_in_pieces(model, tokens, cuts=[6, 7, 8, 9, 10, 11, 12], max_len=20)
-    assert float(jnp.abs(pieces - full).max()) <= 1e-4
 
 
 @pytest.mark.parametrize("variant", ["mha", "window"])
@@ -52,11 +47,6 @@ def test_prompts_of_different_lengths_in_one_batch(variant):
         assert float(jnp.abs(batch[i, T - len(p):] - alone[i, :len(p) + 4]).max()) <= 1e-4
 
 
-@pytest.mark.parametrize("variant", ["gqa", "window"])
-def test_packed_batch_equals_documents_alone(variant):
-    packed_equals_alone(tiny_model(ATTENTION_VARIANTS[variant]), [5, 1, 7, 3])
-
-
 def test_untied_head_and_bfloat16_compute():
     untied = tiny_model(tie_embeddings=False)
     assert untied.head is not None
@@ -65,14 +55,3 @@ def test_untied_head_and_bfloat16_compute():
     logits = forward(bf16, tokens)
     assert logits.dtype == jnp.float32 and bf16.embed.embedding[...].dtype == jnp.float32
     assert_close(logits, forward(tiny_model(), tokens), 5e-2, "bf16 vs f32")
-
-
-@pytest.mark.parametrize("ffn", [{"kind": "moe", "num_experts": 4, "top_k": 2, "dispatch": "dropless"},
-                                 {"kind": "moe", "num_experts": 4, "top_k": 2, "capacity_factor": 4.0,
-                                  "num_shared_experts": 1, "balance": "bias"}])
-def test_moe_model_prefill_then_decode_equals_full_pass(ffn):
-    model = tiny_model(ATTENTION_VARIANTS["gqa"], ffn=ffn)
-    model.eval()
-    tokens = jax.random.randint(jax.random.key(3), (2, 11), 0, 256)
-    pieces, _ = decode_in_pieces(model, tokens, cuts=[6, 7, 8, 9, 10])
-    assert float(jnp.abs(pieces - forward(model, tokens)).max()) <= 1e-4

@@ -1,6 +1,6 @@
-"""The sharding rules cover every parameter of every kind and config; mistakes are errors that name
-what does not fit. Shapes only (nnx.eval_shape), on this process's one device; the multi-device
-runs are in tests/train/test_sharding.py."""
+"""Every parameter of every kind and config names its logical axes where it is made (an unnamed one
+is replicated); mistakes are errors that name what does not fit. Shapes only (nnx.eval_shape), on
+this process's one device; the multi-device runs are in tests/train/test_sharding.py."""
 
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from layers.sharding import MESH_AXES
 from zoo.config import MeshConfig, from_dict, load_config
 from zoo.model import LanguageModel
 from zoo.registry import FFNS, MIXERS
-from zoo.sharding import RULES, logical_axes, make_mesh, partition_spec
+from zoo.sharding import logical_axes, make_mesh, partition_spec
 
 CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
 # Options that add parameters beyond a kind's defaults.
@@ -33,22 +33,24 @@ def mesh(**sizes) -> AbstractMesh:
 
 
 def check_covered(model: nnx.Module):
+    """Every matrix (rank >= 2) of a shipped layer says how it shards, replicated included: only
+    vectors may go unnamed. The names have the parameter's rank and fit a mesh."""
     axes = logical_axes(model)
     params = nnx.to_flat_state(nnx.state(model, nnx.Param))
     assert len(axes) == len(params)
     for path, param in params:
-        assert len(axes[path]) == len(param.shape), path
+        assert len(param.shape) < 2 or "axes" in param.get_metadata(), f"{path}: no axes named"
         partition_spec("/".join(map(str, path)), param.shape, axes[path], mesh(fsdp=2))
 
 
 @pytest.mark.parametrize("kind", sorted(MIXERS))
-def test_every_mixer_kind_has_rules_for_all_its_parameters(kind):
+def test_every_mixer_kind_names_the_axes_of_its_parameters(kind):
     for options in [{}, *EXTRA.get(kind, [])]:
         check_covered(abstract_model({"kind": kind, **options}, {"kind": "mlp"}))
 
 
 @pytest.mark.parametrize("kind", sorted(FFNS))
-def test_every_ffn_kind_has_rules_for_all_its_parameters(kind):
+def test_every_ffn_kind_names_the_axes_of_its_parameters(kind):
     options = [{}, {"num_shared_experts": 1}] if kind == "moe" else [{}]
     for o in options:
         check_covered(abstract_model({"kind": "rwkv7"}, {"kind": kind, **o}, tie_embeddings=False,
@@ -74,19 +76,22 @@ def test_rules_split_heads_and_width_as_documented():
     assert spec["blocks/0/ffn/w_up"] == PartitionSpec("expert", "fsdp", "tensor")
     assert spec["embed/embedding"] == PartitionSpec("tensor", "fsdp")
     assert spec["norm/weight"] == PartitionSpec(None)
-    # A parent's rule wins: Mamba-2 keeps its fused convolution whole, Mamba splits its channels.
+    # Mamba-2 keeps its fused convolution whole, Mamba splits its channels.
     path = ("blocks", 0, "mixer", "conv", "weight")
     conv = {kind: logical_axes(abstract_model({"kind": kind}, {"kind": "mlp"}))[path] for kind in ("mamba", "mamba2")}
     assert conv == {"mamba2": (None, None), "mamba": (None, "heads")}
 
 
-def test_a_parameter_without_a_rule_is_an_error_naming_it():
+def test_an_unnamed_parameter_is_replicated_and_a_wrong_name_is_an_error_naming_it():
     model = abstract_model({"kind": "gla"}, {"kind": "mlp"})
     model.blocks[1].mixer.extra = nnx.Param(jnp.zeros((3, 4)))
-    with pytest.raises(ValueError, match=r"blocks/1/mixer/extra \(shape \(3, 4\), in .*GatedLinearAttention\) "
-                                         r"has no sharding rule"):
+    assert logical_axes(model)[("blocks", 1, "mixer", "extra")] == (None, None)
+    model.blocks[1].mixer.extra = nnx.Param(jnp.zeros((3, 4)), axes=("embed",))
+    with pytest.raises(ValueError, match=r"blocks/1/mixer/extra: its axes \('embed',\) name 1 dimensions"):
         logical_axes(model)
-    assert all(isinstance(k, type) for k in RULES)
+    model.blocks[1].mixer.extra = nnx.Param(jnp.zeros((3, 4)), axes=("embed", "hedas"))
+    with pytest.raises(ValueError, match=r"blocks/1/mixer/extra: unknown logical axes \['hedas'\]"):
+        logical_axes(model)
 
 
 def test_fewer_kv_heads_than_tensor_ranks_are_copied_not_an_error():

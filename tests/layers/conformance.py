@@ -1,0 +1,169 @@
+"""The mixer protocol, checked on any layer (layers/__init__.py; the one suite every kind runs through,
+tests/layers/test_conformance.py, and a kind's own variants in its test file):
+
+- every mode computes the function of impl="reference" (the token-by-token truth), outputs and the
+  gradients w.r.t. the input and every parameter;
+- prefill (with a document start inside it) + token-by-token decode equals the full pass;
+- a packed row equals its documents run alone;
+- gradients are finite and reach every parameter;
+- the decode state has fixed shapes: it does not grow with max_len (unless the layer says
+  `grows_with_context`, a KV cache), and a jitted decode step traces once for many steps;
+- bfloat16 compute keeps float32 parameters and returns bfloat16 activations;
+- shape annotations are checked (the suite runs under jaxtyping's import hook): a wrong input shape
+  fails at the layer's edge.
+
+A layer keeps `impl` (and, where it has modes, `mode`) as attributes read at call time, so one set of
+parameters runs in every mode. A layer with `carries_v_first` (RWKV-7 after layer 0) gets a v_first
+input treated like x. All outputs come from one jitted function: compiles dominate the suite.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.util import assert_close, assert_tree_close
+
+B, T, P, CUT = 2, 20, 12, 5  # batch, length, prefill length, document start inside row 0's prefill
+SEG = jnp.zeros((B, T), jnp.int32).at[0, CUT:].set(1)
+
+
+def randn(seed, shape, scale=1.0):
+    """numpy, not jax.random: eager jax ops compile one kernel per shape, slow in a test."""
+    return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def perturbed(module, seed=0, scale=0.2):
+    """The module with noise on every parameter that starts at exactly zero (RWKV's W_o and first
+    LoRA matrices, biases): zeros there would make outputs or gradients vanish and the checks vacuous."""
+    params = nnx.state(module, nnx.Param)
+    leaves, tree = jax.tree.flatten(params)
+    leaves = [jnp.asarray(x + randn(seed + i, x.shape, scale)) if not np.any(np.asarray(x)) else x
+              for i, x in enumerate(leaves)]
+    nnx.update(module, jax.tree.unflatten(tree, leaves))
+    return module
+
+
+def _call(m, x, seg, vf):
+    if getattr(m, "carries_v_first", False):
+        return m(x, segment_ids=seg, v_first=vf)[0]
+    return m(x, segment_ids=seg)
+
+
+def _decode(m, x, state, seg, vf):
+    if getattr(m, "carries_v_first", False):
+        y, state, _ = m.decode(x, state, segment_ids=seg, v_first=vf)
+        return y, state
+    return m.decode(x, state, segment_ids=seg)
+
+
+def _alone(a):
+    """Row 0's two documents as two rows; the first padded at the end with other values (causality
+    keeps trailing padding out of earlier outputs)."""
+    a = np.asarray(a)
+    return np.stack([np.concatenate([a[0, :CUT], a[1, :T - 2 * CUT]]), a[0, CUT:]])
+
+
+def protocol_outputs(layer, modes, x, vf):
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    weight = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
+    alone = [None if a is None else jnp.asarray(_alone(a)) for a in (x, vf)]
+
+    @jax.jit
+    def run(params, rest, x, vf, alone):
+        def model(params=params, **attrs):
+            m = nnx.merge(graphdef, params, rest)
+            for k, v in attrs.items():
+                setattr(m, k, v)
+            return m
+
+        def loss(params, x, **attrs):
+            return jnp.sum(_call(model(params, **attrs), x, SEG, vf) * weight)
+
+        out, grads = {}, {}
+        for name, attrs in [("reference", {"impl": "reference"})] + [(md, {"mode": md}) for md in modes]:
+            out[name] = _call(model(**attrs), x, SEG, vf)
+            grads[name] = jax.grad(functools.partial(loss, **attrs), argnums=(0, 1))(params, x)
+        m = model()
+        y_prefill, state = _decode(m, x[:, :P], m.init_state(B, 64), SEG[:, :P], None if vf is None else vf[:, :P])
+
+        def step(state, inputs):
+            x_t, vf_t = inputs
+            y_t, state = _decode(m, x_t[:, None], state, None, None if vf_t is None else vf_t[:, None])
+            return state, y_t[:, 0]
+
+        tail = lambda a: None if a is None else jnp.swapaxes(a[:, P:], 0, 1)
+        _, y_steps = jax.lax.scan(step, state, (tail(x), tail(vf)))
+        out["decode"] = jnp.concatenate([y_prefill, jnp.swapaxes(y_steps, 0, 1)], axis=1)
+        out["alone"] = _call(m, alone[0], None, alone[1])
+        out["unpacked"] = _call(m, x, None, vf)
+        return out, grads
+
+    return run(params, rest, x, vf, alone)
+
+
+def check_mixer(make, D, modes=(), *, tol=1e-4, grad_tol=1e-4):
+    """`make(**kwargs)` builds the layer under test, of width D (kwargs empty, or dtype); `modes` are
+    the modes to compare with impl="reference"."""
+    layer = perturbed(make())
+    x = jnp.asarray(randn(0, (B, T, D)))
+    vf = jnp.asarray(randn(1, (B, T, D))) if getattr(layer, "carries_v_first", False) else None
+    out, grads = protocol_outputs(layer, modes, x, vf)
+    ref = out["reference"]
+    assert np.abs(np.asarray(ref)).max() > 1e-3, "the output is ~0: a vacuous check"
+    for mode in modes:
+        assert_close(out[mode], ref, tol, f"mode={mode} vs reference")
+        assert_tree_close(grads[mode], grads["reference"], grad_tol, f"gradient, mode={mode} vs reference")
+    decode_err = np.abs(np.asarray(out["decode"]) - np.asarray(ref)).max()
+    assert decode_err <= tol, f"prefill + token-by-token decode vs full pass: max abs diff {decode_err:.3g}"
+    assert_close(ref[0, :CUT], out["alone"][0, :CUT], tol, "packed: document 1 alone")
+    assert_close(ref[0, CUT:], out["alone"][1], tol, "packed: document 2 alone")
+    assert not np.allclose(ref[0, CUT:], out["unpacked"][0, CUT:], atol=1e-3), "the document reset is not real"
+    for path, g in jax.tree_util.tree_leaves_with_path(grads["reference"][0]):
+        g = np.asarray(g)
+        assert np.isfinite(g).all() and np.abs(g).max() > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
+    check_state(layer, D)
+    check_bfloat16(make, D)
+    check_annotations(layer, D)
+
+
+def check_state(layer, D):
+    nbytes = lambda s: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(s))
+    small, large = (jax.eval_shape(lambda n=n: layer.init_state(B, n)) for n in (128, 16384))
+    if not getattr(layer, "grows_with_context", False):
+        assert nbytes(small) == nbytes(large), "the state grows with max_len"
+    graphdef, params = nnx.split(layer)
+    traces = []
+
+    @jax.jit
+    def step(params, x, state):
+        traces.append(1)
+        return _decode(nnx.merge(graphdef, params), x, state, None, x if getattr(layer, "carries_v_first", False)
+                       else None)
+
+    state = layer.init_state(B, 8)
+    for t in range(3):  # a state of fixed shapes: one trace for every step
+        _, state = step(params, jnp.asarray(randn(t, (B, 1, D))), state)
+    assert len(traces) == 1, f"the decode step traced {len(traces)} times for 3 steps"
+
+
+def check_bfloat16(make, D):
+    low = make(dtype=jnp.bfloat16)
+    assert {p.dtype for p in jax.tree.leaves(nnx.state(low, nnx.Param))} == {jnp.dtype(jnp.float32)}
+    x = jax.ShapeDtypeStruct((B, T, D), jnp.bfloat16)
+    vf = x if getattr(low, "carries_v_first", False) else None
+    assert jax.eval_shape(lambda x, vf: _call(low, x, SEG, vf), x, vf).dtype == jnp.bfloat16
+    y, _ = jax.eval_shape(lambda x, vf: _decode(low, x, low.init_state(B, 64), SEG, vf), x, vf)
+    assert y.dtype == jnp.bfloat16
+
+
+def check_annotations(layer, D):
+    """The annotations are live: an input of the wrong width or rank fails at the layer's edge."""
+    import jaxtyping
+
+    for shape in ((B, T), (B, T, D, 1)):
+        with pytest.raises(jaxtyping.TypeCheckError):
+            jax.eval_shape(lambda x: _call(layer, x, None, None), jax.ShapeDtypeStruct(shape, jnp.float32))

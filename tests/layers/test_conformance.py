@@ -1,0 +1,54 @@
+"""Every registered mixer kind (and every FFN kind with a decode state) through the mixer protocol of
+tests/layers/conformance.py, built from its config as the model builds it (zoo.registry.make_layer).
+
+A kind registered later runs here with no edit: at its config's defaults, on width WIDTH, with
+chunk_size 8 when it has one (T = 20 leaves ragged chunks). TINY only shrinks the shipped kinds for
+speed. RWKV-7 runs as its second layer, so its value residual (v_first) is exercised.
+"""
+
+import typing
+
+import pytest
+from flax import nnx
+
+from tests.layers.conformance import check_mixer
+from zoo.registry import FFNS, LAYER_OF, MIXERS, make_layer
+
+WIDTH = 64  # a kind's defaults at this width must build
+TINY = {  # (d_model, config) of the shipped kinds, small and with every optional part on
+    "attention": (32, {"num_heads": 4, "num_kv_heads": 2, "window": 7}),
+    "linear_attention": (32, {"num_heads": 2, "feature_map": "elu"}),
+    "retnet": (32, {"num_heads": 2}),
+    "gla": (32, {"num_heads": 2, "conv_size": 4}),
+    "mamba": (16, {"state_size": 4}),
+    "mamba2": (32, {"state_size": 8, "head_dim": 16, "num_groups": 2}),
+    "rwkv6": (32, {"head_dim": 16, "mix_lora_dim": 4, "decay_lora_dim": 4}),
+    "rwkv7": (32, {"head_dim": 16, "decay_lora_dim": 4, "icl_lora_dim": 4, "value_lora_dim": 4,
+                   "gate_lora_dim": 4}),
+    "deltanet": (16, {"num_heads": 2}),
+    "gated_deltanet": (16, {"num_heads": 2, "head_dim": 4}),
+    "rwkv6_channel_mix": (32, {"hidden_dim": 64}),
+    "rwkv7_channel_mix": (32, {"hidden_dim": 64}),
+}
+STATEFUL_FFNS = [k for k, c in FFNS.items() if hasattr(LAYER_OF[c], "init_state")]
+
+
+def modes(config_cls) -> tuple:
+    """The modes a kind's config allows, but "auto" (an alias of one of them)."""
+    hints = typing.get_type_hints(config_cls)
+    return tuple(m for m in typing.get_args(hints["mode"]) if m != "auto") if "mode" in hints else ()
+
+
+def maker(kind: str):
+    table = MIXERS if kind in MIXERS else FFNS
+    D, overrides = TINY.get(kind, (WIDTH, {}))
+    fields = {f for f in typing.get_type_hints(table[kind])}
+    data = {"kind": kind, **overrides, **({"chunk_size": 8} if "chunk_size" in fields else {})}
+    cfg = table[kind](**{k: v for k, v in data.items() if k != "kind"})
+    return D, cfg, lambda **kw: make_layer(cfg, D, rngs=nnx.Rngs(0), layer_id=1, num_layers=2, **kw)
+
+
+@pytest.mark.parametrize("kind", [*MIXERS, *STATEFUL_FFNS])
+def test_kind_follows_the_mixer_protocol(kind):
+    D, cfg, make = maker(kind)
+    check_mixer(make, D, modes(type(cfg)))
