@@ -24,8 +24,16 @@ def blocks(language):
 
 @pytest.mark.parametrize("i", range(len(blocks("python"))))
 def test_python_block_runs(i, monkeypatch):
+    from zoo import registry
+
     monkeypatch.chdir(ROOT)
-    exec(compile(blocks("python")[i], f"README.md python block {i}", "exec"), {"__name__": "readme"})
+    tables = [(t, dict(t)) for t in (registry.MIXERS, registry.FFNS, registry.LAYER_OF)]
+    try:
+        exec(compile(blocks("python")[i], f"README.md python block {i}", "exec"), {"__name__": "readme"})
+    finally:  # a block may register a kind: leave the registry as shipped for the other tests
+        for table, saved in tables:
+            table.clear()
+            table.update(saved)
 
 
 @pytest.mark.parametrize("i", range(len(blocks("yaml"))))

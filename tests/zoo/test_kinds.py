@@ -1,10 +1,10 @@
 """Every shipped config (configs/*.yaml) as shipped, but as shallow as shows every layer of it (one
 layer; two for RWKV-7, whose value residual crosses layers; a layer_pattern's length; the early-exit
-config keeps its four, one per exit), in eval mode: prefill + token-by-token decode equals the full pass, and a packed row equals its
-documents alone. MoE configs included: outside training their FFN is dropless, one function of each
-token whatever the batch (layers/moe.py). Every kind's own protocol runs in
-tests/layers/test_conformance.py; this is the model around them. Zero-initialised weights (RWKV's
-output projections) get noise, so no check is vacuous."""
+config keeps its four, one per exit), in eval mode: prefill + token-by-token decode equals the full
+pass, and a packed row equals its documents alone. MoE configs included: outside training their FFN
+is dropless, one function of each token whatever the batch (layers/moe.py). Every kind's own
+protocol runs in tests/layers/test_conformance.py; this is the model around them. Zero-initialised
+weights (RWKV's output projections) get noise, so no check is vacuous."""
 
 from pathlib import Path
 
