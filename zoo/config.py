@@ -1,8 +1,9 @@
 """Run configuration: YAML on disk, frozen dataclasses in code.
 
 A run file has three sections, `model`, `data` and `train`. `model.mixer` and `model.ffn` are
-picked by their `kind` from the registry (zoo/registry.py, the kinds in zoo/kinds.py). Overrides are `dotted.path=value`
-strings whose value is read as YAML (`model.mixer.window=64`, `model.mixer.window=null`).
+picked by their `kind` from the registry (zoo/registry.py; the kinds are in zoo/kinds.py). Overrides
+are `dotted.path=value` strings whose value is read as YAML (`model.mixer.window=64`,
+`model.mixer.window=null`).
 
 Every mistake is a ValueError that names the dotted path and what was expected, raised before any
 array is made: an unknown key, a wrong type, a value outside its choices, an impossible shape.
