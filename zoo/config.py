@@ -12,13 +12,25 @@ array is made: an unknown key, a wrong type, a value outside its choices, an imp
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
-from zoo import kinds  # noqa: F401  (registers every kind)
+from zoo import kinds, tokenizer  # noqa: F401  (kinds: registers every kind)
 from zoo.registry import FFNS, LAYER_OF, MIXERS, build_kind
-from zoo.schema import build, to_dict  # noqa: F401  (to_dict: part of this module's interface)
+from zoo.schema import (
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    Range,
+    UnitFloat,
+    build,
+    to_dict,  # noqa: F401  (part of this module's interface)
+)
+
+Beta = Annotated[float, Range(0, 1, hi_open=True)]  # Adam's decay rates
+DeviceCount = Annotated[int, Range(lo=-1)]  # a mesh axis: a number of devices, or -1 for the rest
 
 
 @dataclass(frozen=True)
@@ -29,11 +41,11 @@ class ExitsConfig:
     layer_dropout (LayerSkip: in training, block i is skipped for a row with probability
     layer_dropout * i / (num_layers - 1), rising with depth); classifier_steps (after the last
     training step, fit the exit classifiers on the frozen model for this many steps; 0 = none)."""
-    layers: tuple[int, ...] = ()
-    weights: tuple[float, ...] = ()
+    layers: tuple[PosInt, ...] = ()
+    weights: tuple[NonNegFloat, ...] = ()
     own_head: bool = False
-    layer_dropout: float = 0.0
-    classifier_steps: int = 0
+    layer_dropout: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
+    classifier_steps: NonNegInt = 0
 
 
 @dataclass(frozen=True)
@@ -44,15 +56,15 @@ class ModelConfig:
     layer_pattern (optional list of mixer configs, repeated over the layers; replaces `mixer`);
     tie_embeddings (LM head shares the embedding matrix); norm_eps; dtype (compute dtype;
     parameters stay float32); exits (optional early exits: the model.exits keys below)."""
-    vocab_size: int = 256
-    d_model: int = 128
-    num_layers: int = 4
-    max_seq_len: int | None = None
+    vocab_size: PosInt = 256
+    d_model: PosInt = 128
+    num_layers: PosInt = 4
+    max_seq_len: PosInt | None = None
     mixer: Any = None
     ffn: Any = None
     layer_pattern: tuple | None = None
     tie_embeddings: bool = True
-    norm_eps: float = 1e-6
+    norm_eps: PosFloat = 1e-6
     dtype: Literal["float32", "bfloat16"] = "float32"
     exits: ExitsConfig | None = None
 
@@ -67,10 +79,13 @@ class DataConfig:
     """data: corpus (`shakespeare`, or a folder of *.txt files, one document each); val_docs
     (the documents held out for validation: whole plays, never random windows); packing (split
     documents at blank lines, join them with the end byte and give each window `segment_ids`, so no
-    token attends or recurs across a boundary; off: plain windows of the stream, as nanoGPT)."""
+    token attends or recurs across a boundary; off: plain windows of the stream, as nanoGPT);
+    invalid_utf8 (a corpus file that is not UTF-8 text, binary or latin-1: refuse names it and
+    stops; skip leaves it out and reports it)."""
     corpus: str = "shakespeare"
     val_docs: tuple[str, ...] = ("hamlet", "tempest", "julius_caesar")
     packing: bool = False
+    invalid_utf8: Literal["refuse", "skip"] = "refuse"
 
 
 @dataclass(frozen=True)
@@ -80,10 +95,10 @@ class MeshConfig:
     whole model; fsdp: batch rows, and parameters and optimiser state sharded over the model width
     (ZeRO-3); tensor: heads and FFN width (Megatron); expert: MoE experts (and batch rows outside
     them). The default puts every device on data, so one device needs no setting at all."""
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-    expert: int = 1
+    data: DeviceCount = -1
+    fsdp: DeviceCount = 1
+    tensor: DeviceCount = 1
+    expert: DeviceCount = 1
 
 
 @dataclass(frozen=True)
@@ -96,26 +111,26 @@ class TrainConfig:
     redraw_features_every (Performer: new random features every N steps, 0 = fixed); run_dir (default
     runs/<config stem>); on_nonfinite (stop: end the run naming the step, keeping the last good
     checkpoint; skip: drop the update and count it); mesh (devices per mesh axis, see train.mesh)."""
-    steps: int = 1000
-    batch_size: int = 32
-    seq_len: int = 128
-    seed: int = 0
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
+    steps: PosInt = 1000
+    batch_size: PosInt = 32
+    seq_len: PosInt = 128
+    seed: NonNegInt = 0
+    lr: PosFloat = 3e-3
+    min_lr_ratio: UnitFloat = 0.1
+    warmup_steps: NonNegInt = 100
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.99
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    eval_every: int = 250
-    eval_batches: int = 8
-    log_every: int = 10
-    checkpoint_every: int = 250
-    keep_checkpoints: int = 2
-    sample_tokens: int = 200
-    redraw_features_every: int = 0
+    weight_decay: NonNegFloat = 0.1
+    b1: Beta = 0.9
+    b2: Beta = 0.99
+    grad_clip: NonNegFloat = 1.0
+    grad_accum: PosInt = 1
+    eval_every: PosInt = 250
+    eval_batches: PosInt = 8
+    log_every: PosInt = 10
+    checkpoint_every: PosInt = 250
+    keep_checkpoints: PosInt = 2
+    sample_tokens: NonNegInt = 200
+    redraw_features_every: NonNegInt = 0
     run_dir: str | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -148,15 +163,7 @@ def _build_model(data, path: str) -> ModelConfig:
     return cfg
 
 
-def _positive(path, **values):
-    for k, v in values.items():
-        if v is not None and v <= 0:
-            raise ValueError(f"{path}.{k}: expected a positive number, got {v}")
-
-
 def check_model(cfg: ModelConfig, path: str = "model"):
-    _positive(path, vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers,
-              max_seq_len=cfg.max_seq_len)
     where = [f"{path}.layer_pattern[{i}]" for i in range(len(cfg.layer_pattern))] if cfg.layer_pattern \
         else [f"{path}.mixer"]
     for p, m in zip(where, cfg.layer_pattern or (cfg.mixer,)):
@@ -176,30 +183,21 @@ def _check_exits(e: ExitsConfig, num_layers: int, path: str):
     if list(e.layers) != sorted(set(e.layers)) or not 1 <= e.layers[0] <= e.layers[-1] < num_layers:
         raise ValueError(f"{path}.layers: expected increasing layer counts in 1..{num_layers - 1} "
                          f"(model.num_layers={num_layers}; the last layer is always an exit), got {list(e.layers)}")
-    if len(e.weights) != len(e.layers) or any(w < 0 for w in e.weights):
-        raise ValueError(f"{path}.weights: expected one non-negative loss weight per exit layer "
-                         f"({len(e.layers)}), got {list(e.weights)}")
-    if not 0 <= e.layer_dropout < 1:
-        raise ValueError(f"{path}.layer_dropout: expected a probability in [0, 1), got {e.layer_dropout}")
-    if e.classifier_steps < 0:
-        raise ValueError(f"{path}.classifier_steps: expected >= 0, got {e.classifier_steps}")
+    if len(e.weights) != len(e.layers):
+        raise ValueError(f"{path}.weights: expected one loss weight per exit layer ({len(e.layers)}), "
+                         f"got {list(e.weights)}")
 
 
 def _check_train(cfg: Config):
     t = cfg.train
-    _positive("train", steps=t.steps, batch_size=t.batch_size, seq_len=t.seq_len, grad_accum=t.grad_accum,
-              eval_every=t.eval_every, eval_batches=t.eval_batches, log_every=t.log_every,
-              checkpoint_every=t.checkpoint_every, keep_checkpoints=t.keep_checkpoints, lr=t.lr)
     if t.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"train.seq_len: {t.seq_len} is longer than the model allows "
                          f"(model.max_seq_len={cfg.model.max_seq_len})")
     if t.batch_size % t.grad_accum:
         raise ValueError(f"train.grad_accum: {t.grad_accum} does not divide train.batch_size={t.batch_size}")
-    if t.warmup_steps < 0 or not 0 <= t.min_lr_ratio <= 1:
-        raise ValueError("train.warmup_steps must be >= 0 and train.min_lr_ratio in [0, 1]")
     sizes = dataclasses.asdict(t.mesh)
     for axis, n in sizes.items():
-        if n != -1 and n < 1:
+        if n == 0:
             raise ValueError(f"train.mesh.{axis}: expected a positive number of devices or -1 (the rest), got {n}")
     if list(sizes.values()).count(-1) > 1:
         raise ValueError(f"train.mesh: at most one axis may be -1 (the devices the others leave), got "
@@ -209,9 +207,11 @@ def _check_train(cfg: Config):
 def from_dict(data: dict) -> Config:
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a mapping with sections model, data, train; got {data!r}")
-    for key in data:
+    for key, section in data.items():
         if key not in ("model", "data", "train"):
             raise ValueError(f"{key}: unknown section; expected model, data or train")
+        if section is not None and not isinstance(section, dict):
+            raise ValueError(f"{key}: expected a mapping of {key} keys, got {section!r}")
     train = build(TrainConfig, data.get("train") or {}, "train")
     model = data.get("model") or {}
     if isinstance(model, dict) and model.get("max_seq_len") is None:  # null: the trained length
@@ -219,30 +219,39 @@ def from_dict(data: dict) -> Config:
     cfg = Config(model=_build_model(model, "model"), data=build(DataConfig, data.get("data") or {}, "data"),
                  train=train)
     _check_train(cfg)
+    if cfg.model.vocab_size < tokenizer.VOCAB_SIZE:
+        raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
+                         f"{tokenizer.VOCAB_SIZE} ids (the corpus is read as bytes)")
     return cfg
 
 
 def apply_overrides(data: dict, overrides) -> dict:
     """Set each `dotted.path=value` (value parsed as YAML) in a nested dict; list items by index."""
     for item in overrides or ():
-        if "=" not in item:
+        key, eq, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not eq or not all(parts):
             raise ValueError(f"override {item!r}: expected dotted.path=value, e.g. model.d_model=256")
-        key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw.strip() else None
-        node, parts = data, key.strip().split(".")
-        for i, part in enumerate(parts[:-1]):
-            here = ".".join(parts[:i + 1])
-            child = node[int(part)] if isinstance(node, list) else node.get(part)
-            if child is None:
-                child = {}
-                node[part] = child
-            if not isinstance(child, (dict, list)):
-                raise ValueError(f"override {key}: {here} is a value, not a section")
-            node = child
-        if isinstance(node, list):
-            node[int(parts[-1])] = value
-        else:
-            node[parts[-1]] = value
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {item!r}: the value {raw!r} is not valid YAML "
+                             f"({str(e).splitlines()[0]})") from None
+        node = data
+        for i, part in enumerate(parts):
+            here, last = ".".join(parts[:i + 1]), i == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ValueError(f"override {key}: {here}: expected an index 0..{len(node) - 1} of "
+                                     f"{'.'.join(parts[:i])} (a list of {len(node)}), got {part!r}")
+                part = int(part)
+            elif not isinstance(node, dict):
+                raise ValueError(f"override {key}: {'.'.join(parts[:i])} is a value, not a section")
+            if last:
+                node[part] = value
+            elif isinstance(node, dict) and node.get(part) is None:
+                node[part] = {}
+            node = node[part]
     return data
 
 

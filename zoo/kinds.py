@@ -6,11 +6,12 @@ the kind has several exact forms, `mode` and `chunk_size` (registry.Chunked).
 """
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import layers
 from kernels import MODES
 from zoo.registry import Chunked, Kind, Mixer, ffn, mixer
+from zoo.schema import NonNegFloat, NonNegInt, PosFloat, PosInt, Range
 
 
 @mixer(layers.Attention)
@@ -21,11 +22,11 @@ class AttentionConfig(Mixer):
     context (model.max_seq_len), window = each query sees the last max_seq_len tokens (the distances
     it was trained on), full = every earlier token (distances it never saw)."""
     KIND: ClassVar[str] = "attention"
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    window: int | None = None
-    rope_base: float = 10000.0
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    window: PosInt | None = None
+    rope_base: PosFloat = 10000.0
     long_context: Literal["window", "full"] = "window"
 
     def check(self, d_model: int, path: str):
@@ -46,12 +47,12 @@ class LinearAttentionConfig(Chunked):
     performer (FAVOR+), cosformer (relu + cos re-weighting), hedgehog (learned); normalize adds the
     denominator q . sum(k)."""
     KIND: ClassVar[str] = "linear_attention"
-    num_heads: int = 4
+    num_heads: PosInt = 4
     feature_map: Literal["identity", "elu", "relu", "performer", "cosformer", "hedgehog"] = "elu"
     normalize: bool = True
-    num_features: int | None = None
-    cosformer_max_len: int = 2048
-    eps: float = 1e-6
+    num_features: PosInt | None = None
+    cosformer_max_len: PosInt = 2048
+    eps: PosFloat = 1e-6
 
 
 @mixer(layers.MultiScaleRetention)
@@ -59,11 +60,11 @@ class LinearAttentionConfig(Chunked):
 class RetNetConfig(Chunked):
     """Multi-scale retention (Sun et al. 2023): fixed per-head decay, rotary, norm and swish gate."""
     KIND: ClassVar[str] = "retnet"
-    num_heads: int = 4
-    expand_k: float = 1.0
-    expand_v: float = 2.0
-    rotary_base: float = 10000.0
-    norm_eps: float = 1e-5
+    num_heads: PosInt = 4
+    expand_k: PosFloat = 1.0
+    expand_v: PosFloat = 2.0
+    rotary_base: PosFloat = 10000.0
+    norm_eps: PosFloat = 1e-5
 
 
 @mixer(layers.GatedLinearAttention)
@@ -71,14 +72,14 @@ class RetNetConfig(Chunked):
 class GLAConfig(Chunked):
     """Gated linear attention (Yang et al. 2024): data-dependent per-key decay from a low-rank gate."""
     KIND: ClassVar[str] = "gla"
-    num_heads: int = 4
-    expand_k: float = 0.5
-    expand_v: float = 1.0
-    gate_low_rank_dim: int = 16
-    gate_logit_normalizer: float = 16.0
-    conv_size: int = 0
+    num_heads: PosInt = 4
+    expand_k: PosFloat = 0.5
+    expand_v: PosFloat = 1.0
+    gate_low_rank_dim: PosInt = 16
+    gate_logit_normalizer: PosFloat = 16.0
+    conv_size: NonNegInt = 0
     use_output_gate: bool = True
-    norm_eps: float = 1e-5
+    norm_eps: PosFloat = 1e-5
 
 
 @mixer(layers.Mamba)
@@ -87,13 +88,13 @@ class MambaConfig(Chunked):
     """Mamba (Gu & Dao 2023): selective SSM with input-dependent Δ, B, C; mode auto picks the fastest
     exact scan for the backend (recurrent on CPU)."""
     KIND: ClassVar[str] = "mamba"
-    state_size: int = 16
-    expand: int = 2
-    conv_size: int = 4
-    dt_rank: int | Literal["auto"] = "auto"
-    dt_min: float = 0.001
-    dt_max: float = 0.1
-    dt_init_floor: float = 1e-4
+    state_size: PosInt = 16
+    expand: PosInt = 2
+    conv_size: NonNegInt = 4
+    dt_rank: PosInt | Literal["auto"] = "auto"
+    dt_min: PosFloat = 0.001
+    dt_max: PosFloat = 0.1
+    dt_init_floor: PosFloat = 1e-4
     mode: Literal[("auto", *MODES)] = "auto"
 
 
@@ -102,15 +103,15 @@ class MambaConfig(Chunked):
 class Mamba2Config(Chunked):
     """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head and grouped B/C."""
     KIND: ClassVar[str] = "mamba2"
-    state_size: int = 64
-    expand: int = 2
-    head_dim: int = 64
-    num_groups: int = 1
-    conv_size: int = 4
-    dt_min: float = 0.001
-    dt_max: float = 0.1
-    dt_init_floor: float = 1e-4
-    A_init_range: tuple[float, float] = (1.0, 16.0)
+    state_size: PosInt = 64
+    expand: PosInt = 2
+    head_dim: PosInt = 64
+    num_groups: PosInt = 1
+    conv_size: NonNegInt = 4
+    dt_min: PosFloat = 0.001
+    dt_max: PosFloat = 0.1
+    dt_init_floor: PosFloat = 1e-4
+    A_init_range: tuple[PosFloat, PosFloat] = (1.0, 16.0)
 
 
 @mixer(layers.RWKV6TimeMix)
@@ -118,9 +119,9 @@ class Mamba2Config(Chunked):
 class RWKV6Config(Chunked):
     """RWKV-6 "Finch" time mix (Peng et al. 2024): data-dependent token shift and decay, bonus u."""
     KIND: ClassVar[str] = "rwkv6"
-    head_dim: int = 64
-    mix_lora_dim: int = 32
-    decay_lora_dim: int = 64
+    head_dim: PosInt = 64
+    mix_lora_dim: PosInt = 32
+    decay_lora_dim: PosInt = 64
 
 
 @mixer(layers.RWKV7TimeMix)
@@ -129,11 +130,11 @@ class RWKV7Config(Chunked):
     """RWKV-7 "Goose" time mix (Peng et al. 2025): generalised delta rule with vector decay and
     in-context learning rate, value residual from layer 0 (LoRA ranks null = the official sizes)."""
     KIND: ClassVar[str] = "rwkv7"
-    head_dim: int = 64
-    decay_lora_dim: int | None = None
-    icl_lora_dim: int | None = None
-    value_lora_dim: int | None = None
-    gate_lora_dim: int | None = None
+    head_dim: PosInt = 64
+    decay_lora_dim: PosInt | None = None
+    icl_lora_dim: PosInt | None = None
+    value_lora_dim: PosInt | None = None
+    gate_lora_dim: PosInt | None = None
 
 
 @mixer(layers.DeltaNet)
@@ -141,14 +142,14 @@ class RWKV7Config(Chunked):
 class DeltaNetConfig(Chunked):
     """DeltaNet (Schlag et al. 2021; Yang et al. 2024): the delta rule with L2-normalised q, k."""
     KIND: ClassVar[str] = "deltanet"
-    num_heads: int = 4
-    head_dim: int | None = None
-    expand_v: float = 1.0
-    conv_size: int = 4
+    num_heads: PosInt = 4
+    head_dim: PosInt | None = None
+    expand_v: PosFloat = 1.0
+    conv_size: NonNegInt = 4
     use_beta: bool = True
     qk_norm: Literal["l2", "sum"] = "l2"
     use_output_gate: bool = False
-    norm_eps: float = 1e-5
+    norm_eps: PosFloat = 1e-5
 
 
 @mixer(layers.GatedDeltaNet)
@@ -156,12 +157,12 @@ class DeltaNetConfig(Chunked):
 class GatedDeltaNetConfig(Chunked):
     """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024): the delta rule with a Mamba-2 decay."""
     KIND: ClassVar[str] = "gated_deltanet"
-    num_heads: int = 4
-    head_dim: int | None = None
-    expand_v: float = 2.0
-    conv_size: int = 4
+    num_heads: PosInt = 4
+    head_dim: PosInt | None = None
+    expand_v: PosFloat = 2.0
+    conv_size: NonNegInt = 4
     use_output_gate: bool = True
-    norm_eps: float = 1e-5
+    norm_eps: PosFloat = 1e-5
 
 
 @ffn(layers.MLP)
@@ -169,7 +170,7 @@ class GatedDeltaNetConfig(Chunked):
 class MLPConfig(Kind):
     """SwiGLU MLP; hidden_dim null = 8/3 d_model rounded up to 32."""
     KIND: ClassVar[str] = "mlp"
-    hidden_dim: int | None = None
+    hidden_dim: PosInt | None = None
 
 
 @ffn(layers.MoE)
@@ -182,29 +183,24 @@ class MoEConfig(Kind):
     loss-free) or none; shared experts (DeepSeekMoE). hidden_dim null = the dense width / active
     experts (same active params)."""
     KIND: ClassVar[str] = "moe"
-    num_experts: int = 8
-    top_k: int = 2
-    hidden_dim: int | None = None
+    num_experts: PosInt = 8
+    top_k: PosInt = 2
+    hidden_dim: PosInt | None = None
     router: Literal["topk", "switch", "expert_choice"] = "topk"
     score_order: Literal["softmax_then_topk", "topk_then_softmax"] = "softmax_then_topk"
     renormalize: bool = True
     dispatch: Literal["capacity", "dropless"] = "capacity"
-    capacity_factor: float = 1.25
-    num_shared_experts: int = 0
+    capacity_factor: PosFloat = 1.25
+    num_shared_experts: NonNegInt = 0
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
-    balance_loss_weight: float = 0.01
-    z_loss_weight: float = 0.001
-    bias_update_rate: float = 0.001
-    router_jitter: float = 0.0
+    balance_loss_weight: NonNegFloat = 0.01
+    z_loss_weight: NonNegFloat = 0.001
+    bias_update_rate: NonNegFloat = 0.001
+    router_jitter: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
 
     def check(self, d_model: int, path: str):
-        if self.num_shared_experts > 0 and self.num_experts == 0:
-            raise ValueError(f"{path}.num_shared_experts: {self.num_shared_experts} shared experts need "
-                             f"{path}.num_experts >= 1 routed experts (got 0); use ffn.kind: mlp for a dense FFN")
-        if not 1 <= self.top_k <= max(self.num_experts, 1):
+        if self.top_k > self.num_experts:
             raise ValueError(f"{path}.top_k: {self.top_k} must be between 1 and {path}.num_experts={self.num_experts}")
-        if self.capacity_factor <= 0:
-            raise ValueError(f"{path}.capacity_factor: expected > 0, got {self.capacity_factor}")
         super().check(d_model, path)
 
 
@@ -213,7 +209,7 @@ class MoEConfig(Kind):
 class RWKV6ChannelMixConfig(Kind):
     """RWKV-6 channel mix: token-shifted squared-ReLU FFN with a receptance gate (hidden null = 3.5 D)."""
     KIND: ClassVar[str] = "rwkv6_channel_mix"
-    hidden_dim: int | None = None
+    hidden_dim: PosInt | None = None
 
 
 @ffn(layers.RWKV7ChannelMix)
@@ -221,4 +217,4 @@ class RWKV6ChannelMixConfig(Kind):
 class RWKV7ChannelMixConfig(Kind):
     """RWKV-7 channel mix: token-shifted squared-ReLU FFN (hidden null = 4 D)."""
     KIND: ClassVar[str] = "rwkv7_channel_mix"
-    hidden_dim: int | None = None
+    hidden_dim: PosInt | None = None

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels import IMPLS, MODES
-from zoo.schema import build
+from zoo.schema import PosInt, build
 
 MIXERS: dict[str, type] = {}  # kind -> config dataclass
 FFNS: dict[str, type] = {}
@@ -102,4 +102,4 @@ class Chunked(Mixer):
     """Base of the mixers with several exact forms: mode picks the training path's, chunk_size the
     chunk of the chunk form; every mode computes the same function."""
     mode: Literal[MODES] = "chunk"
-    chunk_size: int = 64
+    chunk_size: PosInt = 64

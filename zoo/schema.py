@@ -2,17 +2,50 @@
 
 `build(cls, data, path)` makes a frozen dataclass from a mapping, converting and checking each value
 against its field's annotation (int, float, str, bool, Literal, tuples, unions with None, nested
-dataclasses) and naming the dotted `path` of anything wrong. A leaf module: it imports nothing of
-the zoo, so the registry of kinds and the run config can both use it.
+dataclasses) and naming the dotted `path` of anything wrong. Every number carries its range
+(`Annotated[int, Range(lo=1)]`, or one of the aliases below), checked when the config loads, so a
+value outside it never reaches an array (tests/zoo/test_config.py checks every numeric key of every
+config dataclass has one). A leaf module: it imports nothing of the zoo, so the registry of kinds
+and the run config can both use it.
 """
 
 import dataclasses
+import math
 import types
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """lo <= x <= hi (a bound None is open-ended; lo_open / hi_open make it strict)."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __str__(self):
+        lo = "" if self.lo is None else f"{self.lo:g} {'<' if self.lo_open else '<='} "
+        hi = "" if self.hi is None else f" {'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"{lo}x{hi}"
+
+    def check(self, value, path: str):
+        if not math.isfinite(value) or (
+                self.lo is not None and (value < self.lo or self.lo_open and value == self.lo)) or (
+                self.hi is not None and (value > self.hi or self.hi_open and value == self.hi)):
+            raise ValueError(f"{path}: expected {str(self).replace('x', path.rsplit('.', 1)[-1], 1)}, got {value!r}")
+
+
+PosInt = Annotated[int, Range(lo=1)]
+NonNegInt = Annotated[int, Range(lo=0)]
+PosFloat = Annotated[float, Range(lo=0, lo_open=True)]
+NonNegFloat = Annotated[float, Range(lo=0)]
+UnitFloat = Annotated[float, Range(0, 1)]  # a fraction or probability in [0, 1]
 
 
 def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Annotated:
+        return _type_name(typing.get_args(tp)[0])
     if typing.get_origin(tp) is Literal:
         return " or ".join(repr(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
@@ -21,16 +54,26 @@ def _type_name(tp) -> str:
 def _convert(value, tp, path: str):
     """Check `value` against the annotation `tp`, converting int to float and lists to tuples."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        value = _convert(value, args[0], path)
+        for rule in args[1:]:
+            if isinstance(rule, Range):
+                rule.check(value, path)
+        return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        errors = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _convert(value, a, path)
-            except ValueError:
-                pass
+            except ValueError as e:
+                errors.append(e)
+        ranged = [e for e in errors if " <" in str(e)]  # the right type, out of range: say so
+        if ranged:
+            raise ranged[0]
         raise ValueError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is Literal:
         if value not in args:
@@ -41,7 +84,11 @@ def _convert(value, tp, path: str):
             raise ValueError(f"{path}: expected a list, got {value!r}")
         if args and args[-1] is Ellipsis:
             return tuple(_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
-        return tuple(value)
+        if args and len(value) != len(args):
+            raise ValueError(f"{path}: expected a list of {len(args)}, got {value!r}")
+        if not args:
+            return tuple(value)
+        return tuple(_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp):
@@ -64,7 +111,7 @@ def build(cls, data, path: str):
     """Make dataclass `cls` from a mapping, checking every key and type; `path` names it in errors."""
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of keys, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)] + (["kind"] if hasattr(cls, "KIND") else [])
     for key in data:
         if key not in names:

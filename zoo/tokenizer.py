@@ -1,6 +1,7 @@
 """Byte-level tokenizer: vocabulary 256, one token per UTF-8 byte, byte 0 ends a document."""
 
 END_OF_DOCUMENT = 0
+VOCAB_SIZE = 256
 
 
 def encode(text: str) -> list[int]:
