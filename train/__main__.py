@@ -45,6 +45,10 @@ def parser() -> argparse.ArgumentParser:
                                 epilog=_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="a YAML file from configs/")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=2000 model.d_model=256")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume a run folder whose checkpoints were written with another config (the learning "
+                        "rate, the data, the steps...): the changes are printed and config.yaml is rewritten, "
+                        "the previous one kept beside it; without it such a resume is refused")
     return p
 
 
@@ -54,7 +58,7 @@ def main(argv=None):
         cfg = load_config(args.config, args.overrides)
         initialize_distributed()  # before anything asks jax for its devices
         from train.loop import default_run_dir, run  # after the config checks: imports jax
-        run(cfg, default_run_dir(cfg, args.config))
+        run(cfg, default_run_dir(cfg, args.config), allow_config_change=args.allow_config_change)
     except ValueError as e:
         sys.exit(f"error: {e}")
 

@@ -28,8 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
-import yaml
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -37,7 +35,9 @@ import infer
 from train import optim
 from train.data import Batches, load_streams, process_rows
 from train.exits import fit_exit_classifiers
-from zoo.checkpoint import manager, restore_latest
+from train.resume import check_run_dir, differences, metrics_upto
+from zoo import checkpoint
+from zoo.checkpoint import manager, prune, restore_latest
 from zoo.config import Config, to_dict
 from zoo.model import LanguageModel
 from zoo.sharding import as_numpy, batch_sharding, describe, init_on_mesh, make_mesh, shardings_like_params
@@ -158,18 +158,6 @@ def redraw_features(graphdef, params, rest, key):
     return nnx.split(model, nnx.Param, ...)[2]
 
 
-def _check_run_dir(run_dir: Path, cfg: Config):
-    saved = run_dir / "config.yaml"
-    if not saved.exists() or not any((run_dir / "checkpoints").glob("[0-9]*")):
-        return
-    old = (yaml.safe_load(saved.read_text()) or {}).get("model")
-    new = to_dict(cfg.model)
-    if old != new:
-        diff = [f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in new if (old or {}).get(k) != new[k]]
-        raise ValueError(f"train.run_dir: {run_dir} holds a checkpoint of a different model ("
-                         f"{'; '.join(diff) or 'model section differs'}); use another train.run_dir or delete it")
-
-
 def plot(run_dir: Path):
     """loss.png: train and validation loss against tokens; skipped without matplotlib."""
     try:
@@ -222,35 +210,42 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-def run(cfg: Config, run_dir, *, log=print, mesh: Mesh | None = None) -> dict:
+def run(cfg: Config, run_dir, *, log=print, mesh: Mesh | None = None, allow_config_change: bool = False) -> dict:
     """Train `cfg` in `run_dir` (resuming if it holds a checkpoint) on `mesh` (default: train.mesh
-    over every device); returns the last metrics. Exits with 128 + signal number after a SIGTERM /
-    SIGINT checkpoint, 1 on a non-finite loss."""
+    over every device); returns the last metrics. A run folder written with another config is
+    refused unless `allow_config_change` (train/resume.py). Exits with 128 + signal number after a
+    SIGTERM / SIGINT checkpoint, 1 on a non-finite loss."""
     mesh = make_mesh(cfg.train.mesh) if mesh is None else mesh
     with jax.set_mesh(mesh):
-        return _run(cfg, Path(run_dir), mesh, log)
+        return _run(cfg, Path(run_dir), mesh, log, allow_config_change)
 
 
-def _run(cfg: Config, run_dir: Path, mesh: Mesh, log) -> dict:
+def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool) -> dict:
     t = cfg.train
     primary = jax.process_index() == 0  # the one process that writes files and prints
     if not primary:
         log = lambda *_: None  # noqa: E731
     train_batch, val_batch = batch_placer(cfg, mesh)
-    _check_run_dir(run_dir, cfg)
+    commit = check_run_dir(run_dir, cfg, allow_config_change, log)
     batches = Batches(*load_streams(cfg.data), seq_len=t.seq_len, seed=t.seed, packing=cfg.data.packing)
-    run_dir.mkdir(parents=True, exist_ok=True)
     if primary:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        commit()
 
     tx = optim.optimizer(t)
     graphdef, params, rest, opt_state, (param_sh, rest_sh, opt_sh) = init_state(cfg, tx, mesh)
     lr_at = optim.schedule(t)
-    mngr = manager(run_dir / "checkpoints", keep=t.keep_checkpoints)
+    mngr = manager(run_dir / "checkpoints")
     targets = {"params": nnx.to_pure_dict(params), "rest": nnx.to_pure_dict(rest), "opt_state": opt_state, "meta": {}}
     if not jax.tree.leaves(targets["rest"]):  # orbax refuses empty items
         del targets["rest"]
-    start, restored = restore_latest(mngr, targets)
+
+    def mismatch(meta, error):
+        changed = differences(meta.get("config") or {}, to_dict(cfg))
+        raise ValueError(f"train.run_dir: the checkpoints in {run_dir} are intact but do not fit this config's "
+                         f"model or optimiser state ({'; '.join(f'{k}: {a!r} there, {b!r} now' for k, a, b in changed)}"
+                         f"); this change cannot be resumed: give another train.run_dir") from error
+
+    start, restored = restore_latest(mngr, targets, mismatch)
     skipped = 0
     if start is not None:
         nnx.replace_by_pure_dict(params, restored["params"])
@@ -258,24 +253,27 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log) -> dict:
             nnx.replace_by_pure_dict(rest, restored["rest"])
         opt_state, skipped = restored["opt_state"], restored["meta"].get("skipped", 0)
         log(f"resumed from {run_dir}/checkpoints/{start}")
+        prune(mngr, t.keep_checkpoints)
     start = start or 0
     metrics_path = run_dir / "metrics.jsonl"
+    kept = metrics_upto(metrics_path, start, log)
     if primary:
-        kept = [line for line in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
-                if json.loads(line)["step"] <= start]
         metrics_path.write_text("".join(line + "\n" for line in kept))
+    if start >= t.steps:
+        log(f"{run_dir} is finished: its checkpoint is step {start} of train.steps={t.steps}, nothing to train "
+            "(to train on, raise train.steps and pass --allow-config-change)")
+        return json.loads(kept[-1]) if kept else {}
 
     replicated = NamedSharding(mesh, PartitionSpec())
     step_fn = make_train_step(graphdef, tx, (param_sh, rest_sh, opt_sh, replicated))
     eval_fn = jax.jit(lambda p, r, b: _forward(graphdef, p, r, b, train=False)[:2], out_shardings=replicated)
 
     def save(step):
-        state = {"params": ocp.args.StandardSave(nnx.to_pure_dict(params)),
-                 "opt_state": ocp.args.StandardSave(opt_state),
-                 "meta": ocp.args.JsonSave({"step": step, "skipped": skipped})}
+        items = {"params": nnx.to_pure_dict(params), "opt_state": opt_state}
         if "rest" in targets:
-            state["rest"] = ocp.args.StandardSave(nnx.to_pure_dict(rest))
-        mngr.save(step, args=ocp.args.Composite(**state), force=True)
+            items["rest"] = nnx.to_pure_dict(rest)
+        checkpoint.save(mngr, step, items, {"step": step, "skipped": skipped, "config": to_dict(cfg)})
+        prune(mngr, t.keep_checkpoints)
 
     def evaluate():
         sums = [jax.tree.map(as_numpy, eval_fn(params, rest, val_batch(batches, i))) for i in range(t.eval_batches)]

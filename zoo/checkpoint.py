@@ -3,11 +3,24 @@
 Sharded arrays are written shard by shard (each process its own) and read back into whatever
 shardings the restore targets carry, so a checkpoint moves between meshes and onto one device.
 
-Orbax writes each step into a temporary folder and renames it when complete, so a process killed
-mid-write leaves no folder that looks finished. A step folder that still fails to restore (copied
-half, truncated by hand) is skipped with a warning and the next older one is used.
+What makes a checkpoint trustworthy, and what happens when one is not:
+- Orbax writes each step into a temporary folder and renames it when complete, so a process killed
+  mid-write leaves no folder that looks finished.
+- After a save, `zoo_checksums.json` in the step folder records the size and SHA-256 of every file.
+  A step whose files do not match (truncated, deleted, a flipped bit) is refused by name, moved
+  aside to `checkpoints.unreadable/` (kept, never deleted) and the next older step is used. A step
+  without the file (its run was killed between the write and the sum) is used if it restores.
+- `meta` holds the resolved config of the run that wrote the step, so a resume compares against the
+  config the checkpoint belongs to (train/loop.py), whatever happened to config.yaml.
+- A verified step that does not fit the restore targets is not a corrupt one: the config differs
+  from the checkpoint's, and that is an error naming the difference, never a reason to skip or
+  delete anything.
+- Old steps are deleted only by `prune`, which keeps the newest `keep` steps.
 """
 
+import hashlib
+import json
+import time
 import warnings
 from pathlib import Path
 
@@ -21,10 +34,68 @@ from zoo.config import from_dict
 from zoo.model import LanguageModel
 from zoo.sharding import init_on_mesh
 
+CHECKSUMS = "zoo_checksums.json"
 
-def manager(directory: Path, keep: int | None = None, create: bool = True) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=create)
+
+class Unreadable(Exception):
+    """A checkpoint step that fails its checksums or cannot be read at all."""
+
+
+def manager(directory: Path, create: bool = True) -> ocp.CheckpointManager:
+    """Synchronous saves (the checksums are taken once a step is complete); no automatic deletion."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=None, create=create, enable_async_checkpointing=False)
     return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+
+def _files(step_dir: Path) -> dict[str, list]:
+    out = {}
+    for f in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+        out[str(f.relative_to(step_dir))] = [f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest()]
+    return out
+
+
+def save(mngr: ocp.CheckpointManager, step: int, items: dict, meta: dict):
+    """Write `items` (name -> pytree) and `meta` (JSON) as `step`, then its checksums (process 0)."""
+    args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
+    mngr.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(meta)), force=True)
+    mngr.wait_until_finished()
+    if jax.process_index() == 0:
+        step_dir = Path(mngr.directory) / str(step)
+        tmp = step_dir / f"{CHECKSUMS}.tmp"
+        tmp.write_text(json.dumps(_files(step_dir)))
+        tmp.replace(step_dir / CHECKSUMS)
+
+
+def verify(step_dir: Path) -> bool:
+    """True if the step's files match its checksums, False if it has none; Unreadable names the first
+    file that does not match."""
+    path = step_dir / CHECKSUMS
+    if not path.exists():
+        return False
+    try:
+        want = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise Unreadable(f"its checksum file {path} is unreadable ({e})") from None
+    got = _files(step_dir)
+    for name, (size, digest) in want.items():
+        if name not in got:
+            raise Unreadable(f"{name} is missing")
+        if got[name][0] != size:
+            raise Unreadable(f"{name} has {got[name][0]} bytes, {size} were written")
+        if got[name][1] != digest:
+            raise Unreadable(f"{name} does not match its checksum (its contents changed after the write)")
+    return True
+
+
+def set_aside(mngr: ocp.CheckpointManager, step_dir: Path, why: str) -> Path:
+    """Move an unreadable step (or a half-written one) to checkpoints.unreadable/, keeping it."""
+    where = Path(mngr.directory).parent / "checkpoints.unreadable" / f"{step_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if jax.process_index() == 0:
+        where.parent.mkdir(exist_ok=True)
+        step_dir.rename(where)
+    warnings.warn(f"checkpoint {step_dir} {why}; moved to {where} (kept, never used)", stacklevel=3)
+    mngr.reload()
+    return where
 
 
 def _restore_args(targets: dict):
@@ -33,40 +104,93 @@ def _restore_args(targets: dict):
         ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, v)) for k, v in targets.items()})
 
 
-def restore_latest(mngr: ocp.CheckpointManager, targets: dict):
-    """Restore the newest complete step into the structure of `targets` (pure pytrees; `meta` is
-    JSON). Returns (step, restored) or (None, None) when there is no usable checkpoint."""
-    for stray in Path(mngr.directory).glob("*.orbax-checkpoint-tmp*"):
-        warnings.warn(f"checkpoint {stray} was left half-written; ignoring it", stacklevel=2)
+def restore_latest(mngr: ocp.CheckpointManager, targets: dict, mismatch=None):
+    """Restore the newest usable step into the structure of `targets` (pure pytrees; `meta` is JSON).
+    Unreadable steps are set aside on the way. `mismatch(meta, error)` is called when a verified step
+    does not fit the targets (it should raise, naming the difference); without it that is a
+    ValueError. Returns (step, restored) or (None, None) when there is no step at all."""
+    directory = Path(mngr.directory)
+    for stray in directory.glob("*.orbax-checkpoint-tmp*"):
+        set_aside(mngr, stray, "was left half-written")
     for step in sorted(mngr.all_steps(), reverse=True):
+        step_dir = directory / str(step)
+        try:
+            verified = verify(step_dir)
+        except Unreadable as e:
+            set_aside(mngr, step_dir, f"fails its checksums: {e}")
+            continue
         try:
             return step, mngr.restore(step, args=_restore_args(targets))
-        except Exception as e:  # noqa: BLE001 - any unreadable step is skipped, never loaded
-            warnings.warn(f"checkpoint step {step} in {mngr.directory} is incomplete or unreadable "
-                          f"({type(e).__name__}: {str(e)[:200]}); skipping it", stacklevel=2)
+        except Exception as e:  # noqa: BLE001 - sorted below: corrupt, or a config that does not fit
+            if not verified:
+                set_aside(mngr, step_dir, f"is unreadable ({type(e).__name__}: {str(e)[:200]})")
+                continue
+            meta = _read_meta(step_dir)
+            if mismatch is not None:
+                mismatch(meta, e)
+            raise ValueError(f"checkpoint {step_dir} is intact but does not fit this model ({type(e).__name__}: "
+                             f"{str(e)[:300]})") from None
     return None, None
+
+
+def _read_meta(step_dir: Path) -> dict:
+    try:
+        return json.loads((step_dir / "meta" / "metadata").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def newest_meta(mngr: ocp.CheckpointManager) -> dict:
+    """The meta (step, config, ...) of the newest step whose files verify, {} if none: what a resume
+    compares the config against before restoring anything."""
+    for step in sorted(mngr.all_steps(), reverse=True):
+        step_dir = Path(mngr.directory) / str(step)
+        try:
+            verify(step_dir)
+        except Unreadable:
+            continue
+        meta = _read_meta(step_dir)
+        if meta:
+            return meta
+    return {}
+
+
+def prune(mngr: ocp.CheckpointManager, keep: int):
+    """Delete all but the newest `keep` steps (process 0 deletes; every process reloads)."""
+    steps = sorted(mngr.all_steps())
+    for step in steps[:-keep] if len(steps) > keep else ():
+        mngr.delete(step)
+    mngr.reload()
 
 
 def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None):
     """(config, model with the latest (or given) checkpoint's parameters, step) from a run folder.
     On a `mesh` each parameter is read straight into its shards there (by the logical axes its layer
-    names, zoo/sharding.py), whichever mesh wrote the checkpoint; without one, onto the default device."""
+    names, zoo/sharding.py), whichever mesh wrote the checkpoint; without one, onto the default
+    device. The config is the one saved with the checkpoint (config.yaml for older runs)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").exists():
-        raise ValueError(f"{run_dir} is not a run folder (no config.yaml)")
-    cfg = from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    mngr = manager(run_dir / "checkpoints", create=False)
+    if not (run_dir / "checkpoints").is_dir() or not mngr.all_steps():
+        raise ValueError(f"{run_dir} is not a run folder with checkpoints (no {run_dir / 'checkpoints'}/<step>)")
+    saved = newest_meta(mngr).get("config")
+    if saved is None:
+        try:
+            saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"{run_dir}: no readable config (checkpoints without one, config.yaml: {e})") from None
+    cfg = from_dict(saved)
+    build = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))
     if mesh is None:
-        graphdef, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+        graphdef, params, rest = nnx.split(build(), nnx.Param, ...)
     else:
-        graphdef, params, rest, _ = init_on_mesh(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
+        graphdef, params, rest, _ = init_on_mesh(build, mesh)
     targets = {"params": nnx.to_pure_dict(params)}
     if jax.tree.leaves(nnx.to_pure_dict(rest)):
         targets["rest"] = nnx.to_pure_dict(rest)
-    mngr = manager(run_dir / "checkpoints", create=False)
     if step is None:
         step, restored = restore_latest(mngr, targets)
         if step is None:
-            raise ValueError(f"{run_dir} holds no complete checkpoint")
+            raise ValueError(f"{run_dir} holds no readable checkpoint")
     else:
         restored = mngr.restore(step, args=_restore_args(targets))
     nnx.replace_by_pure_dict(params, restored["params"])

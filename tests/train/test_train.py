@@ -1,6 +1,5 @@
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -93,9 +92,9 @@ def test_half_written_checkpoint_is_skipped(tmp_path):
     for f in (broken / "params").rglob("*"):
         if f.is_file():
             f.write_bytes(b"")
-    with pytest.warns(UserWarning, match="step 20 .* incomplete or unreadable"):
+    with pytest.warns(UserWarning, match="checkpoints/20 fails its checksums: params/.* bytes"):
         _, _, step = load_model(tmp_path / "run")
-    assert step == 10
+    assert step == 10 and len(list((tmp_path / "run" / "checkpoints.unreadable").iterdir())) == 1  # kept
 
 
 def test_bad_input_fails_before_training(tmp_path):
@@ -106,7 +105,7 @@ def test_bad_input_fails_before_training(tmp_path):
     run(tiny(tmp_path, steps=2, sample_tokens=0), tmp_path / "b")
     other = to_dict(tiny(tmp_path, steps=2))
     other["model"]["d_model"] = 64
-    with pytest.raises(ValueError, match="different model .*model.d_model: 32 there, 64 now"):
+    with pytest.raises(ValueError, match=r"config differs \(model.d_model: 32 there, 64 now\)"):
         run(from_dict(other), tmp_path / "b")
     assert not (tmp_path / "a").exists()
 
@@ -141,22 +140,6 @@ def _wait_for_step(run_dir, step, proc, timeout=120):
 
 
 DETERMINISTIC = ("step", "tokens", "loss", "lr", "grad_norm", "val_loss")
-
-
-def test_resume_after_sigkill_is_exact(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run(_train_cmd(tmp_path, tmp_path / "straight"), check=True, cwd=ROOT, env=env, capture_output=True)
-    cmd = _train_cmd(tmp_path, tmp_path / "killed")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for_step(tmp_path / "killed", random.Random().randint(7, 33), proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True)
-    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "killed")
-    assert [[r.get(k) for k in DETERMINISTIC] for r in a] == [[r.get(k) for k in DETERMINISTIC] for r in b]
-    (_, ma, _), (_, mb, _) = load_model(tmp_path / "straight"), load_model(tmp_path / "killed")
-    for x, y in zip(jax.tree.leaves(nnx.state(ma)), jax.tree.leaves(nnx.state(mb))):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_sigterm_writes_a_checkpoint_before_exit(tmp_path):
