@@ -47,6 +47,9 @@ def main(argv=None):
         from zoo.checkpoint import load_model
 
         if Path(args.source).is_dir():
+            if args.overrides:
+                raise ValueError(f"overrides {' '.join(args.overrides)}: a run folder is loaded with the config it was "
+                                 "trained with; overrides apply to a YAML config (random weights)")
             _, model, step = load_model(args.source)
             print(f"# {args.source}, checkpoint step {step}", file=sys.stderr)
         else:

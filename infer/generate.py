@@ -116,10 +116,11 @@ def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, st
         return i + count, state, tok, out, layers, done | jnp.any(kept == stop_token, axis=1), accepted
 
     done = first == stop_token
-    i, _, _, out, layers, _, accepted = jax.lax.while_loop(
+    i, state, _, out, layers, _, accepted = jax.lax.while_loop(
         cond, body, (jnp.int32(1), state, first, out, layers, done, jnp.int32(0)))
     valid = jnp.arange(max_new_tokens) < i
-    return jnp.where(valid, out[:, :max_new_tokens], -1), layers[:, :max_new_tokens], accepted, i
+    return (jnp.where(valid, out[:, :max_new_tokens], -1), layers[:, :max_new_tokens], accepted, i,
+            model.overflowed(state))
 
 
 def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
@@ -145,9 +146,16 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
         raise ValueError("generate: every prompt needs at least one token (e.g. a newline byte)")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise ValueError(f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got "
-                         f"{temperature}, {top_k}, {top_p}")
+    V = model.cfg.vocab_size
+    if temperature < 0 or (top_k is not None and not 1 <= top_k <= V) or (top_p is not None and not 0 < top_p <= 1):
+        raise ValueError(f"generate: need temperature >= 0, 1 <= top_k <= {V} (the vocabulary), 0 < top_p <= 1; "
+                         f"got temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    bad = [(i, t) for i, p in enumerate(prompts) for t in p if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"generate: token ids must be in [0, {V}) (model.vocab_size); prompt {bad[0][0]} holds "
+                         f"{bad[0][1]}")
+    if stop_token is not None and not 0 <= stop_token < V:
+        raise ValueError(f"generate: stop_token={stop_token} is not a token id in [0, {V})")
     exits = _exits(model, temperature, exit_threshold, exit_measure, exit_decay, exit_level, speculative, draft_layers)
     P = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), P), np.int32)
@@ -156,14 +164,17 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
         tokens[i, P - len(p):] = p
         segments[i, P - len(p):] = 1
     graphdef, params = nnx.split(model)
-    out, layers, accepted, count = _generate(
+    out, layers, accepted, count, overflowed = _generate(
         graphdef, params, jnp.asarray(tokens), jnp.asarray(segments), jax.random.key(seed),
         jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p or 1.0),
         jnp.int32(-2 if stop_token is None else stop_token),
         jnp.float32(1.0 if exit_threshold is None else exit_threshold), max_new_tokens=max_new_tokens, top_k=top_k,
         greedy=temperature == 0, use_top_p=top_p is not None, exits=exits)
     if not out.is_fully_addressable:  # params spread over several processes: every one gets all of it
-        out, layers, accepted, count = multihost_utils.process_allgather((out, layers, accepted, count), tiled=True)
+        out, layers, accepted, count, overflowed = multihost_utils.process_allgather(
+            (out, layers, accepted, count, overflowed), tiled=True)
+    if np.any(overflowed):  # the cache is sized for prompt + max_new_tokens (+ k drafts): a bug, never silent
+        raise RuntimeError("generate: a KV cache overflowed its slots; this is a bug in generate, please report it")
     rows, used = [], []
     for row, row_layers in zip(np.asarray(out).tolist(), np.asarray(layers).tolist()):
         n = row.index(-1) if -1 in row else len(row)
@@ -207,6 +218,8 @@ def _exits(model, temperature, threshold, measure, decay, level, speculative, dr
 def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str | None = None, **kwargs):
     """`generate` for strings through the byte tokenizer; `stop` is a single-byte stop character.
     Returns the texts (with `return_info`: the texts and the info dict)."""
+    if stop is not None and len(tokenizer.encode(stop)) != 1:
+        raise ValueError(f"generate_text: stop={stop!r} must be one character of one byte (a single token)")
     stop_token = None if stop is None else tokenizer.encode(stop)[0]
     out = generate(model, [tokenizer.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
                    stop_token=stop_token, **kwargs)

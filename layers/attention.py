@@ -22,12 +22,13 @@ Parameters carry their logical sharding axes (layers/sharding.py): the query hea
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kernels import check_impl
 from kernels.attention import attention
 from kernels.segments import document_starts, positions_in_document
 from layers.rotary import apply_rotary
+from layers.shapes import check_input
 from layers.sharding import axes, constrain
 from layers.state import state
 
@@ -39,7 +40,12 @@ class KVCache:
     doc: Int[Array, "B S"]  # (B, S) int32: document number of the token in each slot
     cur_doc: Int[Array, " B"]  # (B,) int32: document number of the last token written
     pos: Int[Array, " B"]  # (B,) int32: position in its document of the next token
-    index: Int[Array, ""]  # () int32: next slot to write
+    index: Int[Array, ""]  # () int32: next slot to write; it counts on past S, so index > S flags an overflow
+
+    def overflowed(self) -> Bool[Array, ""]:
+        """True once more tokens were decoded than the cache has slots (later ones overwrote the last
+        slot): eager decode raises instead, but under jit nothing can, so callers check this."""
+        return self.index > self.k.shape[1]
 
 
 def _documents(segment_ids, B, T, start):
@@ -67,7 +73,7 @@ class Attention(nnx.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
         H, G, K = num_heads, num_kv_heads, head_dim or d_model // num_heads
-        self.num_heads, self.num_kv_heads, self.head_dim = H, G, K
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, H, G, K
         if long_context == "window" and max_seq_len is not None:
             window = max_seq_len if window is None else min(window, max_seq_len)
         self.window, self.rope_base, self.impl, self.dtype = window, rope_base, impl, dtype  # the window in force
@@ -92,6 +98,7 @@ class Attention(nnx.Module):
         return jnp.einsum("BTHK,HKD->BTD", o, self.wo[...].astype(self.dtype))
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
+        check_input(x, self.d_model, segment_ids, "Attention")
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions_in_document(segment_ids, B, T))
         doc = None if segment_ids is None else _documents(segment_ids, B, T, jnp.zeros((B,), jnp.int32))
@@ -106,6 +113,7 @@ class Attention(nnx.Module):
 
     def decode(self, x: Float[Array, "B T D"], cache: KVCache, *,
                segment_ids: Int[Array, "B T"] | None = None):
+        check_input(x, self.d_model, segment_ids, "Attention.decode")
         B, T, _ = x.shape
         S = cache.k.shape[1]
         if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + T > S:

@@ -39,6 +39,7 @@ from kernels import check_impl, check_mode
 from kernels.delta_rule import delta_rule
 from layers.conv import ShortConvolution
 from layers.norm import GatedRMSNorm, RMSNorm
+from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state
 
@@ -83,7 +84,7 @@ class _DeltaRuleMixer(nnx.Module):
         check_mode(mode, chunk_size, name)
         check_impl(impl, name)
         H, K, V = num_heads, head_dim, int(value_dim)
-        self.num_heads, self.head_dim, self.value_dim = H, K, V
+        self.d_model, self.num_heads, self.head_dim, self.value_dim = d_model, H, K, V
         self.conv_size, self.qk_norm, self.dtype = conv_size, qk_norm, dtype
         self.mode, self.chunk_size, self.impl = mode, chunk_size, impl
 
@@ -118,6 +119,7 @@ class _DeltaRuleMixer(nnx.Module):
         return self._mix(x, state, segment_ids, "chunk" if x.shape[1] > 1 else "recurrent")
 
     def _mix(self, x, state: DeltaNetState, segment_ids, mode):
+        check_input(x, self.d_model, segment_ids, type(self).__name__)
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.value_dim
         x = x.astype(self.dtype)

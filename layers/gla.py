@@ -35,6 +35,7 @@ from kernels import check_impl, check_mode
 from kernels.gla import gla
 from layers.conv import ShortConvolution
 from layers.norm import GatedRMSNorm, RMSNorm
+from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state
 
@@ -69,7 +70,7 @@ class GatedLinearAttention(nnx.Module):
             raise ValueError(f"conv_size={conv_size} must be >= 0 (0 = no short convolution)")
         check_mode(mode, chunk_size, "GLA")
         check_impl(impl, "GLA")
-        self.num_heads, self.key_dim, self.value_dim = num_heads, key_dim, value_dim
+        self.d_model, self.num_heads, self.key_dim, self.value_dim = d_model, num_heads, key_dim, value_dim
         self.gate_logit_normalizer, self.use_output_gate = gate_logit_normalizer, use_output_gate
         self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
         xavier = nnx.initializers.variance_scaling(2 ** -5, "fan_avg", "uniform")  # gain 2^-2.5
@@ -107,6 +108,7 @@ class GatedLinearAttention(nnx.Module):
         return self._mix(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
 
     def _mix(self, x, state: GLAState, segment_ids, mode: str):
+        check_input(x, self.d_model, segment_ids, "GatedLinearAttention")
         B, T, _ = x.shape
         H = self.num_heads
         x = x.astype(self.dtype)

@@ -52,6 +52,7 @@ from jaxtyping import Array, Float, Int
 from kernels import check_impl, check_mode
 from kernels.linear_attention import linear_attention
 from kernels.segments import positions_in_document
+from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state
 
@@ -105,7 +106,7 @@ class LinearAttention(nnx.Module):
         if cosformer_max_len < 1:
             raise ValueError(f"cosformer_max_len={cosformer_max_len} must be >= 1")
         check_impl(impl, "LinearAttention")
-        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
         self.feature_map, self.normalize, self.eps = feature_map, normalize, eps
         self.cosformer_max_len, self.mode, self.chunk_size, self.dtype = cosformer_max_len, mode, chunk_size, dtype
         self.impl = impl
@@ -171,6 +172,7 @@ class LinearAttention(nnx.Module):
         return self._mix(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
 
     def _mix(self, x, state: LinearAttentionState, segment_ids, mode: str):
+        check_input(x, self.d_model, segment_ids, "LinearAttention")
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         x = x.astype(self.dtype)

@@ -42,6 +42,7 @@ from jaxtyping import Array, Float, Int
 from kernels import MODES, check_impl, check_mode
 from kernels.selective_scan import selective_scan, selective_scan_step
 from layers.conv import ShortConvolution
+from layers.shapes import check_input
 from layers.sharding import ROWS, axes
 from layers.state import state
 
@@ -77,7 +78,7 @@ class Mamba(nnx.Module):
         check_mode(mode, chunk_size, "Mamba", ("auto", *MODES))
         check_impl(impl, "Mamba")
         Di, N, R = expand * d_model, state_size, dt_rank
-        self.d_inner, self.state_size, self.dt_rank = Di, N, R
+        self.d_model, self.d_inner, self.state_size, self.dt_rank = d_model, Di, N, R
         self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
 
         def linear(i, o, names, **kw):
@@ -113,6 +114,7 @@ class Mamba(nnx.Module):
         return self._mix(x, state, segment_ids, "step" if x.shape[1] == 1 else "auto")
 
     def _mix(self, x, state: MambaState, segment_ids, mode):
+        check_input(x, self.d_model, segment_ids, "Mamba")
         N, R = self.state_size, self.dt_rank
         x = x.astype(self.dtype)
         u, z = jnp.split(self.in_proj(x), 2, axis=-1)  # (B, T, Di) each

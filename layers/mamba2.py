@@ -43,6 +43,7 @@ from kernels.ssd import ssd, ssd_step
 from layers.conv import ShortConvolution
 from layers.mamba import inverse_softplus_dt
 from layers.norm import GatedRMSNorm
+from layers.shapes import check_input
 from layers.sharding import ROWS, axes
 from layers.state import state
 
@@ -79,7 +80,8 @@ class Mamba2(nnx.Module):
         check_mode(mode, chunk_size, "Mamba2")
         check_impl(impl, "Mamba2")
         G, N = num_groups, state_size
-        self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size = Di, H, head_dim, G, N
+        self.d_model, self.d_inner, self.num_heads, self.head_dim = d_model, Di, H, head_dim
+        self.num_groups, self.state_size = G, N
         self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
 
         def linear(i, o, names):
@@ -113,6 +115,7 @@ class Mamba2(nnx.Module):
         return self._mix(x, state, segment_ids, "step" if x.shape[1] == 1 else "chunk")
 
     def _mix(self, x, state: Mamba2State, segment_ids, mode):
+        check_input(x, self.d_model, segment_ids, "Mamba2")
         Bsz, T, _ = x.shape
         Di, H, P, G, N = self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size
         x = x.astype(self.dtype)

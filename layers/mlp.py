@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from layers.shapes import check_input
 from layers.sharding import axes
 
 
@@ -23,6 +24,7 @@ class MLP(nnx.Module):
         self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (F, d_model)), **out)
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        check_input(x, self.w_gate.shape[0], None, "MLP")
         x = x.astype(self.dtype)
         h = jax.nn.silu(x @ self.w_gate[...].astype(self.dtype)) * (x @ self.w_up[...].astype(self.dtype))
         return h @ self.w_down[...].astype(self.dtype)

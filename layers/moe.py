@@ -105,6 +105,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from layers.mlp import MLP, default_hidden_dim
+from layers.shapes import check_input
 from layers.sharding import axes, constrain
 
 ROUTERS = ("topk", "switch", "expert_choice")
@@ -262,6 +263,7 @@ class MoE(nnx.Module):
         return y, load, 1.0 - jnp.mean(picked.astype(jnp.float32))  # dropped: tokens no expert took
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        check_input(x, self.w_router.shape[0], None, "MoE")
         B, T, D = x.shape
         xr = x.reshape(B * T, D).astype(jnp.float32)  # (N, D) the router's input, float32
         xf = xr.astype(self.dtype)  # the experts' input

@@ -39,6 +39,7 @@ from kernels.retention import retention
 from kernels.segments import positions_in_document
 from layers.norm import GatedRMSNorm
 from layers.rotary import apply_rotary
+from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state
 
@@ -70,7 +71,7 @@ class MultiScaleRetention(nnx.Module):
             raise ValueError(f"the key head dim {key_dim // num_heads} must be even for rotary embeddings")
         check_mode(mode, chunk_size, "RetNet")
         check_impl(impl, "RetNet")
-        self.num_heads, self.key_dim, self.value_dim = num_heads, key_dim, value_dim
+        self.d_model, self.num_heads, self.key_dim, self.value_dim = d_model, num_heads, key_dim, value_dim
         self.rotary_base, self.mode, self.chunk_size, self.dtype = rotary_base, mode, chunk_size, dtype
         self.impl = impl
         linear = lambda i, o, names=COLUMNS: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs,
@@ -100,6 +101,7 @@ class MultiScaleRetention(nnx.Module):
         return self._mix(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
 
     def _mix(self, x, state: RetentionState, segment_ids, mode: str):
+        check_input(x, self.d_model, segment_ids, "MultiScaleRetention")
         B, T, _ = x.shape
         H = self.num_heads
         x = x.astype(self.dtype)

@@ -42,6 +42,7 @@ from jaxtyping import Array, Float, Int
 from kernels import check_impl, check_mode
 from kernels.segments import document_starts
 from kernels.wkv6 import wkv6
+from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state
 
@@ -151,6 +152,7 @@ class RWKV6TimeMix(nnx.Module):
         return self._forward(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
 
     def _forward(self, x, state, segment_ids, mode):
+        check_input(x, self.num_heads * self.head_dim, segment_ids, "RWKV6TimeMix")
         B, T, D = x.shape
         H, K, dt = self.num_heads, self.head_dim, self.dtype
         p = lambda w: w[...].astype(dt)
@@ -199,6 +201,7 @@ class RWKV6ChannelMix(nnx.Module):
 
     def decode(self, x: Float[Array, "B T D"], state: RWKVChannelMixState, *,
                segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], RWKVChannelMixState]:
+        check_input(x, self.mu_k.shape[0], segment_ids, "RWKV6ChannelMix")
         p = lambda w: w[...].astype(self.dtype)
         x = x.astype(self.dtype)
         prev, last = token_shift(x, state.shift, segment_ids)

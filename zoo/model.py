@@ -120,9 +120,27 @@ class LanguageModel(nnx.Module):
         wb = self.exit_classifier[j]
         return self.exit_norms[j](h).astype(jnp.float32) @ wb[:-1] + wb[-1]
 
+    def check_tokens(self, tokens, segment_ids=None, where="LanguageModel"):
+        """tokens (B, T) of integer ids in [0, vocab_size), segment_ids (B, T): a ValueError naming what
+        was given otherwise. The ids are checked when they are concrete; under jit (where no check
+        can raise) an id out of range gives NaN logits, which a training step reports as a
+        non-finite loss."""
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"{where}: expected tokens of shape (B, T) with integer ids, got shape "
+                             f"{tuple(tokens.shape)} of {tokens.dtype}")
+        if segment_ids is not None and tuple(segment_ids.shape) != tuple(tokens.shape):
+            raise ValueError(f"{where}: expected segment_ids of the tokens' shape {tuple(tokens.shape)}, got "
+                             f"{tuple(segment_ids.shape)}")
+        if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+            lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"{where}: token ids must be in [0, {self.cfg.vocab_size}) (model.vocab_size); got "
+                                 f"ids from {lo} to {hi}")
+
     def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None,
                  return_exits: bool = False):
         """Logits (B, T, V); with return_exits, also the hidden state at each exit (a tuple of (B, T, D))."""
+        self.check_tokens(tokens, segment_ids)
         x, v_first = constrain(self.embed(tokens), RESIDUAL), None
         hidden = []
         drop = self.exit_layers and self.layer_dropout > 0 and not self.deterministic
@@ -140,9 +158,17 @@ class LanguageModel(nnx.Module):
     def init_state(self, batch_size: int, max_len: int) -> tuple:
         return tuple(block.init_state(batch_size, max_len) for block in self.blocks)
 
+    @staticmethod
+    def overflowed(state) -> jax.Array:
+        """True if any layer's decode state overflowed (a KV cache decoded past its max_len slots)."""
+        flags = [s.overflowed() for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "overflowed"))
+                 if hasattr(s, "overflowed")]
+        return jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
+
     def decode(self, tokens: Int[Array, "B T"], state: tuple, *,
                segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T V"], tuple]:
         """Run T >= 1 tokens from `state` (prefill or one step); returns logits and the new state."""
+        self.check_tokens(tokens, segment_ids, "LanguageModel.decode")
         x, v_first = constrain(self.embed(tokens), RESIDUAL), None
         new_state = []
         for block, s in zip(self.blocks, state):

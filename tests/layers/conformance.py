@@ -1,8 +1,9 @@
 """The mixer protocol, checked on any layer (layers/__init__.py; the one suite every kind runs through,
 tests/layers/test_conformance.py, and a kind's own variants in its test file):
 
-- every mode computes the function of impl="reference" (the token-by-token truth), outputs and the
-  gradients w.r.t. the input and every parameter;
+- every mode computes the function of impl="reference" (the token-by-token truth), and the layer's
+  training mode its gradients w.r.t. the input and every parameter (every form's gradients are
+  compared with the reference's op by op in tests/kernels);
 - prefill (with a document start inside it) + token-by-token decode equals the full pass;
 - a packed row equals its documents run alone;
 - gradients are finite and reach every parameter;
@@ -10,7 +11,9 @@ tests/layers/test_conformance.py, and a kind's own variants in its test file):
   `grows_with_context`, a KV cache), and a jitted decode step traces once for many steps;
 - bfloat16 compute keeps float32 parameters and returns bfloat16 activations;
 - shape annotations are checked (the suite runs under jaxtyping's import hook): a wrong input shape
-  fails at the layer's edge.
+  fails at the layer's edge; and without the checker (as users run) the layer's own ValueError names
+  the expected and the given shape, for x of the wrong rank or width and segment_ids of the wrong
+  shape, in __call__ and in decode.
 
 A layer keeps `impl` (and, where it has modes, `mode`) as attributes read at call time, so one set of
 parameters runs in every mode. A layer with `carries_v_first` (RWKV-7 after layer 0) gets a v_first
@@ -67,7 +70,7 @@ def _alone(a):
     return np.stack([np.concatenate([a[0, :CUT], a[1, :T - 2 * CUT]]), a[0, CUT:]])
 
 
-def protocol_outputs(layer, modes, x, vf):
+def protocol_outputs(layer, modes, x, vf, grad_mode):
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     weight = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
     alone = [None if a is None else jnp.asarray(_alone(a)) for a in (x, vf)]
@@ -86,7 +89,8 @@ def protocol_outputs(layer, modes, x, vf):
         out, grads = {}, {}
         for name, attrs in [("reference", {"impl": "reference"})] + [(md, {"mode": md}) for md in modes]:
             out[name] = _call(model(**attrs), x, SEG, vf)
-            grads[name] = jax.grad(functools.partial(loss, **attrs), argnums=(0, 1))(params, x)
+            if name in ("reference", grad_mode):
+                grads[name] = jax.grad(functools.partial(loss, **attrs), argnums=(0, 1))(params, x)
         m = model()
         y_prefill, state = _decode(m, x[:, :P], m.init_state(B, 64), SEG[:, :P], None if vf is None else vf[:, :P])
 
@@ -111,12 +115,16 @@ def check_mixer(make, D, modes=(), *, tol=1e-4, grad_tol=1e-4):
     layer = perturbed(make())
     x = jnp.asarray(randn(0, (B, T, D)))
     vf = jnp.asarray(randn(1, (B, T, D))) if getattr(layer, "carries_v_first", False) else None
-    out, grads = protocol_outputs(layer, modes, x, vf)
+    grad_mode = getattr(layer, "mode", None)
+    if grad_mode is not None and grad_mode not in modes:  # e.g. Mamba's "auto"
+        modes = (*modes, grad_mode)
+    out, grads = protocol_outputs(layer, modes, x, vf, grad_mode)
     ref = out["reference"]
     assert np.abs(np.asarray(ref)).max() > 1e-3, "the output is ~0: a vacuous check"
     for mode in modes:
         assert_close(out[mode], ref, tol, f"mode={mode} vs reference")
-        assert_tree_close(grads[mode], grads["reference"], grad_tol, f"gradient, mode={mode} vs reference")
+    if grad_mode in grads and grad_mode != "reference":
+        assert_tree_close(grads[grad_mode], grads["reference"], grad_tol, f"gradient, mode={grad_mode} vs reference")
     decode_err = np.abs(np.asarray(out["decode"]) - np.asarray(ref)).max()
     assert decode_err <= tol, f"prefill + token-by-token decode vs full pass: max abs diff {decode_err:.3g}"
     assert_close(ref[0, :CUT], out["alone"][0, :CUT], tol, "packed: document 1 alone")
@@ -128,6 +136,7 @@ def check_mixer(make, D, modes=(), *, tol=1e-4, grad_tol=1e-4):
     check_state(layer, D)
     check_bfloat16(make, D)
     check_annotations(layer, D)
+    check_input_errors(layer, D)
 
 
 def check_state(layer, D):
@@ -167,3 +176,16 @@ def check_annotations(layer, D):
     for shape in ((B, T), (B, T, D, 1)):
         with pytest.raises(jaxtyping.TypeCheckError):
             jax.eval_shape(lambda x: _call(layer, x, None, None), jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def check_input_errors(layer, D):
+    from tests.util import unchecked
+
+    seg = jnp.zeros((B, T + 1), jnp.int32)
+    calls = [(lambda x, s: _call(layer, x, s, None)),
+             (lambda x, s: _decode(layer, x, layer.init_state(B, 64), s, None))]
+    for call in calls:
+        for x, s, message in (((B, T), None, "expected x of shape"), ((B, T, D + 1), None, f"d_model = {D}"),
+                              ((B, T, D), seg, "expected segment_ids of shape")):
+            with unchecked(), pytest.raises(ValueError, match=message):
+                jax.eval_shape(call, jax.ShapeDtypeStruct(x, jnp.float32), s)
