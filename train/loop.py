@@ -6,7 +6,8 @@ step), `checkpoints/<step>/` and `loss.png` (when matplotlib is installed). Star
 folder, a run resumes from its latest complete checkpoint: parameters, optimiser state and step. The
 data position and every random draw are functions of (seed, step), so nothing else needs saving and
 the resumed run is bitwise the run that was never stopped (on the same machine). SIGTERM and Ctrl-C
-write a checkpoint before exiting.
+write a checkpoint before exiting. What a resume accepts and refuses (a changed config, an unreadable
+step, a torn metrics line) is train/resume.py's and zoo/checkpoint.py's.
 
 On several devices (`train.mesh`, zoo/sharding.py) the same loop runs under `jax.set_mesh`: the
 model is built by one jit whose outputs carry the parameters' NamedShardings, the optimiser state
@@ -262,6 +263,7 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
     if start >= t.steps:
         log(f"{run_dir} is finished: its checkpoint is step {start} of train.steps={t.steps}, nothing to train "
             "(to train on, raise train.steps and pass --allow-config-change)")
+        mngr.close()
         return json.loads(kept[-1]) if kept else {}
 
     replicated = NamedSharding(mesh, PartitionSpec())
