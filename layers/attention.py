@@ -2,7 +2,7 @@
 sliding window, and a fixed-shape KV cache for decoding.
 
 num_kv_heads == num_heads is MHA, 1 is MQA, anything dividing num_heads in between is GQA. The cache
-holds only the kv heads: (B, S, G, K) for K and for V. Slot s of the cache holds the token at
+holds only the kv heads, heads first: (B, G, S, K) for K and for V. Slot s of the cache holds the token at
 absolute step s of the row, so a causal/window mask on slot indices is exact; each slot also keeps
 the running document number of its token, so packed or left-padded rows never attend across a
 document start. Rotary positions count inside a document, so a packed document gets the same
@@ -35,8 +35,8 @@ from layers.state import state
 
 @state
 class KVCache:
-    k: Float[Array, "B S G K"]  # (B, S, G, K)
-    v: Float[Array, "B S G K"]  # (B, S, G, K)
+    k: Float[Array, "B G S K"]  # (B, G, S, K): heads first, the layout a decode step reads without a copy
+    v: Float[Array, "B G S K"]  # (B, G, S, K)
     doc: Int[Array, "B S"]  # (B, S) int32: document number of the token in each slot
     cur_doc: Int[Array, " B"]  # (B,) int32: document number of the last token written
     pos: Int[Array, " B"]  # (B,) int32: position in its document of the next token
@@ -45,7 +45,7 @@ class KVCache:
     def overflowed(self) -> Bool[Array, ""]:
         """True once more tokens were decoded than the cache has slots (later ones overwrote the last
         slot): eager decode raises instead, but under jit nothing can, so callers check this."""
-        return self.index > self.k.shape[1]
+        return self.index > self.k.shape[2]
 
 
 def _documents(segment_ids, B, T, start):
@@ -105,7 +105,7 @@ class Attention(nnx.Module):
         return self._out(attention(q, k, v, segment_ids=doc, window=self.window, impl=self.impl))
 
     def init_state(self, batch_size: int, max_len: int) -> KVCache:
-        shape = (batch_size, max_len, self.num_kv_heads, self.head_dim)
+        shape = (batch_size, self.num_kv_heads, max_len, self.head_dim)
         zeros = jnp.zeros((batch_size,), jnp.int32)
         return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
                        doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros,
@@ -115,19 +115,20 @@ class Attention(nnx.Module):
                segment_ids: Int[Array, "B T"] | None = None):
         check_input(x, self.d_model, segment_ids, "Attention.decode")
         B, T, _ = x.shape
-        S = cache.k.shape[1]
+        S = cache.k.shape[2]
         if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + T > S:
             raise ValueError(f"decode: {int(cache.index)} cached + {T} new tokens exceed max_len={S}")
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v = self._qkv(x, positions)
-        at = (0, cache.index, 0, 0)
+        at = (0, 0, cache.index, 0)
+        write = lambda c, x: jax.lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3).astype(c.dtype), at)
         cache = KVCache(
-            k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at),
-            v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at),
+            k=write(cache.k, k), v=write(cache.v, v),
             doc=jax.lax.dynamic_update_slice(cache.doc, doc, (0, cache.index)),
             cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
         slots = jnp.broadcast_to(cache.index - T + jnp.arange(T, dtype=jnp.int32), (B, T))  # (B, T)
         o = attention(q, cache.k.astype(self.dtype), cache.v.astype(self.dtype), segment_ids=doc,
-                      kv_segment_ids=cache.doc, q_positions=slots, window=self.window, impl=self.impl)
+                      kv_segment_ids=cache.doc, q_positions=slots, window=self.window, impl=self.impl,
+                      kv_heads_first=True)
         return self._out(o), cache

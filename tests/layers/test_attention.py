@@ -16,7 +16,7 @@ def test_gqa_and_mqa_equal_mha_with_each_kv_head_repeated(G):
     mha.wv[...] = jnp.repeat(gqa.wv[...], H // G, axis=1)
     x = randn(2, (2, 9, D))
     assert_close(gqa(x), mha(x), 1e-5)
-    assert gqa.init_state(2, 16).k.shape == (2, 16, G, D // H)  # the cache holds only kv heads
+    assert gqa.init_state(2, 16).k.shape == (2, G, 16, D // H)  # the cache holds only kv heads, heads first
 
 
 def test_cache_overflow_is_an_error():

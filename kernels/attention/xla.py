@@ -1,0 +1,230 @@
+"""Softmax attention in XLA, fast in both directions: impl="xla" (and "auto" off GPU/TPU). The same
+function, arguments and masks as reference.py, in two forms:
+
+- `attention_dense`: every head's (T, S) scores at once, laid out heads first — queries (B, G, R,
+  T, K) against keys (B, G, S, K), the R query heads of a kv head as a batch dimension, K/V never
+  copied — masked by a finite -1e30 and normalised by jax.nn.softmax, whose autodiff XLA turns into
+  a few fused passes. The reference's masked softmax written out by hand (where, max, exp, where,
+  divide) on a (B, G, R, T, S) layout is what made attention training slow on CPU: at B=8, T=256,
+  H=4, K=32 its forward+backward takes 48-52 ms, this form 9-12 ms (benchmarks/attention.py).
+- `attention_blocked`: query blocks against key blocks with the online softmax of flash attention
+  (Dao et al., 2022), so no (T, S) scores are ever held, and a block pair that no query of the
+  block can see is skipped (`lax.cond`): above the causal diagonal, outside the sliding window, a
+  KV cache's slots after the last written one. Its custom_vjp is flash attention's backward (Dao,
+  2023): per block pair, P = exp(S - lse) recomputed, dV += P^T dO, dS = P (dO V^T - rowsum(dO o O)),
+  dQ += dS K, dK += dS^T Q.
+
+`attention_xla` takes the blocked form when the (T, S) scores of a row would exceed DENSE_MAX
+entries. Key positions in slot order (the default, and every KV cache) make the blocks a query
+block needs one contiguous range, which the loop visits alone (cost proportional to the keys it
+can see); explicit key positions make it test every pair (`lax.cond`): a pair is skipped when its
+positions prove it fully masked (min key position above the queries' max for causal; max key
+position at or below the queries' min minus the window).
+
+Keys and values may come heads first, (B, G, S, K) (`kv_heads_first`): the layout of the KV cache
+(layers/attention.py), which a decode step then reads without a transpose (at 4K slots, 8 heads on
+2 kv heads of 32, the transpose from (B, S, G, K) took about half of a step's attention). What is
+left of a decode step's cost at long contexts is not the arithmetic: in a decode loop the cache is a
+loop-carried buffer updated in place, and XLA on CPU copies such a buffer when a dot reads it, every
+step (one GQA layer at 4K slots: 424 us per step with the update, 53 us without it; measured with a
+scan of 32 steps). Fused multiply-reductions avoid the copy for GQA but are 2-10x slower for MHA,
+so the dots stay; the copy is a known cost.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from kernels.attention.reference import default_positions, visible
+
+NEG = -1e30  # finite: a row that sees no key stays free of NaN (its output is zeroed separately)
+DENSE_MAX = 512 * 1024  # scores per (row, head) above which the blocked form is used
+BLOCK = 256  # query and key block of the blocked form
+
+
+def attention_xla(q: Float[Array, "B T H K"], k: Array, v: Array, *,
+                  segment_ids: Int[Array, "B T"] | None = None, kv_segment_ids: Int[Array, "B S"] | None = None,
+                  q_positions: Int[Array, "#B T"] | None = None, kv_positions: Int[Array, "#B S"] | None = None,
+                  causal: bool = True, window: int | None = None, scale: float | None = None,
+                  kv_heads_first: bool = False) -> Float[Array, "B T H V"]:
+    """k, v: (B, S, G, K|V), or (B, G, S, K|V) with kv_heads_first."""
+    kt, vt = (k, v) if kv_heads_first else (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))  # (B, G, S, K)
+    T, S = q.shape[1], kt.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qp, kp = default_positions(T, S, q_positions, kv_positions)
+    kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+    if T * S > DENSE_MAX:
+        return attention_blocked(q, kt, vt, qp, kp, segment_ids, kv_seg, causal, window, scale, kv_positions is None)
+    return attention_dense(q, kt, vt, visible(qp, kp, segment_ids, kv_seg, causal, window), scale)
+
+
+def _heads_first(q, G: int):
+    B, T, H, K = q.shape
+    return q.reshape(B, T, G, H // G, K).transpose(0, 2, 3, 1, 4)  # (B, G, R, T, K)
+
+
+def _tokens_first(o, dtype):
+    B, G, R, T, V = o.shape
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, G * R, V).astype(dtype)  # (B, T, H, V)
+
+
+def attention_dense(q, kt, vt, mask: Array, scale: float):
+    """kt, vt heads first (B, G, S, K|V); mask (B|1, T, S): True where a query sees a key."""
+    qt = _heads_first(q, kt.shape[1])
+    s = jnp.einsum("BGRTK,BGSK->BGRTS", qt, kt, preferred_element_type=jnp.float32) * scale
+    m = mask[:, None, None]  # (B|1, 1, 1, T, S)
+    p = jax.nn.softmax(jnp.where(m, s, NEG), axis=-1)
+    o = jnp.einsum("BGRTS,BGSV->BGRTV", p, vt.astype(jnp.float32))
+    return _tokens_first(o * jnp.any(m, axis=-1)[..., None], q.dtype)  # a query that sees no key: zeros
+
+
+def _pad(x, axis, size, value=0):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _blocks(qp, kp, qseg, kvseg, T, S, bq, bk):
+    """Positions and segments padded to whole blocks (padded keys are never visible, padded queries
+    see nothing and are dropped), and the (nq, nk) table of block pairs worth computing."""
+    Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
+    big = jnp.iinfo(jnp.int32).max // 2
+    qp, kp = _pad(qp.astype(jnp.int32), 1, Tp, -big), _pad(kp.astype(jnp.int32), 1, Sp, big)
+    kvalid = _pad(jnp.ones((1, S), bool), 1, Sp, False)
+    qseg = None if qseg is None else _pad(qseg, 1, Tp, -1)
+    kvseg = None if kvseg is None else _pad(kvseg, 1, Sp, -2)
+    q_lo, q_hi = (f(qp.reshape(qp.shape[0], -1, bq), axis=(0, 2)) for f in (jnp.min, jnp.max))  # (nq,)
+    k_lo, k_hi = (f(kp.reshape(kp.shape[0], -1, bk), axis=(0, 2)) for f in (jnp.min, jnp.max))  # (nk,)
+    return qp, kp, kvalid, qseg, kvseg, (q_lo, q_hi, k_lo, k_hi)
+
+
+def _worth(bounds, i, j, causal, window):
+    """False when positions prove block pair (i, j) fully masked."""
+    q_lo, q_hi, k_lo, k_hi = bounds
+    keep = jnp.bool_(True)
+    if causal:
+        keep = keep & (k_lo[j] <= q_hi[i])
+    if window is not None:
+        keep = keep & (k_hi[j] > q_lo[i] - window)
+    return keep
+
+
+def _key_loop(bounds, i, causal, window, in_order, body, init):
+    """body(j, carry) over the key blocks query block i may see: with keys in slot order one range
+    [lo, hi) (a while loop of that many steps), else every block, each behind a lax.cond."""
+    q_lo, q_hi, k_lo, k_hi = bounds
+    nk = k_lo.shape[0]
+    if not in_order:
+        return lax.fori_loop(0, nk, lambda j, c: lax.cond(_worth(bounds, i, j, causal, window), lambda c: body(j, c),
+                                                          lambda c: c, c), init)
+    hi = jnp.searchsorted(k_lo, q_hi[i], side="right").astype(jnp.int32) if causal else jnp.int32(nk)
+    lo = jnp.searchsorted(k_hi, q_lo[i] - window, side="right").astype(jnp.int32) if window is not None \
+        else jnp.int32(0)
+    return lax.fori_loop(lo, jnp.maximum(lo, hi), body, init)
+
+
+def _mask(qp, kp, kvalid, qseg, kvseg, i, j, bq, bk, causal, window):
+    sl = lambda x, at, n: lax.dynamic_slice_in_dim(x, at * n, n, axis=1)
+    m = visible(sl(qp, i, bq), sl(kp, j, bk), None if qseg is None else sl(qseg, i, bq),
+                None if kvseg is None else sl(kvseg, j, bk), causal, window)
+    return (m & sl(kvalid, j, bk)[:, None, :])[:, None, None]  # (B|1, 1, 1, bq, bk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def attention_blocked(q, kt, vt, qp, kp, qseg, kvseg, causal, window, scale, in_order):
+    """q (B, T, H, K), kt/vt heads first (B, G, S, K|V), positions (B|1, T) / (B|1, S), segments
+    (B, T) / (B, S) or None; the arguments of attention_xla after defaults are filled in. in_order:
+    key positions ascend with the slots."""
+    return _blocked_fwd(q, kt, vt, qp, kp, qseg, kvseg, causal, window, scale, in_order)[0]
+
+
+def _sizes(T, S):
+    return min(BLOCK, T), min(BLOCK, S)
+
+
+def _blocked_fwd(q, k, v, qp, kp, qseg, kvseg, causal, window, scale, in_order):
+    T, S = q.shape[1], k.shape[2]  # k, v heads first
+    bq, bk = _sizes(T, S)
+    Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
+    qt, kt, vt = _pad(_heads_first(q, k.shape[1]), 3, Tp), _pad(k, 2, Sp), _pad(v, 2, Sp)
+    qpp, kpp, kvalid, qs, ks, bounds = _blocks(qp, kp, qseg, kvseg, T, S, bq, bk)
+    B, G, R, _, K = qt.shape
+    V = vt.shape[-1]
+
+    def query_block(i):
+        qi = lax.dynamic_slice_in_dim(qt, i * bq, bq, axis=3)  # (B, G, R, bq, K)
+
+        def key_block(j, carry):
+            m, l, acc = carry
+            kj, vj = (lax.dynamic_slice_in_dim(x, j * bk, bk, axis=2) for x in (kt, vt))  # (B, G, bk, K)
+            mask = _mask(qpp, kpp, kvalid, qs, ks, i, j, bq, bk, causal, window)
+            s = jnp.where(mask, jnp.einsum("BGRQK,BGSK->BGRQS", qi, kj,
+                                           preferred_element_type=jnp.float32) * scale, NEG)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None]) * mask  # exactly 0 where masked
+            a = jnp.exp(m - m_new)
+            acc = acc * a[..., None] + jnp.einsum("BGRQS,BGSV->BGRQV", p, vj.astype(jnp.float32))
+            return m_new, l * a + jnp.sum(p, axis=-1), acc
+
+        init = (jnp.full((B, G, R, bq), NEG, jnp.float32), jnp.zeros((B, G, R, bq), jnp.float32),
+                jnp.zeros((B, G, R, bq, V), jnp.float32))
+        m, l, acc = _key_loop(bounds, i, causal, window, in_order, key_block, init)
+        seen = l > 0
+        o = acc / jnp.where(seen, l, 1.0)[..., None]
+        return o, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)  # lse; 0 for rows that see nothing
+
+    o, lse = lax.map(query_block, jnp.arange(Tp // bq))  # (nq, B, G, R, bq, V), (nq, B, G, R, bq)
+    o = jnp.moveaxis(o, 0, 3).reshape(B, G, R, Tp, V)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(B, G, R, Tp)
+    return _tokens_first(o[:, :, :, :T], q.dtype), (q, k, v, qp, kp, qseg, kvseg, o, lse)
+
+
+def _blocked_bwd(causal, window, scale, in_order, res, do):
+    q, k, v, qp, kp, qseg, kvseg, o, lse = res  # k, v heads first
+    T, S = q.shape[1], k.shape[2]
+    bq, bk = _sizes(T, S)
+    qt = _heads_first(q, k.shape[1])
+    Tp, Sp = o.shape[3], -(-S // bk) * bk
+    qt, kt, vt = _pad(qt, 3, Tp), _pad(k, 2, Sp), _pad(v, 2, Sp)
+    dot = _pad(_heads_first(do, k.shape[1]).astype(jnp.float32), 3, Tp)  # (B, G, R, Tp, V)
+    delta = jnp.sum(dot * o, axis=-1)  # (B, G, R, Tp)
+    qpp, kpp, kvalid, qs, ks, bounds = _blocks(qp, kp, qseg, kvseg, T, S, bq, bk)
+    sl = lambda x, at, n, axis: lax.dynamic_slice_in_dim(x, at * n, n, axis=axis)
+
+    def query_block(carry, i):
+        dk, dv = carry
+        qi, doi = sl(qt, i, bq, 3), sl(dot, i, bq, 3)
+        lse_i, delta_i = sl(lse, i, bq, 3), sl(delta, i, bq, 3)
+
+        def key_block(j, inner):
+            dq_i, dk, dv = inner
+            kj, vj = sl(kt, j, bk, 2), sl(vt, j, bk, 2)
+            mask = _mask(qpp, kpp, kvalid, qs, ks, i, j, bq, bk, causal, window)
+            s = jnp.einsum("BGRQK,BGSK->BGRQS", qi, kj, preferred_element_type=jnp.float32) * scale
+            p = jnp.exp(jnp.where(mask, s, NEG) - lse_i[..., None]) * mask
+            dv_j = jnp.einsum("BGRQS,BGRQV->BGSV", p, doi)
+            dp = jnp.einsum("BGRQV,BGSV->BGRQS", doi, vj.astype(jnp.float32))
+            ds = p * (dp - delta_i[..., None]) * scale
+            dq_i = dq_i + jnp.einsum("BGRQS,BGSK->BGRQK", ds, kj.astype(jnp.float32))
+            dk_j = jnp.einsum("BGRQS,BGRQK->BGSK", ds, qi.astype(jnp.float32))
+            add = lambda acc, x: lax.dynamic_update_slice_in_dim(acc, sl(acc, j, bk, 2) + x, j * bk, axis=2)
+            return dq_i, add(dk, dk_j), add(dv, dv_j)
+
+        dq_i, dk, dv = _key_loop(bounds, i, causal, window, in_order, key_block,
+                                 (jnp.zeros(qi.shape, jnp.float32), dk, dv))
+        return (dk, dv), dq_i
+
+    B, G, R, _, K = qt.shape
+    zeros = (jnp.zeros(kt.shape, jnp.float32), jnp.zeros(vt.shape, jnp.float32))
+    (dk, dv), dq = lax.scan(query_block, zeros, jnp.arange(Tp // bq))
+    dq = jnp.moveaxis(dq, 0, 3).reshape(B, G, R, Tp, K)[:, :, :, :T]
+    dq = _tokens_first(dq, q.dtype)
+    dk, dv = (x[:, :, :S].astype(y.dtype) for x, y in ((dk, k), (dv, v)))
+    none = lambda x: None if x is None else jnp.zeros(x.shape, jax.dtypes.float0)
+    return dq, dk, dv, none(qp), none(kp), none(qseg), none(kvseg)
+
+
+attention_blocked.defvjp(_blocked_fwd, _blocked_bwd)

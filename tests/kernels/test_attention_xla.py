@@ -1,0 +1,95 @@
+"""The XLA attention forms (kernels/attention/xla.py) against the reference: outputs and the
+gradients of q, k and v, dense and blocked (16-token blocks here, so ragged T spans several blocks
+and skipped pairs), on the Pallas tests' cases: ragged T, GQA ratios 1 and 4, one kv head, causal or
+not, sliding window, packed documents, a decode-style call against a longer cache with empty slots
+and a query that sees no key, bfloat16."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels.attention import attention, xla
+from kernels.attention.reference import attention_reference
+from tests.kernels.test_attention_pallas import CASES, _inputs, _out_and_grads, _packed
+from tests.util import assert_close
+
+FORMS = ("dense", "blocked")
+
+
+@pytest.fixture(params=FORMS)
+def form(request, monkeypatch):
+    """The form attention_xla takes: dense always, or blocked always, with 16-token blocks."""
+    if request.param == "dense":
+        monkeypatch.setattr(xla, "DENSE_MAX", 2 ** 62)
+    else:
+        monkeypatch.setattr(xla, "DENSE_MAX", 0)
+        monkeypatch.setattr(xla, "BLOCK", 16)
+    return request.param
+
+
+def compare(q, k, v, ct, kw, tol):
+    got = jax.jit(partial(_out_and_grads, xla.attention_xla, kw=kw))(q, k, v, ct)
+    f32 = (x.astype(jnp.float32) for x in (q, k, v, ct))
+    want = jax.jit(partial(_out_and_grads, attention_reference, kw=kw))(*f32)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert a.dtype == q.dtype, name
+        assert_close(a, b, tol, name)
+    return got[0]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference(case, form):
+    B, T, H, G, K, V, causal, window, packed = CASES[case]
+    q, k, v, ct = _inputs(B, T, T, H, G, K, V)
+    compare(q, k, v, ct, dict(causal=causal, window=window, segment_ids=_packed(B, T, 5) if packed else None), 1e-4)
+
+
+def test_decode_style_call_against_a_cache(form):
+    """3 queries at slots 20..22 of a 40-slot cache (unwritten slots: document -1); row 0's document
+    has no key in the cache, so its queries see nothing and return zeros."""
+    B, T, S, H, G, K = 2, 3, 40, 4, 2, 16
+    q, k, v, ct = _inputs(B, T, S, H, G, K, K, seed=10)
+    cache_doc = jnp.where(jnp.arange(S) < 23, jnp.array([[0], [1]]), -1).at[1, 22].set(2).at[1, 5:15].set(0)
+    kw = dict(segment_ids=jnp.array([[7, 7, 7], [1, 1, 2]], jnp.int32), kv_segment_ids=cache_doc,
+              q_positions=jnp.arange(20, 23, dtype=jnp.int32)[None], window=6)
+    o = compare(q, k, v, ct, kw, 1e-4)
+    assert float(jnp.abs(o[0]).max()) == 0.0
+
+
+def test_one_query_against_a_long_cache_reads_only_written_blocks(form):
+    """A decode step at slot 37 of a 100-slot cache: the blocked form skips the blocks past it."""
+    q, k, v, ct = _inputs(2, 1, 100, 4, 1, 16, 16, seed=20)
+    compare(q, k, v, ct, dict(q_positions=jnp.array([[37], [37]], jnp.int32)), 1e-4)
+
+
+def test_bfloat16(form):
+    B, T, H, G, K, V, causal, window, _ = CASES["gqa4-window-packed-K8"]
+    q, k, v, ct = _inputs(B, T, T, H, G, K, V, dtype=jnp.bfloat16, seed=30)
+    compare(q, k, v, ct, dict(causal=causal, window=window, segment_ids=_packed(B, T, 6)), 2e-2)
+
+
+def test_auto_and_xla_take_the_xla_form_on_cpu_and_reference_the_reference():
+    q = jnp.zeros((1, 8, 2, 16))
+    jaxpr = lambda impl: str(jax.make_jaxpr(partial(attention, impl=impl))(q, q, q))
+    marker = "is_finite"  # the reference's guard of its hand-written softmax
+    assert marker in jaxpr("reference") and marker not in jaxpr("xla")
+    if jax.default_backend() == "cpu":
+        assert marker not in jaxpr("auto")
+
+
+def test_explicit_key_positions_in_any_order(form):
+    """Key positions given (here shuffled): the blocked form tests every block pair instead of a range."""
+    import numpy as np
+
+    q, k, v, ct = _inputs(1, 29, 29, 4, 2, 16, 16, seed=40)
+    kp = jnp.asarray(np.random.default_rng(0).permutation(29), jnp.int32)[None]
+    compare(q, k, v, ct, dict(kv_positions=kp, q_positions=jnp.arange(29, dtype=jnp.int32)[None], window=11), 1e-4)
+
+
+def test_keys_heads_first_are_the_same_call():
+    q, k, v, _ = _inputs(2, 9, 9, 4, 2, 16, 16, seed=50)
+    heads_first = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), kv_heads_first=True, window=4)
+    for impl in ("reference", "xla"):
+        assert_close(attention(q, k, v, window=4, impl=impl), heads_first, 1e-5, impl)
