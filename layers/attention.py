@@ -27,6 +27,7 @@ from jaxtyping import Array, Bool, Float, Int
 from kernels import check_impl
 from kernels.attention import attention
 from kernels.segments import document_starts, positions_in_document
+from layers.linear import project
 from layers.rotary import apply_rotary
 from layers.shapes import check_input
 from layers.sharding import axes, constrain
@@ -86,16 +87,15 @@ class Attention(nnx.Module):
 
     def _qkv(self, x, positions):
         x = x.astype(self.dtype)
-        q = jnp.einsum("BTD,DHK->BTHK", x, self.wq[...].astype(self.dtype))
-        k = jnp.einsum("BTD,DGK->BTGK", x, self.wk[...].astype(self.dtype))
-        v = jnp.einsum("BTD,DGK->BTGK", x, self.wv[...].astype(self.dtype))
+        q, k, v = (project(x, w[...].astype(self.dtype)) for w in (self.wq, self.wk, self.wv))  # (B, T, H|G, K)
         # On a mesh: heads split over `tensor`, rows over the batch axes (no-op on one device).
         q = constrain(q, ("batch", None, "heads", None))
         k, v = (constrain(a, ("batch", None, "kv_heads", None)) for a in (k, v))
         return apply_rotary(q, positions, self.rope_base), apply_rotary(k, positions, self.rope_base), v
 
     def _out(self, o):
-        return jnp.einsum("BTHK,HKD->BTD", o, self.wo[...].astype(self.dtype))
+        B, T, H, K = o.shape
+        return project(o.reshape(B, T, H * K), self.wo[...].astype(self.dtype).reshape(H * K, -1))  # (B, T, D)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
         check_input(x, self.d_model, segment_ids, "Attention")

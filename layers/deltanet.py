@@ -38,6 +38,7 @@ from jaxtyping import Array, Float, Int
 from kernels import check_impl, check_mode
 from kernels.delta_rule import delta_rule
 from layers.conv import ShortConvolution
+from layers.linear import Linear
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
@@ -89,7 +90,7 @@ class _DeltaRuleMixer(nnx.Module):
         self.mode, self.chunk_size, self.impl = mode, chunk_size, impl
 
         def linear(i, o, names=COLUMNS):
-            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+            return Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
                               kernel_metadata=axes(*names))
 
         self.q_proj, self.k_proj, self.v_proj = linear(d_model, H * K), linear(d_model, H * K), linear(d_model, H * V)
@@ -154,7 +155,7 @@ class DeltaNet(_DeltaRuleMixer):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm=qk_norm, norm_eps=norm_eps, mode=mode,
                          chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="DeltaNet")
-        self.b_proj = nnx.Linear(d_model, num_heads, use_bias=False, dtype=dtype, rngs=rngs,
+        self.b_proj = Linear(d_model, num_heads, use_bias=False, dtype=dtype, rngs=rngs,
                                  kernel_metadata=axes("embed", None)) if use_beta else None
 
     def _gates(self, x):
@@ -171,7 +172,7 @@ class GatedDeltaNet(_DeltaRuleMixer):
                          use_output_gate=use_output_gate, qk_norm="l2", norm_eps=norm_eps, mode=mode,
                          chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="GatedDeltaNet")
         H = num_heads
-        gate = lambda: nnx.Linear(d_model, H, use_bias=False, dtype=dtype, rngs=rngs,
+        gate = lambda: Linear(d_model, H, use_bias=False, dtype=dtype, rngs=rngs,
                                   kernel_metadata=axes("embed", None))
         self.a_proj, self.b_proj = gate(), gate()
         A = 16.0 * (1.0 - jax.random.uniform(rngs.params(), (H,)))  # U(0, 16], never 0

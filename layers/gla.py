@@ -34,6 +34,7 @@ from jaxtyping import Array, Float, Int
 from kernels import check_impl, check_mode
 from kernels.gla import gla
 from layers.conv import ShortConvolution
+from layers.linear import Linear
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
@@ -74,7 +75,7 @@ class GatedLinearAttention(nnx.Module):
         self.gate_logit_normalizer, self.use_output_gate = gate_logit_normalizer, use_output_gate
         self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
         xavier = nnx.initializers.variance_scaling(2 ** -5, "fan_avg", "uniform")  # gain 2^-2.5
-        linear = lambda i, o, names=COLUMNS, bias=False: nnx.Linear(
+        linear = lambda i, o, names=COLUMNS, bias=False: Linear(
             i, o, use_bias=bias, dtype=dtype, kernel_init=xavier, rngs=rngs, kernel_metadata=axes(*names),
             bias_metadata=axes(names[1]))
         self.q_proj, self.k_proj = linear(d_model, key_dim), linear(d_model, key_dim)

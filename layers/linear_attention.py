@@ -52,6 +52,7 @@ from jaxtyping import Array, Float, Int
 from kernels import check_impl, check_mode
 from kernels.linear_attention import linear_attention
 from kernels.segments import positions_in_document
+from layers.linear import Linear
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state
@@ -110,7 +111,7 @@ class LinearAttention(nnx.Module):
         self.feature_map, self.normalize, self.eps = feature_map, normalize, eps
         self.cosformer_max_len, self.mode, self.chunk_size, self.dtype = cosformer_max_len, mode, chunk_size, dtype
         self.impl = impl
-        linear = lambda names: nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs,
+        linear = lambda names: Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs,
                                           kernel_metadata=axes(*names))
         self.q_proj, self.k_proj, self.v_proj = linear(COLUMNS), linear(COLUMNS), linear(COLUMNS)
         self.o_proj = linear(ROWS)

@@ -42,6 +42,7 @@ from jaxtyping import Array, Float, Int
 from kernels import MODES, check_impl, check_mode
 from kernels.selective_scan import selective_scan, selective_scan_step
 from layers.conv import ShortConvolution
+from layers.linear import Linear
 from layers.shapes import check_input
 from layers.sharding import ROWS, axes
 from layers.state import state
@@ -82,7 +83,7 @@ class Mamba(nnx.Module):
         self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
 
         def linear(i, o, names, **kw):
-            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+            return Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
                               kernel_metadata=axes(*names), **kw)
 
         # The inner channels split over `tensor`; in_proj's output fuses [u, z], so it stays whole there.

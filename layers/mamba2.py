@@ -41,6 +41,7 @@ from jaxtyping import Array, Float, Int
 from kernels import check_impl, check_mode
 from kernels.ssd import ssd, ssd_step
 from layers.conv import ShortConvolution
+from layers.linear import Linear
 from layers.mamba import inverse_softplus_dt
 from layers.norm import GatedRMSNorm
 from layers.shapes import check_input
@@ -85,7 +86,7 @@ class Mamba2(nnx.Module):
         self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
 
         def linear(i, o, names):
-            return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+            return Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
                               kernel_metadata=axes(*names))
 
         # in_proj's output and the conv fuse [z, x, B, C, dt] / [x, B, C]: a split over `tensor` would cut

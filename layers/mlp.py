@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from layers.linear import project
 from layers.shapes import check_input
 from layers.sharding import axes
 
@@ -26,5 +27,6 @@ class MLP(nnx.Module):
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         check_input(x, self.w_gate.shape[0], None, "MLP")
         x = x.astype(self.dtype)
-        h = jax.nn.silu(x @ self.w_gate[...].astype(self.dtype)) * (x @ self.w_up[...].astype(self.dtype))
-        return h @ self.w_down[...].astype(self.dtype)
+        w = lambda p: p[...].astype(self.dtype)
+        h = jax.nn.silu(project(x, w(self.w_gate))) * project(x, w(self.w_up))
+        return project(h, w(self.w_down))

@@ -38,9 +38,13 @@ Capacity (dispatch="capacity", and expert choice): C = min(N, ceil(capacity_fact
   queued choice-major: all first choices in flattened (b, t) order, then all second choices, ... (the
   Mesh-TF/T5X Switch/GShard priority). An expert keeps the first C assignments of its queue; a dropped
   assignment contributes exactly zero (in a residual block the token passes through unchanged).
-dispatch="dropless": assignments are stably sorted by expert (the same queue order) and the experts
-  run as one grouped matmul `jax.lax.ragged_dot` with the per-expert counts as group sizes; nothing is
-  dropped, and it equals capacity dispatch whenever capacity drops nothing.
+dispatch="dropless": assignments are stably sorted by expert (the same queue order), each expert's
+  group is padded to whole tiles of `tile` rows, and every tile is multiplied by its own expert's
+  weights in one batched product (MegaBlocks' block-sparse layout, Gale et al., 2022, with static
+  shapes: at most k*N/tile + E tiles). Nothing is dropped, and it equals capacity dispatch whenever
+  capacity drops nothing. The work is k*N rows plus at most E tiles of padding, where
+  `jax.lax.ragged_dot` on CPU (wherever XLA has no native ragged dot) is a masked dense product over
+  all E groups, E times the FLOPs (benchmarks/peers.py: moe_dropless against moe).
 Outside training, dispatch is always dropless. Which assignments capacity drops depends on every
   other token of the call (other rows, other documents, later tokens), so capacity dispatch is not
   a causal function of a row: with it, validation loss, a packed batch and token-by-token decoding
@@ -48,9 +52,6 @@ Outside training, dispatch is always dropless. Which assignments capacity drops 
   evaluation, packed rows and decoding agree exactly; `dispatch` is training's choice (capacity:
   GShard/Switch's fixed buffers; dropless: MegaBlocks). A training-mode call with T == 1 is dropless
   too.
-  Cost note: on CPU (and wherever XLA has no native ragged dot) `ragged_dot` lowers to a masked dense
-  product over all E groups: E times the FLOPs and an (E, k*N, D) masked operand (benchmarks/moe.py,
-  4096 tokens, d_model 256, E=8: 6.4x the GFLOP of capacity dispatch, 7-9x the dense MLP's time on CPU).
 
 Losses (sown, float32). f_e = (assignments routed to e before dropping) / (N k), P_e = mean_n p_{n,e}:
   balance_loss = E sum_e f_e P_e (Switch's loss with all k choices counted, = DeepSeek's L_ExpBal /
@@ -211,11 +212,21 @@ class MoE(nnx.Module):
         h = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", xb, wg)) * jnp.einsum("ECD,EDF->ECF", xb, wu)
         return constrain(jnp.einsum("ECF,EFD->ECD", h, wd), ("expert", None, None))
 
-    def _experts_grouped(self, xs, group_sizes):
-        """Rows sorted by expert, group_sizes[e] rows for expert e: (M, D) -> (M, D)."""
-        wg, wu, wd = self._weights()
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, group_sizes)) * jax.lax.ragged_dot(xs, wu, group_sizes)
-        return jax.lax.ragged_dot(h, wd, group_sizes)
+    def _experts_grouped(self, xs, expert, group_sizes):
+        """Rows sorted by expert (expert[i] the expert of row i, group_sizes[e] rows for expert e):
+        (M, D) -> (M, D), each group padded to whole tiles, each tile times its expert's weights."""
+        (M, D), E = xs.shape, self.num_experts
+        tile = min(64, 1 << max(0, math.ceil(math.log2(max(1, -(-M // E))))))  # ~ the mean group, at most 64
+        n_tiles = -(-M // tile) + E  # the sum of ceil(size / tile) over the groups is at most this
+        tiles = -(-group_sizes // tile)  # (E,)
+        tile_end = jnp.cumsum(tiles)
+        starts = jnp.cumsum(group_sizes) - group_sizes
+        dest = (tile_end - tiles)[expert] * tile + jnp.arange(M) - starts[expert]  # (M,) row in the tiled buffer
+        tiled = jnp.zeros((n_tiles * tile, D), xs.dtype).at[dest].set(xs).reshape(n_tiles, tile, D)
+        owner = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"), E - 1)  # (n_tiles,)
+        wg, wu, wd = (w[owner] for w in self._weights())  # (n_tiles, D, F) ...
+        h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", tiled, wg)) * jnp.einsum("tmd,tdf->tmf", tiled, wu)
+        return jnp.einsum("tmf,tfd->tmd", h, wd).reshape(n_tiles * tile, D)[dest]
 
     def _token_choice(self, logits, probs, k, order, renormalize):
         """Experts (N, k) int32 and gates (N, k) float32 of each token."""
@@ -236,7 +247,7 @@ class MoE(nnx.Module):
         perm = jnp.argsort(queue, stable=True)  # queue order kept inside each expert
         load = jnp.bincount(queue, length=E)  # (E,)
         if dropless:
-            ys = self._experts_grouped(xf[token[perm]], load)  # (k*N, D) sorted by expert
+            ys = self._experts_grouped(xf[token[perm]], queue[perm], load)  # (k*N, D) sorted by expert
             y_assign, kept = jnp.zeros_like(ys).at[perm].set(ys), jnp.ones((k * N,), bool)
         else:
             C = expert_capacity(N, E, k, self.capacity_factor)

@@ -37,6 +37,7 @@ from jaxtyping import Array, Float, Int
 from kernels import check_impl, check_mode
 from kernels.retention import retention
 from kernels.segments import positions_in_document
+from layers.linear import Linear
 from layers.norm import GatedRMSNorm
 from layers.rotary import apply_rotary
 from layers.shapes import check_input
@@ -74,7 +75,7 @@ class MultiScaleRetention(nnx.Module):
         self.d_model, self.num_heads, self.key_dim, self.value_dim = d_model, num_heads, key_dim, value_dim
         self.rotary_base, self.mode, self.chunk_size, self.dtype = rotary_base, mode, chunk_size, dtype
         self.impl = impl
-        linear = lambda i, o, names=COLUMNS: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs,
+        linear = lambda i, o, names=COLUMNS: Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs,
                                                         kernel_init=_xavier(2 ** -2.5), kernel_metadata=axes(*names))
         self.q_proj, self.k_proj = linear(d_model, key_dim), linear(d_model, key_dim)
         self.v_proj, self.g_proj = linear(d_model, value_dim), linear(d_model, value_dim)

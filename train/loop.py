@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import infer
 from train import optim
-from train.data import Batches, load_streams, process_rows
+from train.data import Batches, cache_dir, load_streams, process_rows
 from train.exits import fit_exit_classifiers
 from train.resume import check_run_dir, differences, metrics_upto
 from zoo import checkpoint
@@ -211,18 +211,27 @@ class _Signals:
             signal.signal(sig, handler)
 
 
+def use_compilation_cache():
+    """JAX's persistent compilation cache under $ZOO_CACHE/xla: a second run of the same config (or a
+    resume) loads its compiled step instead of compiling it again. Programs that compile in under a
+    second are not worth the disk and stay out (JAX's default threshold)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+
+
 def run(cfg: Config, run_dir, *, log=print, mesh: Mesh | None = None, allow_config_change: bool = False) -> dict:
     """Train `cfg` in `run_dir` (resuming if it holds a checkpoint) on `mesh` (default: train.mesh
     over every device); returns the last metrics. A run folder written with another config is
     refused unless `allow_config_change` (train/resume.py). Exits with 128 + signal number after a
     SIGTERM / SIGINT checkpoint, 1 on a non-finite loss."""
+    use_compilation_cache()
     mesh = make_mesh(cfg.train.mesh) if mesh is None else mesh
     with jax.set_mesh(mesh):
         return _run(cfg, Path(run_dir), mesh, log, allow_config_change)
 
 
 def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool) -> dict:
-    t = cfg.train
+    started, t = time.perf_counter(), cfg.train
     primary = jax.process_index() == 0  # the one process that writes files and prints
     if not primary:
         log = lambda *_: None  # noqa: E731
@@ -301,6 +310,9 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
             m = jax.tree.map(as_numpy, m)  # waits for the step
             finite = bool(m["finite"])
             step_time += time.perf_counter() - t0
+            if step == start + 1:
+                log(f"first step done {time.perf_counter() - started:.1f} s after the start, compiles included "
+                    f"(compiled programs are kept in {jax.config.jax_compilation_cache_dir}: a second run loads them)")
             window_tokens += t.batch_size * t.seq_len
             if bar:
                 bar.update(0, completed=step)

@@ -22,10 +22,12 @@ are no-ops.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from layers import RMSNorm
+from layers.linear import project
 from layers.sharding import axes, constrain
 from zoo.config import ModelConfig
 from zoo.registry import make_layer
@@ -105,7 +107,7 @@ class LanguageModel(nnx.Module):
     def logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         x = self.norm(x)
         w = self.embed.embedding[...].T if self.head is None else self.head[...]
-        logits = jnp.einsum("BTD,DV->BTV", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = project(x, w.astype(x.dtype), preferred_element_type=jnp.float32)  # (B, T, V)
         return constrain(logits, ("batch", None, "vocab"))
 
     def exit_logits(self, j: int, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
@@ -113,7 +115,7 @@ class LanguageModel(nnx.Module):
         x = self.exit_norms[j](h)
         w = self.embed.embedding[...].T if self.head is None else self.head[...]
         w = w if self.exit_heads is None else self.exit_heads[j]
-        return jnp.einsum("BTD,DV->BTV", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return project(x, w.astype(x.dtype), preferred_element_type=jnp.float32)  # (B, T, V)
 
     def exit_classifier_logits(self, j: int, h: Float[Array, "B T D"]) -> Float[Array, "B T"]:
         """The learned exit classifier: the logit of P(exit j already predicts the full model's token)."""
@@ -131,8 +133,9 @@ class LanguageModel(nnx.Module):
         if segment_ids is not None and tuple(segment_ids.shape) != tuple(tokens.shape):
             raise ValueError(f"{where}: expected segment_ids of the tokens' shape {tuple(tokens.shape)}, got "
                              f"{tuple(segment_ids.shape)}")
-        if not isinstance(tokens, jax.core.Tracer) and tokens.size:
-            lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+        if not isinstance(tokens, jax.core.Tracer) and tokens.size:  # concrete: read on the host, not traced
+            ids = np.asarray(tokens)
+            lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"{where}: token ids must be in [0, {self.cfg.vocab_size}) (model.vocab_size); got "
                                  f"ids from {lo} to {hi}")

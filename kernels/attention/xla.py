@@ -41,8 +41,9 @@ from jaxtyping import Array, Float, Int
 from kernels.attention.reference import default_positions, visible
 
 NEG = -1e30  # finite: a row that sees no key stays free of NaN (its output is zeroed separately)
-DENSE_MAX = 512 * 1024  # scores per (row, head) above which the blocked form is used
-BLOCK = 256  # query and key block of the blocked form
+DENSE_MAX = 128 * 128  # scores per (row, head) above which the blocked form is used
+BLOCK = 128  # query and key block of the blocked form (training lengths: the working set stays in cache)
+LONG_BLOCK = 512  # ... and for calls longer than 1024 (fewer block pairs; 4K prefill 80 -> 54 ms)
 
 
 def attention_xla(q: Float[Array, "B T H K"], k: Array, v: Array, *,
@@ -142,7 +143,8 @@ def attention_blocked(q, kt, vt, qp, kp, qseg, kvseg, causal, window, scale, in_
 
 
 def _sizes(T, S):
-    return min(BLOCK, T), min(BLOCK, S)
+    b = BLOCK if max(T, S) <= 1024 else LONG_BLOCK
+    return min(b, T), min(b, S)
 
 
 def _blocked_fwd(q, k, v, qp, kp, qseg, kvseg, causal, window, scale, in_order):

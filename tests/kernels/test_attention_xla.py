@@ -26,6 +26,7 @@ def form(request, monkeypatch):
     else:
         monkeypatch.setattr(xla, "DENSE_MAX", 0)
         monkeypatch.setattr(xla, "BLOCK", 16)
+        monkeypatch.setattr(xla, "LONG_BLOCK", 16)
     return request.param
 
 

@@ -1,0 +1,319 @@
+"""The zoo against plain PyTorch implementations of the same models on this CPU: training steps,
+a long prefill and the first step (compile), alternating in one run.
+
+    python -m benchmarks.peers [--repeats 5] [--only nanogpt mha ...]
+
+Needs torch (install it by hand for this benchmark, e.g. `pip install torch==2.13.0` in a separate
+venv with this project: it is never part of `make test`). The PyTorch models are written here for
+the benchmark, the same architecture and shapes as the zoo's LanguageModel: token embedding tied to
+the LM head, pre-norm blocks of RMSNorm, a mixer (causal attention with rotary positions and
+GQA, through F.scaled_dot_product_attention; or Mamba-2's SSD in its chunked form) and a SwiGLU FFN
+(or a top-2 MoE of SwiGLU experts, dropless, tokens gathered per expert as Mixtral's code does), the
+final norm; AdamW with the zoo's defaults (lr 3e-3, betas 0.9/0.99, weight decay 0.1 on matrices
+but the embedding) and global-norm clipping at 1. Both in float32, torch on the machine's threads.
+
+Each figure is the minimum over `repeats` alternating runs; the ratio is zoo / peer speed (>= 1:
+the zoo is at least as fast).
+"""
+
+import argparse
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.common import print_table, save_json
+from train import optim
+from train.loop import make_train_step
+from zoo import LanguageModel
+from zoo.config import from_dict
+
+WORKLOADS = {  # name: (model section, batch, length)
+    "nanogpt": ({"d_model": 128, "num_layers": 4, "mixer": {"kind": "attention", "num_heads": 4}}, 12, 64),
+    "mha": ({"d_model": 128, "num_layers": 4, "mixer": {"kind": "attention", "num_heads": 4}}, 8, 256),
+    "gqa": ({"d_model": 128, "num_layers": 4, "mixer": {"kind": "attention", "num_heads": 4, "num_kv_heads": 1}},
+            8, 256),
+    "moe": ({"d_model": 128, "num_layers": 4, "mixer": {"kind": "attention", "num_heads": 4},
+             "ffn": {"kind": "moe", "num_experts": 8, "top_k": 2}}, 8, 256),
+    "moe_dropless": ({"d_model": 128, "num_layers": 4, "mixer": {"kind": "attention", "num_heads": 4},
+                      "ffn": {"kind": "moe", "num_experts": 8, "top_k": 2, "dispatch": "dropless"}}, 8, 256),
+    "mamba2": ({"d_model": 128, "num_layers": 4, "mixer": {"kind": "mamba2", "head_dim": 64, "state_size": 64,
+                                                          "chunk_size": 64}}, 8, 256),
+}
+PREFILL = ({"d_model": 128, "num_layers": 4, "mixer": {"kind": "attention", "num_heads": 4, "num_kv_heads": 1}},
+           1, 4096)
+
+
+# ---------------------------------------------------------------------------------------------- zoo
+
+def zoo_train(model: dict, B: int, T: int):
+    """A closure running one zoo training step on a fixed random batch (blocking)."""
+    cfg = from_dict({"model": {**model, "max_seq_len": T}, "train": {"batch_size": B, "seq_len": T}})
+    graphdef, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tx = optim.optimizer(cfg.train)
+    step = make_train_step(graphdef, tx)
+    tokens = np.random.default_rng(0).integers(0, 256, (1, B, T + 1)).astype(np.int32)
+    batch = {"x": jnp.asarray(tokens[..., :-1]), "y": jnp.asarray(tokens[..., 1:]), "mask": jnp.ones((1, B, T))}
+    state = [params, rest, tx.init(params)]
+
+    def run():
+        state[0], state[1], state[2], m = step(*state, batch)
+        jax.block_until_ready(m["loss"])
+
+    return run, sum(x.size for x in jax.tree.leaves(params))
+
+
+def zoo_prefill(model: dict, B: int, T: int):
+    cfg = from_dict({"model": {**model, "max_seq_len": T}, "train": {"seq_len": T}})
+    graphdef, params = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (B, T)), jnp.int32)
+
+    @jax.jit
+    def prefill(params, tokens):
+        m = nnx.merge(graphdef, params)
+        return m.decode(tokens, m.init_state(B, T))[0][:, -1]
+
+    return lambda: jax.block_until_ready(prefill(params, tokens))
+
+
+# -------------------------------------------------------------------------------------------- torch
+
+def torch_models():
+    """The PyTorch side, built only when torch is importable."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self, d, eps=1e-6):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    def rotary(x, base=10000.0):  # (B, H, T, K), rotate-half
+        T, K = x.shape[-2], x.shape[-1]
+        inv = base ** (-torch.arange(K // 2, dtype=torch.float32) / (K // 2))
+        ang = torch.arange(T, dtype=torch.float32)[:, None] * inv
+        cos, sin = ang.cos(), ang.sin()
+        x1, x2 = x[..., :K // 2], x[..., K // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+    class Attention(nn.Module):
+        def __init__(self, d, num_heads, num_kv_heads=None, **_):
+            super().__init__()
+            self.H, self.G, self.K = num_heads, num_kv_heads or num_heads, d // num_heads
+            self.wq = nn.Linear(d, self.H * self.K, bias=False)
+            self.wk = nn.Linear(d, self.G * self.K, bias=False)
+            self.wv = nn.Linear(d, self.G * self.K, bias=False)
+            self.wo = nn.Linear(self.H * self.K, d, bias=False)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q = rotary(self.wq(x).view(B, T, self.H, self.K).transpose(1, 2))
+            k = rotary(self.wk(x).view(B, T, self.G, self.K).transpose(1, 2))
+            v = self.wv(x).view(B, T, self.G, self.K).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.G != self.H)
+            return self.wo(o.transpose(1, 2).reshape(B, T, -1))
+
+    def hidden(d):  # layers.mlp.default_hidden_dim
+        return -(-8 * d // 3 // 32) * 32
+
+    class MLP(nn.Module):
+        def __init__(self, d, F_=None, **_):
+            super().__init__()
+            F_ = F_ or hidden(d)
+            self.gate, self.up, self.down = (nn.Linear(d, F_, bias=False), nn.Linear(d, F_, bias=False),
+                                             nn.Linear(F_, d, bias=False))
+
+        def forward(self, x):
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    class MoE(nn.Module):
+        """Top-k softmax routing, renormalised gates, dropless: each expert runs on its own tokens."""
+
+        def __init__(self, d, num_experts, top_k, **_):
+            super().__init__()
+            F_ = -(-hidden(d) // top_k // 8) * 8  # layers.moe.default_expert_dim
+            self.router = nn.Linear(d, num_experts, bias=False)
+            self.experts = nn.ModuleList(MLP(d, F_) for _ in range(num_experts))
+            self.k = top_k
+
+        def forward(self, x):
+            shape, x = x.shape, x.reshape(-1, x.shape[-1])
+            gates, experts = torch.topk(F.softmax(self.router(x), -1), self.k, dim=-1)
+            gates = gates / gates.sum(-1, keepdim=True)
+            y = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                token, slot = torch.where(experts == e)
+                if token.numel():
+                    y.index_add_(0, token, expert(x[token]) * gates[token, slot, None])
+            return y.reshape(shape)
+
+    def segsum(a):  # (..., L) -> (..., L, L): sum of a over (j, i], -inf above the diagonal
+        L = a.shape[-1]
+        c = torch.cumsum(a, -1)
+        s = c[..., :, None] - c[..., None, :]
+        return s.masked_fill(~torch.tril(torch.ones(L, L, dtype=torch.bool)), -math.inf)
+
+    class Mamba2(nn.Module):
+        """in_proj -> conv1d over [x, B, C] -> SSD by chunks (the paper's chunked algorithm) ->
+        gated RMSNorm -> out_proj, as layers/mamba2.py."""
+
+        def __init__(self, d, head_dim=64, state_size=64, chunk_size=64, expand=2, conv_size=4, **_):
+            super().__init__()
+            self.Di, self.P, self.N, self.C = expand * d, head_dim, state_size, chunk_size
+            self.H = self.Di // head_dim
+            conv_dim = self.Di + 2 * state_size
+            self.in_proj = nn.Linear(d, 2 * self.Di + 2 * state_size + self.H, bias=False)
+            self.conv = nn.Conv1d(conv_dim, conv_dim, conv_size, groups=conv_dim, padding=conv_size - 1)
+            self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.zeros(self.H)) for _ in range(3))
+            self.norm = RMSNorm(self.Di, 1e-5)
+            self.out_proj = nn.Linear(self.Di, d, bias=False)
+
+        def forward(self, u):
+            Bsz, T, _ = u.shape
+            z, xBC, dt = torch.split(self.in_proj(u), [self.Di, self.Di + 2 * self.N, self.H], -1)
+            xBC = F.silu(self.conv(xBC.transpose(1, 2))[..., :T].transpose(1, 2))
+            x, B, C = torch.split(xBC, [self.Di, self.N, self.N], -1)
+            dt = F.softplus(dt + self.dt_bias)  # (B, T, H)
+            A = -torch.exp(self.A_log)
+            L, c = self.C, T // self.C
+            x = (x.view(Bsz, c, L, self.H, self.P) * dt.view(Bsz, c, L, self.H, 1))  # Δ x
+            a = (dt * A).view(Bsz, c, L, self.H).permute(0, 3, 1, 2)  # (B, H, c, L)
+            B, C = B.view(Bsz, c, L, self.N), C.view(Bsz, c, L, self.N)
+            a_cum = torch.cumsum(a, -1)
+            y = torch.einsum("bcln,bcsn,bhcls,bcshp->bclhp", C, B, torch.exp(segsum(a)), x)  # inside chunks
+            states = torch.einsum("bcln,bhcl,bclhp->bchpn", B, torch.exp(a_cum[..., -1:] - a_cum), x)
+            states = torch.cat([torch.zeros_like(states[:, :1]), states], 1)
+            decay = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))  # (B, H, c+1, c+1)
+            states = torch.einsum("bhzc,bchpn->bzhpn", decay, states)[:, :-1]
+            y = y + torch.einsum("bcln,bchpn,bhcl->bclhp", C, states, torch.exp(a_cum))
+            y = y.reshape(Bsz, T, self.H, self.P) + xBC[..., :self.Di].view(Bsz, T, self.H, self.P) \
+                * self.D[:, None]
+            y = self.norm(y.reshape(Bsz, T, self.Di)) * F.silu(z)
+            return self.out_proj(y)
+
+    MIXERS = {"attention": Attention, "mamba2": Mamba2}
+
+    class Block(nn.Module):
+        def __init__(self, d, mixer, ffn):
+            super().__init__()
+            self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
+            self.mixer = MIXERS[mixer.pop("kind")](d, **mixer)
+            self.ffn = MoE(d, **{k: v for k, v in ffn.items() if k != "kind"}) if ffn.get("kind") == "moe" else MLP(d)
+
+        def forward(self, x):
+            x = x + self.mixer(self.n1(x))
+            return x + self.ffn(self.n2(x))
+
+    class LM(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            d = model["d_model"]
+            self.embed = nn.Embedding(256, d)
+            self.blocks = nn.ModuleList(Block(d, dict(model["mixer"]), dict(model.get("ffn", {"kind": "mlp"})))
+                                        for _ in range(model["num_layers"]))
+            self.norm = RMSNorm(d)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for b in self.blocks:
+                x = b(x)
+            return self.norm(x) @ self.embed.weight.T
+
+    def train(model: dict, B: int, T: int):
+        torch.manual_seed(0)
+        lm = LM(model)
+        decay = [p for n, p in lm.named_parameters() if p.ndim >= 2 and "embed" not in n]
+        rest = [p for n, p in lm.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                lr=3e-3, betas=(0.9, 0.99))
+        tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (B, T + 1)))
+
+        def run():
+            loss = F.cross_entropy(lm(tokens[:, :-1]).reshape(-1, 256), tokens[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+            opt.step()
+            loss.item()
+
+        return run, sum(p.numel() for p in lm.parameters())
+
+    def prefill(model: dict, B: int, T: int):
+        torch.manual_seed(0)
+        lm = LM(model).eval()
+        tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (B, T)))
+
+        def run():
+            with torch.no_grad():
+                lm(tokens)[:, -1].sum().item()
+
+        return run
+
+    return train, prefill, torch.__version__, torch.get_num_threads()
+
+
+# ------------------------------------------------------------------------------------------ measure
+
+def _first(make):
+    t0 = time.perf_counter()
+    run, *rest = make()
+    run()
+    return time.perf_counter() - t0, run, rest
+
+
+def alternate(zoo_run, peer_run, repeats: int) -> tuple[float, float]:
+    best = [math.inf, math.inf]
+    for _ in range(repeats):
+        for i, run in enumerate((zoo_run, peer_run)):
+            t0 = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--only", nargs="*", default=[*WORKLOADS, "prefill"])
+    args = p.parse_args()
+    try:
+        peer_train, peer_prefill, version, threads = torch_models()
+    except ImportError:
+        raise SystemExit("benchmarks.peers needs torch: pip install torch==2.13.0 (in a venv of its own)") from None
+    rows = []
+    for name, (model, B, T) in WORKLOADS.items():
+        if name not in args.only:
+            continue
+        zoo_first, zoo_run, (zoo_params,) = _first(lambda: zoo_train(model, B, T))
+        peer_first, peer_run, (peer_params,) = _first(lambda: peer_train(model, B, T))
+        zoo_s, peer_s = alternate(zoo_run, peer_run, args.repeats)
+        rows.append({"work": f"train {name} (B={B}, T={T})", "params zoo/peer": f"{zoo_params:,}/{peer_params:,}",
+                     "zoo ms": round(zoo_s * 1e3, 1), "peer ms": round(peer_s * 1e3, 1),
+                     "zoo tok/s": round(B * T / zoo_s), "peer tok/s": round(B * T / peer_s),
+                     "zoo/peer speed": round(peer_s / zoo_s, 2),
+                     "first step zoo/peer s": f"{zoo_first:.2f}/{peer_first:.2f}"})
+        print(rows[-1], flush=True)
+    if "prefill" in args.only:
+        model, B, T = PREFILL
+        zoo_run, peer_run = zoo_prefill(model, B, T), peer_prefill(model, B, T)
+        zoo_run(), peer_run()
+        zoo_s, peer_s = alternate(zoo_run, peer_run, args.repeats)
+        rows.append({"work": f"prefill GQA (B={B}, T={T})", "zoo ms": round(zoo_s * 1e3, 1),
+                     "peer ms": round(peer_s * 1e3, 1), "zoo/peer speed": round(peer_s / zoo_s, 2)})
+        print(rows[-1], flush=True)
+    print(f"\nzoo: jax {jax.__version__} on {jax.devices()[0].device_kind}; peer: torch {version}, "
+          f"{threads} threads; minimum of {args.repeats} alternating runs")
+    print_table(rows, ["work", "params zoo/peer", "zoo ms", "peer ms", "zoo tok/s", "peer tok/s", "zoo/peer speed",
+                       "first step zoo/peer s"])
+    save_json("peers", rows)
+
+
+if __name__ == "__main__":
+    main()
