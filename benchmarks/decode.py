@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.common import print_table, save_json, timeit, tree_bytes
+from infer.generate import DECODE_OPTIONS
 from layers import KVCache
 from zoo import LanguageModel
 from zoo.config import from_dict
@@ -42,7 +43,7 @@ def prefill(graphdef, params, tokens, state):
     return nnx.merge(graphdef, params).decode(tokens, state)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, compiler_options=DECODE_OPTIONS)
 def decode_steps(graphdef, params, token, state):
     model = nnx.merge(graphdef, params)
 

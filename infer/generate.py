@@ -56,7 +56,15 @@ class Exits:
     draft: int = 0  # layers of the draft model
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "top_k", "greedy", "use_top_p", "exits"))
+# Decode loops carry every layer's state through a while loop. XLA on CPU copies a loop-carried buffer
+# it cannot prove is read before it is updated; its region analysis proves it for the KV cache, which
+# attention reads before writing (kernels/attention/__init__.py `attention_cached`): GQA at 4K slots,
+# 2.0 -> 1.5 ms per token (benchmarks/decode.py). Other backends ignore the option.
+DECODE_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "top_k", "greedy", "use_top_p", "exits"),
+                   compiler_options=DECODE_OPTIONS)
 def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, stop_token, threshold, *,
               max_new_tokens: int, top_k, greedy: bool, use_top_p: bool, exits: Exits | None):
     """(tokens (B, max_new_tokens) with -1 after the end, layers used per token, accepted drafts, rounds)."""

@@ -25,7 +25,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from kernels import check_impl
-from kernels.attention import attention
+from kernels.attention import attention, attention_cached
 from kernels.segments import document_starts, positions_in_document
 from layers.linear import project
 from layers.rotary import apply_rotary
@@ -121,14 +121,12 @@ class Attention(nnx.Module):
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v = self._qkv(x, positions)
-        at = (0, 0, cache.index, 0)
+        o = attention_cached(q, k, v, cache.k.astype(self.dtype), cache.v.astype(self.dtype), cache_length=cache.index,
+                             segment_ids=doc, cache_segment_ids=cache.doc, window=self.window, impl=self.impl)
+        at = (0, 0, cache.index, 0)  # written after the read: XLA then updates the cache in place
         write = lambda c, x: jax.lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3).astype(c.dtype), at)
         cache = KVCache(
             k=write(cache.k, k), v=write(cache.v, v),
             doc=jax.lax.dynamic_update_slice(cache.doc, doc, (0, cache.index)),
             cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
-        slots = jnp.broadcast_to(cache.index - T + jnp.arange(T, dtype=jnp.int32), (B, T))  # (B, T)
-        o = attention(q, cache.k.astype(self.dtype), cache.v.astype(self.dtype), segment_ids=doc,
-                      kv_segment_ids=cache.doc, q_positions=slots, window=self.window, impl=self.impl,
-                      kv_heads_first=True)
         return self._out(o), cache

@@ -23,12 +23,12 @@ position at or below the queries' min minus the window).
 
 Keys and values may come heads first, (B, G, S, K) (`kv_heads_first`): the layout of the KV cache
 (layers/attention.py), which a decode step then reads without a transpose (at 4K slots, 8 heads on
-2 kv heads of 32, the transpose from (B, S, G, K) took about half of a step's attention). What is
-left of a decode step's cost at long contexts is not the arithmetic: in a decode loop the cache is a
-loop-carried buffer updated in place, and XLA on CPU copies such a buffer when a dot reads it, every
-step (one GQA layer at 4K slots: 424 us per step with the update, 53 us without it; measured with a
-scan of 32 steps). Fused multiply-reductions avoid the copy for GQA but are 2-10x slower for MHA,
-so the dots stay; the copy is a known cost.
+2 kv heads of 32, the transpose from (B, S, G, K) took about half of a step's attention). A decode
+step reads the cache as it was before the step, its own keys beside it (`attention_dense_parts`, through
+kernels.attention.attention_cached), and writes it afterwards: inside a decode loop XLA then updates
+the loop-carried cache in place (with `xla_cpu_copy_insertion_use_region_analysis`, which
+infer/generate.py sets for its loop) instead of copying it every step (one GQA layer at 4K slots:
+405 us per step written first, 161 read first; 185 with no write at all).
 """
 
 import functools
@@ -74,12 +74,23 @@ def _tokens_first(o, dtype):
 
 def attention_dense(q, kt, vt, mask: Array, scale: float):
     """kt, vt heads first (B, G, S, K|V); mask (B|1, T, S): True where a query sees a key."""
-    qt = _heads_first(q, kt.shape[1])
-    s = jnp.einsum("BGRTK,BGSK->BGRTS", qt, kt, preferred_element_type=jnp.float32) * scale
-    m = mask[:, None, None]  # (B|1, 1, 1, T, S)
-    p = jax.nn.softmax(jnp.where(m, s, NEG), axis=-1)
-    o = jnp.einsum("BGRTS,BGSV->BGRTV", p, vt.astype(jnp.float32))
-    return _tokens_first(o * jnp.any(m, axis=-1)[..., None], q.dtype)  # a query that sees no key: zeros
+    return attention_dense_parts(q, [(kt, vt, mask)], scale)
+
+
+def attention_dense_parts(q, parts, scale: float):
+    """attention_dense with the keys in parts [(kt, vt, mask)], one softmax over all of them: a decode
+    step reads its KV cache as it was before the step and its own keys beside it (`attention_cached`)."""
+    qt = _heads_first(q, parts[0][0].shape[1])
+    masks = [m[:, None, None] for _, _, m in parts]  # (B|1, 1, 1, T, S_i)
+    s = [jnp.where(m, jnp.einsum("BGRTK,BGSK->BGRTS", qt, kt, preferred_element_type=jnp.float32) * scale, NEG)
+         for (kt, _, _), m in zip(parts, masks)]
+    p = jax.nn.softmax(jnp.concatenate(s, axis=-1), axis=-1)
+    o, at = 0.0, 0
+    for (_, vt, _), si in zip(parts, s):
+        o = o + jnp.einsum("BGRTS,BGSV->BGRTV", p[..., at:at + si.shape[-1]], vt.astype(jnp.float32))
+        at += si.shape[-1]
+    seen = functools.reduce(jnp.logical_or, [jnp.any(m, axis=-1) for m in masks])
+    return _tokens_first(o * seen[..., None], q.dtype)  # a query that sees no key: zeros
 
 
 def _pad(x, axis, size, value=0):
