@@ -37,6 +37,7 @@ from train import optim
 from train.data import Batches, cache_dir, load_streams, process_rows
 from train.exits import fit_exit_classifiers
 from train.resume import check_run_dir, differences, metrics_upto
+from train.tasks import TaskBatches
 from zoo import checkpoint
 from zoo.checkpoint import manager, prune, restore_latest
 from zoo.config import Config, to_dict
@@ -45,7 +46,8 @@ from zoo.sharding import as_numpy, batch_sharding, describe, init_on_mesh, make_
 
 
 def _forward(graphdef, params, rest, batch, train: bool):
-    """One batch: (sum of token losses, counted tokens, aux loss, layer metrics, new rest).
+    """One batch: (sum of token losses, counted tokens, correctly predicted tokens (argmax), aux loss,
+    layer metrics, new rest).
 
     Early exits add their weighted mean losses to `aux` and report them as `exit<l>_loss`.
 
@@ -68,7 +70,8 @@ def _forward(graphdef, params, rest, batch, train: bool):
         layer_metrics[f"exit{model.exit_layers[j]}_loss"] = jnp.sum(exit_ce * batch["mask"]) / jnp.sum(batch["mask"])
         aux = aux + w * layer_metrics[f"exit{model.exit_layers[j]}_loss"]
     new_rest = nnx.state(model, nnx.Not(nnx.Param))
-    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), aux, layer_metrics, new_rest
+    correct = jnp.sum((jnp.argmax(logits, axis=-1) == batch["y"]) * batch["mask"])
+    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), correct, aux, layer_metrics, new_rest
 
 
 def make_train_step(graphdef, tx, out_shardings=None):
@@ -80,7 +83,7 @@ def make_train_step(graphdef, tx, out_shardings=None):
     give the gradient of one batch k times larger. `rest` (e.g. MoE biases) updates per micro-batch."""
     def step(params, rest, opt_state, batch):
         def objective(p, r, b):
-            loss_sum, count, aux, layer_metrics, r = _forward(graphdef, p, r, b, train=True)
+            loss_sum, count, _, aux, layer_metrics, r = _forward(graphdef, p, r, b, train=True)
             return loss_sum + aux * count, (loss_sum, count, layer_metrics, r)
 
         def micro(acc, b):
@@ -91,7 +94,7 @@ def make_train_step(graphdef, tx, out_shardings=None):
 
         k = jax.tree.leaves(batch)[0].shape[0]
         shapes = jax.eval_shape(lambda: _forward(graphdef, params, rest, jax.tree.map(lambda x: x[0], batch), True))
-        zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[3]),
+        zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[4]),
                  jax.tree.map(jnp.zeros_like, params), rest)
         (loss_sum, count, layer_metrics, grads, rest), _ = jax.lax.scan(micro, zeros, batch)
         grads = jax.tree.map(lambda g: g / count, grads)
@@ -131,12 +134,12 @@ def batch_placer(cfg: Config, mesh: Mesh):
     rows = (np.arange(k)[:, None] * micro + local).reshape(-1)  # this process's rows of the whole batch
     val_rows = process_rows(val_sh, (t.batch_size, t.seq_len), axis=0)
 
-    def train_batch(batches: Batches, step: int) -> dict:
+    def train_batch(batches: Batches | TaskBatches, step: int) -> dict:
         b = batches.train_batch(step, t.batch_size, rows=rows)
         return {n: jax.make_array_from_process_local_data(train_sh, v.reshape(k, len(local), t.seq_len),
                                                           (k, micro, t.seq_len)) for n, v in b.items()}
 
-    def val_batch(batches: Batches, i: int) -> dict:
+    def val_batch(batches: Batches | TaskBatches, i: int) -> dict:
         b = batches.val_batch(i, t.batch_size, rows=val_rows)
         return {n: jax.make_array_from_process_local_data(val_sh, v, (t.batch_size, t.seq_len)) for n, v in b.items()}
 
@@ -237,7 +240,9 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
         log = lambda *_: None  # noqa: E731
     train_batch, val_batch = batch_placer(cfg, mesh)
     commit = check_run_dir(run_dir, cfg, allow_config_change, log)
-    batches = Batches(*load_streams(cfg.data), seq_len=t.seq_len, seed=t.seed, packing=cfg.data.packing)
+    task = cfg.data.task
+    batches = TaskBatches(task, t.seq_len, t.seed) if task else \
+        Batches(*load_streams(cfg.data), seq_len=t.seq_len, seed=t.seed, packing=cfg.data.packing)
     if primary:
         commit()
 
@@ -277,7 +282,7 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     step_fn = make_train_step(graphdef, tx, (param_sh, rest_sh, opt_sh, replicated))
-    eval_fn = jax.jit(lambda p, r, b: _forward(graphdef, p, r, b, train=False)[:2], out_shardings=replicated)
+    eval_fn = jax.jit(lambda p, r, b: _forward(graphdef, p, r, b, train=False)[:3], out_shardings=replicated)
 
     def save(step):
         items = {"params": nnx.to_pure_dict(params), "opt_state": opt_state}
@@ -287,10 +292,12 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
         prune(mngr, t.keep_checkpoints)
 
     def evaluate():
-        sums = [jax.tree.map(as_numpy, eval_fn(params, rest, val_batch(batches, i))) for i in range(t.eval_batches)]
-        loss = float(sum(s for s, _ in sums) / sum(c for _, c in sums))
-        out = {"val_loss": loss, "val_bpb": loss / math.log(2)}
-        if t.sample_tokens:
+        n = batches.num_val_batches(t.batch_size) if task else t.eval_batches  # a task: its whole test set
+        sums = np.sum([jax.tree.map(as_numpy, eval_fn(params, rest, val_batch(batches, i))) for i in range(n)], axis=0)
+        loss = float(sums[0] / sums[1])
+        out = {"val_loss": loss, "val_accuracy": float(sums[2] / sums[1])} if task else \
+            {"val_loss": loss, "val_bpb": loss / math.log(2)}
+        if t.sample_tokens and not task:
             model = nnx.merge(graphdef, params, rest)
             out["sample"] = infer.generate_text(model, ["\n"], max_new_tokens=t.sample_tokens,
                                                 temperature=0.8, top_k=40, seed=t.seed)[0]
@@ -339,8 +346,9 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
                     eval_time += time.perf_counter() - e0
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
-                val = (f"  val {last['val_loss']:.4f} nats/byte ({last['val_bpb']:.3f} bpb)"
-                       if "val_loss" in last else "")
+                val = (f"  val {last['val_loss']:.4f} nats/byte ({last['val_bpb']:.3f} bpb)" if "val_bpb" in last
+                       else f"  val {last['val_loss']:.4f}  accuracy {last['val_accuracy']:.4f}" if "val_loss" in last
+                       else "")
                 log(f"step {step:>6}/{t.steps}  loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
                     f"{last['tokens_per_s']:,.0f} tok/s" + val)
                 if "sample" in last:

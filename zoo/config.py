@@ -28,6 +28,7 @@ from zoo.schema import (
     build,
     to_dict,  # noqa: F401  (part of this module's interface)
 )
+from zoo.tasks import TASKS
 
 Beta = Annotated[float, Range(0, 1, hi_open=True)]  # Adam's decay rates
 DeviceCount = Annotated[int, Range(lo=-1)]  # a mesh axis: a number of devices, or -1 for the rest
@@ -81,11 +82,15 @@ class DataConfig:
     documents at blank lines, join them with the end byte and give each window `segment_ids`, so no
     token attends or recurs across a boundary; off: plain windows of the stream, as nanoGPT);
     invalid_utf8 (a corpus file that is not UTF-8 text, binary or latin-1: refuse names it and
-    stops; skip leaves it out and reports it)."""
+    stops; skip leaves it out and reports it); task (a synthetic task instead of the corpus, picked by
+    `kind`: mqar, selective_copying, induction_heads, in_context_recall, noisy_recall, fuzzy_recall,
+    memorization; zoo/tasks.py; its examples have train.seq_len tokens and its held-out accuracy is
+    `val_accuracy` in metrics.jsonl)."""
     corpus: str = "shakespeare"
     val_docs: tuple[str, ...] = ("hamlet", "tempest", "julius_caesar")
     packing: bool = False
     invalid_utf8: Literal["refuse", "skip"] = "refuse"
+    task: Any = None
 
 
 @dataclass(frozen=True)
@@ -216,10 +221,21 @@ def from_dict(data: dict) -> Config:
     model = data.get("model") or {}
     if isinstance(model, dict) and model.get("max_seq_len") is None:  # null: the trained length
         model = {**model, "max_seq_len": train.seq_len}
-    cfg = Config(model=_build_model(model, "model"), data=build(DataConfig, data.get("data") or {}, "data"),
-                 train=train)
+    data_cfg = dict(data.get("data") or {})
+    task = data_cfg.pop("task", None)
+    data_cfg = build(DataConfig, data_cfg, "data")
+    if task is not None:
+        task = build_kind(TASKS, task, "data.task")
+        task.check(train.seq_len, "data.task")
+        data_cfg = dataclasses.replace(data_cfg, task=task)
+        if isinstance(model, dict) and model.get("vocab_size") is None:  # unset: the task's vocabulary
+            model = {**model, "vocab_size": task.vocab_size}
+    cfg = Config(model=_build_model(model, "model"), data=data_cfg, train=train)
     _check_train(cfg)
-    if cfg.model.vocab_size < tokenizer.VOCAB_SIZE:
+    if task is not None and cfg.model.vocab_size < task.vocab_size:
+        raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than data.task.vocab_size="
+                         f"{task.vocab_size} (the task's token ids)")
+    if task is None and cfg.model.vocab_size < tokenizer.VOCAB_SIZE:
         raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
                          f"{tokenizer.VOCAB_SIZE} ids (the corpus is read as bytes)")
     return cfg

@@ -83,11 +83,12 @@ def _unranged(tp, where):
 
 def test_every_number_of_every_config_has_a_range():
     """A number without a range would accept nonsense silently (a negative learning rate, 0 heads):
-    every numeric key of the run config and of every kind declares one (zoo/schema.py)."""
+    every numeric key of the run config, of every kind and of every task declares one (zoo/schema.py)."""
     from zoo.registry import FFNS, MIXERS
+    from zoo.tasks import TASKS
 
     found = _unranged(Config, "config")
-    for table in (MIXERS, FFNS):
+    for table in (MIXERS, FFNS, TASKS):
         for kind, cls in table.items():
             found += _unranged(cls, kind)
     assert not found, f"numeric keys without a Range: {found}"
