@@ -1,0 +1,253 @@
+"""A grid of runs: mixer kinds x widths x sequence lengths x learning rates x seeds, as Zoology's
+(Arora et al. 2023) comparisons are made.
+
+    python -m train.sweep [configs/sweeps/mqar.yaml] [--zoology] [--workers 2] [--out runs/sweep]
+
+A sweep file has `base` (a run config every cell starts from), `mixers` (name -> model.mixer, or
+`all`: every registered kind with its defaults), `d_model`, `seq_len` (a list, or a mapping from
+each length to the overrides that go with it, e.g. the number of MQAR pairs), `lr`, `seeds`, and
+optionally `match` ({by: params | state, reference: <mixer name>}: each kind's width is chosen so
+its parameter count, or its decode-state bytes per sequence, is closest to the reference kind's at
+each width of the grid: the field's two conventions for a fair comparison).
+
+Every cell is an ordinary run in `<out>/cells/<cell>/`, so a killed sweep resumes: finished cells
+are skipped and an interrupted one resumes from its checkpoint, bitwise. Cells run in `--workers`
+processes. Every cell's config is checked before any runs. The best learning rate of each (kind,
+width, length) is kept, as Zoology does (the mean over seeds decides), and the sweep writes
+`results.jsonl` (every cell), `table.md` and `accuracy.png` (accuracy against width per kind, one
+panel per sequence length, as Zoology's Figure 2).
+"""
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import yaml
+from flax import nnx
+
+from zoo.config import apply_overrides, from_dict
+from zoo.model import LanguageModel
+from zoo.registry import MIXERS
+
+DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "sweeps" / "mqar.yaml"
+ZOOLOGY = DEFAULT.with_name("zoology_fig2.yaml")
+KEYS = ("base", "mixers", "d_model", "seq_len", "lr", "seeds", "match")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    mixer: str
+    d_model: int  # the grid's width (the row's column); the run's own width may differ under `match`
+    seq_len: int
+    lr: float
+    seed: int
+    config: dict  # the run config
+
+    @property
+    def name(self) -> str:
+        return f"{self.mixer}-d{self.d_model}-L{self.seq_len}-lr{self.lr:g}-s{self.seed}"
+
+
+def load_grid(path) -> dict:
+    grid = yaml.safe_load(Path(path).read_text()) or {}
+    unknown = [k for k in grid if k not in KEYS]
+    if unknown:
+        raise ValueError(f"sweep {path}: unknown keys {unknown}; expected {', '.join(KEYS)}")
+    for key in ("base", "mixers", "d_model", "seq_len", "lr"):
+        if key not in grid:
+            raise ValueError(f"sweep {path}: missing {key!r}")
+    if grid["mixers"] == "all":
+        grid["mixers"] = {kind: {"kind": kind} for kind in MIXERS}
+    if isinstance(grid["seq_len"], list):
+        grid["seq_len"] = {L: {} for L in grid["seq_len"]}
+    grid.setdefault("seeds", [0])
+    return grid
+
+
+def _config(grid, mixer: dict, d_model: int, seq_len: int, lr: float, seed: int) -> dict:
+    data = json.loads(json.dumps(grid["base"]))
+    data.setdefault("model", {})["mixer"] = mixer
+    data["model"]["d_model"] = d_model
+    overrides = [f"train.seq_len={seq_len}", f"train.lr={lr}", f"train.seed={seed}"]
+    overrides += [f"{k}={json.dumps(v)}" for k, v in grid["seq_len"][seq_len].items()]
+    return apply_overrides(data, overrides)
+
+
+def sizes(config: dict) -> tuple[int, int]:
+    """(parameters, decode-state bytes of one sequence of train.seq_len tokens) of a run config."""
+    cfg = from_dict(config)
+    model = nnx.eval_shape(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    state = jax.eval_shape(lambda: model.init_state(1, cfg.train.seq_len))
+    return params, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def _matched_width(grid, name: str, seq_len: int, target: int, by: int) -> int:
+    """The width (a multiple of 16, valid for the kind) whose parameters (by=0) or state bytes (by=1)
+    are closest to `target`."""
+    best = None
+    for d in range(16, 4097, 16):
+        try:
+            size = sizes(_config(grid, grid["mixers"][name], d, seq_len, grid["lr"][0], 0))[by]
+        except ValueError:
+            continue
+        if best is None or abs(size - target) < abs(best[1] - target):
+            best = (d, size)
+        if size > target:
+            break
+    return best[0]
+
+
+def cells(grid) -> list[Cell]:
+    """Every cell of the grid, each config checked (a ValueError names the cell)."""
+    match = grid.get("match")
+    out = []
+    for L in grid["seq_len"]:
+        for d in grid["d_model"]:
+            target = None
+            if match:
+                by = ("params", "state").index(match["by"])
+                ref = grid["mixers"][match["reference"]]
+                target = sizes(_config(grid, ref, d, L, grid["lr"][0], 0))[by]
+            for name, mixer in grid["mixers"].items():
+                width = _matched_width(grid, name, L, target, by) if match else d
+                for lr in grid["lr"]:
+                    for seed in grid["seeds"]:
+                        config = _config(grid, mixer, width, L, lr, seed)
+                        try:
+                            from_dict(config)
+                        except ValueError as e:
+                            raise ValueError(f"sweep cell {name} d_model={width} seq_len={L}: {e}") from None
+                        out.append(Cell(name, d, L, float(lr), int(seed), config))
+    return out
+
+
+def _finished(run_dir: Path, steps: int) -> dict | None:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    last = [r for r in rows if "val_loss" in r]
+    return last[-1] if last and last[-1]["step"] == steps else None
+
+
+def run_cell(cell: Cell, out: Path) -> dict:
+    """Train one cell (resuming it if it was interrupted) in a process of its own; its result row."""
+    run_dir = out / "cells" / cell.name
+    steps = from_dict(cell.config).train.steps
+    if _finished(run_dir, steps) is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "cell.yaml").write_text(yaml.safe_dump(cell.config, sort_keys=False))
+        log = (run_dir / "train.log").open("a")
+        subprocess.run([sys.executable, "-m", "train", str(run_dir / "cell.yaml"), f"train.run_dir={run_dir}"],
+                       check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    last = _finished(run_dir, steps)
+    params, state = sizes(cell.config)
+    return {"mixer": cell.mixer, "d_model": cell.d_model, "width": cell.config["model"]["d_model"],
+            "seq_len": cell.seq_len, "lr": cell.lr, "seed": cell.seed, "params": params, "state_bytes": state,
+            "val_accuracy": last.get("val_accuracy"), "val_loss": last["val_loss"], "steps": steps,
+            "tokens_per_s": last.get("tokens_per_s")}
+
+
+def best_lr(rows: list[dict]) -> list[dict]:
+    """One row per (mixer, d_model, seq_len): the learning rate with the best mean accuracy over seeds
+    (or the lowest mean loss where there is no accuracy)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["mixer"], r["d_model"], r["seq_len"]), {}).setdefault(r["lr"], []).append(r)
+    out = []
+    for (mixer, d, L), by_lr in groups.items():
+        mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
+        score = lambda rs: mean(rs, "val_accuracy") if rs[0]["val_accuracy"] is not None else -mean(rs, "val_loss")
+        lr, rs = max(by_lr.items(), key=lambda kv: (score(kv[1]), -kv[0]))
+        out.append({"mixer": mixer, "d_model": d, "seq_len": L, "lr": lr, "width": rs[0]["width"],
+                    "params": rs[0]["params"], "state_bytes": rs[0]["state_bytes"],
+                    "val_accuracy": None if rs[0]["val_accuracy"] is None else round(mean(rs, "val_accuracy"), 4),
+                    "val_loss": round(mean(rs, "val_loss"), 4), "seeds": len(rs)})
+    return out
+
+
+def table(best: list[dict]) -> str:
+    """Markdown: a row per mixer, a column per (seq_len, d_model), the best-lr accuracy in each."""
+    cols = sorted({(r["seq_len"], r["d_model"]) for r in best})
+    mixers = list(dict.fromkeys(r["mixer"] for r in best))
+    at = {(r["mixer"], r["seq_len"], r["d_model"]): r for r in best}
+    head = "| mixer | " + " | ".join(f"L={L} d={d}" for L, d in cols) + " |"
+    lines = [head, "|---" * (len(cols) + 1) + "|"]
+    for m in mixers:
+        cells_ = []
+        for L, d in cols:
+            r = at.get((m, L, d))
+            value = "" if r is None else f"{r['val_accuracy']:.3f}" if r["val_accuracy"] is not None \
+                else f"{r['val_loss']:.3f}"
+            cells_.append(value)
+        lines.append(f"| {m} | " + " | ".join(cells_) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(best: list[dict], path: Path):
+    """accuracy.png: accuracy against width per mixer, one panel per sequence length (Zoology Fig. 2)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    lengths = sorted({r["seq_len"] for r in best})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.6), squeeze=False, sharey=True)
+    for ax, L in zip(axes[0], lengths):
+        for m in dict.fromkeys(r["mixer"] for r in best):
+            rs = sorted((r for r in best if r["mixer"] == m and r["seq_len"] == L), key=lambda r: r["d_model"])
+            ax.plot([r["d_model"] for r in rs], [r["val_accuracy"] or 0 for r in rs], "o-", label=m)
+        ax.set(xscale="log", xlabel="model width", title=f"sequence length {L}", ylim=(-0.02, 1.02))
+        ax.set_xticks(sorted({r["d_model"] for r in best}), [str(d) for d in sorted({r["d_model"] for r in best})])
+    axes[0][0].set_ylabel("held-out accuracy")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sweep(grid: dict, out: Path, workers: int = 1, log=print) -> list[dict]:
+    """Run (or resume) every cell, then write results.jsonl, table.md and accuracy.png in `out`."""
+    todo = cells(grid)
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"sweep: {len(todo)} cells in {out}/cells ({workers} at a time)")
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # each cell trains in its own process
+        futures = [pool.submit(run_cell, c, out) for c in todo]
+        rows = []
+        for c, f in zip(todo, futures):
+            rows.append(f.result())
+            log(f"  {c.name}: accuracy {rows[-1]['val_accuracy']}, loss {rows[-1]['val_loss']:.4f}")
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    best = best_lr(rows)
+    (out / "table.md").write_text(table(best))
+    plot(best, out / "accuracy.png")
+    log(table(best))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("grid", nargs="?", help=f"a sweep file (default {DEFAULT.relative_to(DEFAULT.parents[2])})")
+    p.add_argument("--zoology", action="store_true", help="the full Zoology Figure-2 grid (zoology_fig2.yaml)")
+    p.add_argument("--workers", type=int, default=1, help="cells trained at once, each in its own process")
+    p.add_argument("--out", default=None, help="output folder (default runs/sweep-<grid name>)")
+    args = p.parse_args(argv)
+    path = Path(args.grid) if args.grid else ZOOLOGY if args.zoology else DEFAULT
+    try:
+        grid = load_grid(path)
+        sweep(grid, Path(args.out or f"runs/sweep-{path.stem}"), args.workers)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
