@@ -1,6 +1,6 @@
 """Every code block of the README runs as written: each Python block in a fresh namespace from the
 repository root; each YAML block is a config (or a part of one) that loads; each shell command
-parses with its program's own argument parser and its config loads with its overrides. (`make`
+parses with its program's own argument parser and its config (or sweep grid) loads with its overrides. (`make`
 lines are the suite and the default run themselves; a `python -m benchmarks...` command is run by
 hand, its figures quoted beside it.)"""
 
@@ -73,6 +73,12 @@ def test_shell_command_parses_and_its_config_loads(words):
             load_config(ROOT / args.source, args.overrides)
         else:
             assert args.source.startswith("runs/") and not args.overrides, "a run folder takes no overrides"
+    elif program == "train.sweep":
+        from train import sweep
+        sweep.cells(sweep.load_grid(ROOT / sweep.grid_path(sweep.parser().parse_args(argv))))  # every cell loads
+    elif program == "train.extrapolate":
+        from train.extrapolate import parser
+        assert parser().parse_args(argv).run_dir.startswith("runs/")
     else:
         assert program.startswith("benchmarks."), program
         assert (ROOT / (program.replace(".", os.sep) + ".py")).exists(), program

@@ -68,12 +68,16 @@ def extrapolate(model, cfg, factors=(1, 2, 4, 8, 16), batches: int = 4, batch_si
     return rows
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.extrapolate", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")
     p.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--batches", type=int, default=4, help="batches of 8 rows per factor (default: %(default)s)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     try:
         if not Path(args.run_dir).is_dir():
             raise ValueError(f"{args.run_dir}: not a run folder")

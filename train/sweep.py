@@ -233,15 +233,22 @@ def sweep(grid: dict, out: Path, workers: int = 1, log=print) -> list[dict]:
     return rows
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("grid", nargs="?", help=f"a sweep file (default {DEFAULT.relative_to(DEFAULT.parents[2])})")
     p.add_argument("--zoology", action="store_true", help="the full Zoology Figure-2 grid (zoology_fig2.yaml)")
     p.add_argument("--workers", type=int, default=1, help="cells trained at once, each in its own process")
     p.add_argument("--out", default=None, help="output folder (default runs/sweep-<grid name>)")
-    args = p.parse_args(argv)
-    path = Path(args.grid) if args.grid else ZOOLOGY if args.zoology else DEFAULT
+    return p
+
+
+def grid_path(args) -> Path:
+    return Path(args.grid) if args.grid else ZOOLOGY if args.zoology else DEFAULT
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    path = grid_path(args)
     try:
         grid = load_grid(path)
         sweep(grid, Path(args.out or f"runs/sweep-{path.stem}"), args.workers)

@@ -17,7 +17,8 @@ Departures from the published generators, all in how randomness is drawn, none i
   last position is padding that is never scored (causal: it changes nothing before it).
 - MAD's fuzzy recall can place its probe pair past the last pair it adds, and then asks a key that
   was never shown; here the probe goes in before the last pair that surely fits.
-MAD's compression task is not here: it needs MAD's encoder-decoder wrapper, not a language model.
+MAD's compression reconstructs its input through MAD's encoder-decoder, which here is the model
+with `model.head: pooled_decoder` (zoo/model.py).
 """
 
 import hashlib
@@ -175,6 +176,13 @@ def memorization(c: T.MemorizationConfig, rng, L: int, training: bool):
     return x, y, mask
 
 
+def compression(c: T.CompressionConfig, rng, L: int, training: bool):
+    """MAD's compression: L - 1 random tokens of [0, V - 1), then the compression token V - 1; every
+    position (the compression token too, as MAD) is to be reconstructed: y = x."""
+    x = np.append(rng.integers(0, c.vocab_size - 1, L - 1), c.vocab_size - 1)
+    return x, x.copy(), np.ones(L, np.int64)
+
+
 @cache
 def _memory(V: int, seed: int):
     rng = np.random.default_rng(seed)
@@ -187,7 +195,7 @@ def _memory(V: int, seed: int):
 GENERATORS = {T.MQARConfig: mqar, T.SelectiveCopyingConfig: selective_copying,
               T.InductionHeadsConfig: induction_heads, T.InContextRecallConfig: in_context_recall,
               T.NoisyRecallConfig: in_context_recall, T.FuzzyRecallConfig: fuzzy_recall,
-              T.MemorizationConfig: memorization}
+              T.MemorizationConfig: memorization, T.CompressionConfig: compression}
 
 
 def example(cfg: T.Task, split: str, i: int, L: int):

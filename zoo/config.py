@@ -56,7 +56,11 @@ class ModelConfig:
     long_context choice starts at inference); mixer (the sequence mixer, picked by `kind`); ffn (`kind: mlp|moe`);
     layer_pattern (optional list of mixer configs, repeated over the layers; replaces `mixer`);
     tie_embeddings (LM head shares the embedding matrix); norm_eps; dtype (compute dtype;
-    parameters stay float32); exits (optional early exits: the model.exits keys below)."""
+    parameters stay float32); exits (optional early exits: the model.exits keys below); head (lm: next-
+    token logits at every position; pooled_decoder: MAD's compression autoencoder, where the last
+    position's hidden state alone, plus each position's sinusoidal embedding, goes through a 2-layer
+    GELU MLP to that position's logits, so the model must compress the sequence into one state; it is
+    not a language model and cannot decode)."""
     vocab_size: PosInt = 256
     d_model: PosInt = 128
     num_layers: PosInt = 4
@@ -68,6 +72,7 @@ class ModelConfig:
     norm_eps: PosFloat = 1e-6
     dtype: Literal["float32", "bfloat16"] = "float32"
     exits: ExitsConfig | None = None
+    head: Literal["lm", "pooled_decoder"] = "lm"
 
     def mixers(self) -> tuple:
         """The mixer config of each layer."""
@@ -84,8 +89,8 @@ class DataConfig:
     invalid_utf8 (a corpus file that is not UTF-8 text, binary or latin-1: refuse names it and
     stops; skip leaves it out and reports it); task (a synthetic task instead of the corpus, picked by
     `kind`: mqar, selective_copying, induction_heads, in_context_recall, noisy_recall, fuzzy_recall,
-    memorization; zoo/tasks.py; its examples have train.seq_len tokens and its held-out accuracy is
-    `val_accuracy` in metrics.jsonl)."""
+    memorization, compression (with model.head: pooled_decoder); zoo/tasks.py; its examples have
+    train.seq_len tokens and its held-out accuracy is `val_accuracy` in metrics.jsonl)."""
     corpus: str = "shakespeare"
     val_docs: tuple[str, ...] = ("hamlet", "tempest", "julius_caesar")
     packing: bool = False
@@ -180,6 +185,8 @@ def check_model(cfg: ModelConfig, path: str = "model"):
     cfg.ffn.check(cfg.d_model, f"{path}.ffn")
     if cfg.exits is not None:
         _check_exits(cfg.exits, cfg.num_layers, f"{path}.exits")
+        if cfg.head != "lm":
+            raise ValueError(f"{path}.exits: early exits need model.head=lm, got {cfg.head!r}")
 
 
 def _check_exits(e: ExitsConfig, num_layers: int, path: str):
@@ -232,6 +239,11 @@ def from_dict(data: dict) -> Config:
             model = {**model, "vocab_size": task.vocab_size}
     cfg = Config(model=_build_model(model, "model"), data=data_cfg, train=train)
     _check_train(cfg)
+    compression = task is not None and task.KIND == "compression"
+    if compression != (cfg.model.head == "pooled_decoder"):
+        raise ValueError(f"model.head: {cfg.model.head!r} with data.task.kind="
+                         f"{task.KIND if task else None!r}; MAD's compression task and model.head=pooled_decoder "
+                         "go together (every other source is next-token prediction, for model.head=lm)")
     if task is not None and cfg.model.vocab_size < task.vocab_size:
         raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than data.task.vocab_size="
                          f"{task.vocab_size} (the task's token ids)")

@@ -85,6 +85,9 @@ class LanguageModel(nnx.Module):
         self.head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size)),
             **axes("embed", "vocab"))
+        if cfg.head == "pooled_decoder":  # MAD's compression decoder: norm, linear, GELU, twice
+            self.decoder = nnx.List([m for _ in range(2) for m in (
+                RMSNorm(cfg.d_model, eps=cfg.norm_eps), nnx.Linear(cfg.d_model, cfg.d_model, dtype=dtype, rngs=rngs))])
         exits = cfg.exits
         self.exit_layers = exits.layers if exits else ()
         if exits:
@@ -156,7 +159,20 @@ class LanguageModel(nnx.Module):
             x = constrain(y, RESIDUAL)
             if i + 1 in self.exit_layers:
                 hidden.append(x)
+        if self.cfg.head == "pooled_decoder":
+            x = self.pooled_decode(x)
         return (self.logits(x), tuple(hidden)) if return_exits else self.logits(x)
+
+    def pooled_decode(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        """model.head=pooled_decoder: every position decoded from the last position's state alone."""
+        T, D = x.shape[1:]
+        half = D // 2
+        angle = np.arange(T)[:, None] / 10000 ** (np.arange(half) / max(half - 1, 1))  # MAD's sincos, (T, D/2)
+        pos = np.concatenate([np.sin(angle), np.cos(angle), np.zeros((T, D - 2 * half))], axis=1)
+        x = x[:, -1:] + jnp.asarray(pos, x.dtype)  # (B, T, D)
+        for norm, linear in zip(self.decoder[0::2], self.decoder[1::2]):
+            x = jax.nn.gelu(linear(norm(x)))
+        return x
 
     def init_state(self, batch_size: int, max_len: int) -> tuple:
         return tuple(block.init_state(batch_size, max_len) for block in self.blocks)
@@ -171,6 +187,9 @@ class LanguageModel(nnx.Module):
     def decode(self, tokens: Int[Array, "B T"], state: tuple, *,
                segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T V"], tuple]:
         """Run T >= 1 tokens from `state` (prefill or one step); returns logits and the new state."""
+        if self.cfg.head != "lm":
+            raise ValueError(f"LanguageModel.decode: model.head={self.cfg.head!r} is not a language model; "
+                             "only model.head=lm decodes")
         self.check_tokens(tokens, segment_ids, "LanguageModel.decode")
         x, v_first = constrain(self.embed(tokens), RESIDUAL), None
         new_state = []

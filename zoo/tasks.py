@@ -160,3 +160,16 @@ class MemorizationConfig(Task):
     def check(self, seq_len: int, path: str):
         self._need(seq_len % 2 == 0, "kind", path, f"memorization needs an even train.seq_len, got {seq_len}")
         self._need(self.vocab_size >= 5, "vocab_size", path, f"expected >= 5, got {self.vocab_size}")
+
+
+@task
+@dataclass(frozen=True)
+class CompressionConfig(Task):
+    """MAD's compression (baseline: vocab 16, length 32): L - 1 random tokens and a compression token
+    (V - 1); every position is to be reconstructed from the last position's state alone, so it
+    needs model.head: pooled_decoder (MAD's encoder-decoder)."""
+    KIND: ClassVar[str] = "compression"
+
+    def check(self, seq_len: int, path: str):
+        self._need(seq_len >= 2 and self.vocab_size >= 2, "vocab_size", path,
+                   f"compression needs train.seq_len >= 2 and vocab_size >= 2, got {seq_len} and {self.vocab_size}")

@@ -13,7 +13,8 @@ from zoo.config import from_dict
 
 
 def task(kind, seq_len, **kw):
-    return from_dict({"data": {"task": {"kind": kind, **kw}}, "train": {"seq_len": seq_len}}).data.task
+    model = {"head": "pooled_decoder"} if kind == "compression" else {}
+    return from_dict({"model": model, "data": {"task": {"kind": kind, **kw}}, "train": {"seq_len": seq_len}}).data.task
 
 
 def scored(m):
@@ -193,3 +194,31 @@ def test_attention_solves_mqar_and_a_model_without_the_past_cannot(tmp_path, mon
     assert _mqar_accuracy(tmp_path / "attention", 500, {"kind": "attention", "num_heads": 2}) >= 0.99
     blind = _mqar_accuracy(tmp_path / "blind", 150, {"kind": "attention", "num_heads": 2, "window": 1})
     assert blind < 0.15
+
+
+def test_compression_and_the_pooled_decoder():
+    """MAD's compression: random tokens then the compression token, all reconstructed; the pooled
+    decoder's logits depend on the input only through the last position's state."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from zoo.model import LanguageModel
+
+    c = task("compression", 8)
+    x, y, m = example(c, "train", 0, 8)
+    assert x[-1] == 15 and all(x[:-1] < 15) and (y == x).all() and m.all()
+    cfg = from_dict({"model": {"d_model": 16, "num_layers": 1, "head": "pooled_decoder",
+                               "mixer": {"kind": "gla", "num_heads": 1}},
+                     "data": {"task": {"kind": "compression"}}, "train": {"seq_len": 8}}).model
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(x[None])
+    logits = model(tokens)
+    assert logits.shape == (1, 8, 16)
+    grad = jax.grad(lambda e: model.pooled_decode(e).sum())(jnp.ones((1, 8, 16)))
+    assert float(jnp.abs(grad[:, :-1]).max()) == 0 and float(jnp.abs(grad[:, -1]).max()) > 0
+    with pytest.raises(ValueError, match="model.head='pooled_decoder' is not a language model"):
+        model.decode(tokens, model.init_state(1, 8))
+    for model_cfg, data in (({"head": "pooled_decoder"}, {}), ({}, {"task": {"kind": "compression"}})):
+        with pytest.raises(ValueError, match="compression task and model.head=pooled_decoder go together"):
+            from_dict({"model": model_cfg, "data": data, "train": {"seq_len": 8}})

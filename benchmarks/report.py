@@ -1,0 +1,102 @@
+"""The report card: every registered mixer kind on cost, loss, recall and extrapolation, one table.
+
+    python -m benchmarks.report [--kinds attention gla ...] [--steps 250] [--contexts 256 16384]
+
+Per kind, on this machine:
+- parameters and training tokens/s of the equal-budget run: the kind's config in configs/ (the one
+  whose model.mixer.kind it is; a kind without one takes configs/transformer.yaml with its mixer
+  swapped in), `--steps` steps on Shakespeare, in runs/report/<kind>; its validation loss (nats/byte);
+- the extrapolation ratio of that run: loss of the last 128 positions at 16x the training length
+  over the loss at 1x (train/extrapolate.py; above 1: worse past the trained length);
+- decode ms/token at each of `--contexts` and the decode-state MiB at the last (benchmarks/decode.py's
+  model: width 256, 4 layers; attention as MHA);
+- MQAR accuracy at the default sweep cell (configs/sweeps/mqar.yaml: length 32, 4 pairs), best
+  learning rate, at each width; the sweep is run (or resumed, or read when finished) in
+  runs/sweep-mqar.
+Written to runs/report/report_card.md and .json; the README's comparison table is this output.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import yaml
+from flax import nnx
+
+from benchmarks import decode
+from benchmarks.common import save_json
+from train import sweep
+from train.extrapolate import extrapolate
+from train.loop import run
+from zoo import load_config
+from zoo.checkpoint import load_model
+from zoo.registry import MIXERS
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def kind_config(kind: str) -> tuple[Path, list[str]]:
+    """(config file, overrides) of a kind's equal-budget run."""
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        mixer = (yaml.safe_load(path.read_text()).get("model") or {}).get("mixer") or {}
+        if mixer.get("kind") == kind:
+            return path, []
+    return CONFIGS / "transformer.yaml", [f"model.mixer={json.dumps({'kind': kind})}"]
+
+
+def text_row(kind: str, steps: int, out: Path) -> dict:
+    path, over = kind_config(kind)
+    cfg = load_config(path, over + [f"train.steps={steps}", f"train.eval_every={steps}", "train.sample_tokens=0",
+                                    f"train.checkpoint_every={steps}", "train.log_every=50"])
+    run_dir = out / kind
+    last = run(cfg, run_dir, log=lambda _: None)  # resumes, or reads a finished run
+    if "val_loss" not in last:
+        last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    cfg, model, _ = load_model(run_dir)
+    rows = extrapolate(model, cfg, (1, 16), batches=2)
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return {"config": path.stem, "params": params, "val_loss": round(last["val_loss"], 4),
+            "train_tok_per_s": last.get("tokens_per_s"), "extrapolation_16x": rows[-1]["ratio"]}
+
+
+def mqar_rows(workers: int) -> dict:
+    grid = sweep.load_grid(sweep.DEFAULT)
+    best = sweep.best_lr(sweep.sweep(grid, Path("runs/sweep-mqar"), workers, log=lambda *a: None))
+    return {(r["mixer"], r["d_model"]): r["val_accuracy"] for r in best}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kinds", nargs="+", default=list(MIXERS), choices=list(MIXERS))
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 16384])
+    p.add_argument("--workers", type=int, default=1, help="sweep cells at once")
+    args = p.parse_args()
+    out = Path("runs/report")
+    mqar = mqar_rows(args.workers)
+    widths = sorted({d for _, d in mqar})
+    rows = []
+    for kind in args.kinds:
+        row = {"kind": kind, **text_row(kind, args.steps, out)}
+        name = "mha" if kind == "attention" else kind  # configs/transformer.yaml is MHA
+        decode.KINDS.setdefault(name, {"kind": kind})  # a kind the decode benchmark does not list: defaults
+        timed = decode.measure(name, args.contexts, repeats=5)
+        for r in timed:
+            row[f"decode_ms_{r['context']}"] = r["ms_per_token"]
+        row[f"state_MiB_{args.contexts[-1]}"] = timed[-1]["state_MiB"]
+        for d in widths:
+            row[f"mqar_d{d}"] = mqar.get((kind, d))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    cols = list(rows[0])
+    table = "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|\n" + "".join(
+        "| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |\n" for r in rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report_card.md").write_text(table)
+    save_json("report", rows)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
