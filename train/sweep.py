@@ -67,6 +67,11 @@ def load_grid(path) -> dict:
     if isinstance(grid["seq_len"], list):
         grid["seq_len"] = {L: {} for L in grid["seq_len"]}
     grid.setdefault("seeds", [0])
+    match = grid.get("match")
+    if match is not None and (not isinstance(match, dict) or set(match) != {"by", "reference"}
+                              or match["by"] not in ("params", "state") or match["reference"] not in grid["mixers"]):
+        raise ValueError(f"sweep {path}: match: expected {{by: params or state, reference: one of "
+                         f"{', '.join(grid['mixers'])}}}, got {match!r}")
     return grid
 
 
@@ -75,7 +80,7 @@ def _config(grid, mixer: dict, d_model: int, seq_len: int, lr: float, seed: int)
     data.setdefault("model", {})["mixer"] = mixer
     data["model"]["d_model"] = d_model
     overrides = [f"train.seq_len={seq_len}", f"train.lr={lr}", f"train.seed={seed}"]
-    overrides += [f"{k}={json.dumps(v)}" for k, v in grid["seq_len"][seq_len].items()]
+    overrides += [f"{k}={json.dumps(v)}" for k, v in (grid["seq_len"][seq_len] or {}).items()]
     return apply_overrides(data, overrides)
 
 
@@ -101,6 +106,8 @@ def _matched_width(grid, name: str, seq_len: int, target: int, by: int) -> int:
             best = (d, size)
         if size > target:
             break
+    if best is None:
+        raise ValueError(f"sweep: no width of 16..4096 is valid for mixer {name!r} at seq_len={seq_len}")
     return best[0]
 
 

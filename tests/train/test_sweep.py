@@ -81,6 +81,8 @@ def test_widths_matched_by_parameters():
 def test_bad_grids_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="unknown keys \\['widths'\\]"):
         sweep.load_grid(_write(tmp_path, {**GRID, "widths": [1]}))
+    with pytest.raises(ValueError, match="match: expected \\{by: params or state, reference: one of attention, gla"):
+        sweep.load_grid(_write(tmp_path, {**GRID, "match": {"by": "flops", "reference": "attention"}}))
     bad = {**GRID, "mixers": {"attention": {"kind": "attention", "num_heads": 3}}}
     with pytest.raises(ValueError, match="sweep cell attention d_model=16 seq_len=16: .*num_heads: 3 does not divide"):
         sweep.cells(sweep.load_grid(_write(tmp_path, bad)))
