@@ -181,7 +181,8 @@ def best_lr(rows: list[dict]) -> list[dict]:
 
 
 def table(best: list[dict]) -> str:
-    """Markdown: a row per mixer, a column per (seq_len, d_model), the best-lr accuracy in each."""
+    """Markdown: a row per mixer, a column per (seq_len, d_model), the best-lr accuracy in each; then
+    each cell's parameters and decode-state bytes (the two equal-footing measures)."""
     cols = sorted({(r["seq_len"], r["d_model"]) for r in best})
     mixers = list(dict.fromkeys(r["mixer"] for r in best))
     at = {(r["mixer"], r["seq_len"], r["d_model"]): r for r in best}
@@ -195,6 +196,11 @@ def table(best: list[dict]) -> str:
                 else f"{r['val_loss']:.3f}"
             cells_.append(value)
         lines.append(f"| {m} | " + " | ".join(cells_) + " |")
+    lines += ["", "| mixer | seq_len | d_model | width | parameters | decode state (bytes per sequence) |",
+              "|---|---|---|---|---|---|"]
+    for r in sorted(best, key=lambda r: (mixers.index(r["mixer"]), r["seq_len"], r["d_model"])):
+        lines.append(f"| {r['mixer']} | {r['seq_len']} | {r['d_model']} | {r['width']} | {r['params']:,} | "
+                     f"{r['state_bytes']:,} |")
     return "\n".join(lines) + "\n"
 
 
