@@ -17,10 +17,10 @@ def test_text_run(tmp_path, monkeypatch):
     monkeypatch.setenv("ZOO_CACHE", str(tmp_path / "cache"))
     last = run(from_dict({"model": TINY, "train": TRAIN}), tmp_path / "text", log=lambda *a: None)
     cfg, model, _ = load_model(tmp_path / "text")
-    rows = extrapolate(model, cfg, (1, 4), batches=2)
+    rows = extrapolate(model, cfg, (1, 3), batches=2)
     assert rows[0]["loss_per_bucket"][0] == pytest.approx(last["val_loss"], rel=1e-5)
-    assert len(rows[1]["loss_per_bucket"]) == 4 and rows[1]["tokens"] == 64 and rows[0]["ratio"] == 1.0
-    main([str(tmp_path / "text"), "--factors", "1", "2", "--batches", "1"])
+    assert len(rows[1]["loss_per_bucket"]) == 3 and rows[1]["tokens"] == 48 and rows[0]["ratio"] == 1.0
+    main([str(tmp_path / "text"), "--factors", "1", "--batches", "1"])
     assert (tmp_path / "text" / "extrapolation.json").exists()
 
 

@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 GRID = {
     "base": {"model": {"num_layers": 1, "tie_embeddings": False},
              "data": {"task": {"kind": "mqar", "vocab_size": 32, "num_train_examples": 128, "num_test_examples": 16}},
-             "train": {"steps": 12, "batch_size": 8, "warmup_steps": 2, "eval_every": 12, "log_every": 4,
+             "train": {"steps": 40, "batch_size": 8, "warmup_steps": 2, "eval_every": 40, "log_every": 4,
                        "checkpoint_every": 4, "sample_tokens": 0}},
-    "mixers": {"attention": {"kind": "attention", "num_heads": 1}, "gla": {"kind": "gla", "num_heads": 1}},
+    "mixers": {"attention": {"kind": "attention", "num_heads": 1}},
     "d_model": [16], "seq_len": {16: {"data.task.num_kv_pairs": 2}}, "lr": [3e-3],
 }
 
@@ -50,10 +50,14 @@ def test_a_killed_sweep_resumes_to_the_same_table(tmp_path, monkeypatch):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # mid-cell: the first cell has a checkpoint, not its end
     proc.wait()
-    assert not (tmp_path / "killed" / "results.jsonl").exists()
+    assert sweep._finished(first.parent, 40) is None  # killed mid-cell
     sweep.sweep(sweep.load_grid(path), tmp_path / "killed", log=lambda *a: None)
     assert _results(tmp_path / "killed") == _results(tmp_path / "whole")
     assert (tmp_path / "whole" / "accuracy.png").exists()
+    log = first.parent / "train.log"
+    before = log.stat().st_mtime_ns
+    sweep.sweep(sweep.load_grid(path), tmp_path / "killed", log=lambda *a: None)  # finished: nothing runs
+    assert log.stat().st_mtime_ns == before and _results(tmp_path / "killed") == _results(tmp_path / "whole")
 
 
 def test_best_learning_rate_per_cell_and_the_table():
@@ -67,8 +71,8 @@ def test_best_learning_rate_per_cell_and_the_table():
 
 
 def test_widths_matched_by_parameters():
-    grid = {**GRID, "match": {"by": "params", "reference": "attention"}, "d_model": [32, 64],
-            "seeds": [0]}
+    grid = {**GRID, "mixers": {**GRID["mixers"], "gla": {"kind": "gla", "num_heads": 1}},
+            "match": {"by": "params", "reference": "attention"}, "d_model": [32, 64], "seeds": [0]}
     cells = sweep.cells(grid)
     for d in (32, 64):
         ref = next(c for c in cells if c.mixer == "attention" and c.d_model == d)
@@ -82,7 +86,7 @@ def test_widths_matched_by_parameters():
 def test_bad_grids_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="unknown keys \\['widths'\\]"):
         sweep.load_grid(_write(tmp_path, {**GRID, "widths": [1]}))
-    with pytest.raises(ValueError, match="match: expected \\{by: params or state, reference: one of attention, gla"):
+    with pytest.raises(ValueError, match="match: expected \\{by: params or state, reference: one of attention"):
         sweep.load_grid(_write(tmp_path, {**GRID, "match": {"by": "flops", "reference": "attention"}}))
     bad = {**GRID, "mixers": {"attention": {"kind": "attention", "num_heads": 3}}}
     with pytest.raises(ValueError, match="sweep cell attention d_model=16 seq_len=16: .*num_heads: 3 does not divide"):
