@@ -219,6 +219,7 @@ def plot(best: list[dict], path: Path):
             rs = sorted((r for r in best if r["mixer"] == m and r["seq_len"] == L), key=lambda r: r["d_model"])
             ax.plot([r["d_model"] for r in rs], [r["val_accuracy"] or 0 for r in rs], "o-", label=m)
         ax.set(xscale="log", xlabel="model width", title=f"sequence length {L}", ylim=(-0.02, 1.02))
+        ax.minorticks_off()
         ax.set_xticks(sorted({r["d_model"] for r in best}), [str(d) for d in sorted({r["d_model"] for r in best})])
     axes[0][0].set_ylabel("held-out accuracy")
     axes[0][-1].legend(fontsize=7, loc="lower right")
