@@ -3,9 +3,10 @@
     python -m benchmarks.report [--kinds attention gla ...] [--steps 250] [--contexts 256 16384]
 
 Per kind, on this machine:
-- parameters and training tokens/s of the equal-budget run: the kind's config in configs/ (the one
-  whose model.mixer.kind it is; a kind without one takes configs/transformer.yaml with its mixer
-  swapped in), `--steps` steps on Shakespeare, in runs/report/<kind>; its validation loss (nats/byte);
+- parameters and training tokens/s of the equal-budget run: the kind's config in configs/
+  (configs/<kind>.yaml, transformer.yaml for attention; a kind without one takes transformer.yaml
+  with its mixer swapped in), `--steps` steps on Shakespeare, in runs/report/<kind>; its validation
+  loss (nats/byte);
 - the extrapolation ratio of that run: loss of the last 128 positions at 16x the training length
   over the loss at 1x (train/extrapolate.py; above 1: worse past the trained length);
 - decode ms/token at each of `--contexts` and the decode-state MiB at the last (benchmarks/decode.py's
@@ -37,8 +38,10 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def kind_config(kind: str) -> tuple[Path, list[str]]:
-    """(config file, overrides) of a kind's equal-budget run."""
-    for path in sorted(CONFIGS.glob("*.yaml")):
+    """(config file, overrides) of a kind's equal-budget run: configs/<kind>.yaml (transformer.yaml for
+    attention), else the first config with that mixer, else transformer.yaml with the mixer swapped."""
+    own = CONFIGS / ("transformer.yaml" if kind == "attention" else f"{kind}.yaml")
+    for path in [own] * own.exists() + sorted(CONFIGS.glob("*.yaml")):
         mixer = (yaml.safe_load(path.read_text()).get("model") or {}).get("mixer") or {}
         if mixer.get("kind") == kind:
             return path, []
