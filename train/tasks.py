@@ -81,12 +81,12 @@ def induction_heads(c: T.InductionHeadsConfig, rng, L: int, training: bool):
     return x, y, mask
 
 
-def _shifted(tokens: list, scored: list, L: int, training: bool, pad: int = 0):
+def _shifted(tokens: list, scored: list, L: int, training: bool):
     """MAD's autoregressive shift: x = tokens[:-1]; training scores every next token (MAD trains on
     all of them), testing only the `scored` ones (their positions hold the answer, else None).
     Padded on the right to L, never scored."""
     tokens, n = np.asarray(tokens), len(tokens) - 1
-    x, y, mask = np.full(L, pad), np.zeros(L, np.int64), np.zeros(L, np.int64)
+    x, y, mask = np.zeros(L, np.int64), np.zeros(L, np.int64), np.zeros(L, np.int64)
     x[:n], y[:n] = tokens[:-1], tokens[1:]
     mask[:n] = 1 if training else [s is not None for s in scored[1:]]
     return x, y, mask
@@ -198,17 +198,17 @@ GENERATORS = {T.MQARConfig: mqar, T.SelectiveCopyingConfig: selective_copying,
               T.MemorizationConfig: memorization, T.CompressionConfig: compression}
 
 
-def example(cfg: T.Task, split: str, i: int, L: int):
-    """(x, y, mask) of example i of `split`, a pure function of (cfg, split, i, L)."""
-    rng = np.random.default_rng([cfg.seed, SPLITS[split], i])
+def example(cfg: T.Task, split: str, i: int, L: int, attempt: int = 0):
+    """(x, y, mask) of example i of `split`, a pure function of (cfg, split, i, L); `attempt` > 0
+    draws it again (from `[seed, split, i, attempt]`)."""
+    rng = np.random.default_rng([cfg.seed, SPLITS[split], i] + ([attempt] if attempt else []))
     return GENERATORS[type(cfg)](cfg, rng, L, split == "train")
 
 
 def _rejecting(cfg, i: int, L: int, test: set):
     """Training example i, drawn again (attempt 1, 2, ...) while its tokens equal a test example's."""
     for attempt in itertools.count():
-        rng = np.random.default_rng([cfg.seed, 0, i] + ([attempt] if attempt else []))
-        x, y, mask = GENERATORS[type(cfg)](cfg, rng, L, True)
+        x, y, mask = example(cfg, "train", i, L, attempt)
         if x.tobytes() not in test:
             return x, y, mask
 
