@@ -22,8 +22,9 @@ overflows however strong the forgetting; fla computes the same differences.
 
 Packed documents (exact, no large-negative-decay trick): with d_i the document index of token i,
 every pairwise term (A, Q K^T, D) is multiplied by [d_i == d_j], and the S_0 terms by
-c_i = [no document starts in the chunk at or before i]. The padding that makes T a multiple of C
-has k = v = beta = g = 0 (and the last document id), so it leaves the state untouched.
+c_i = [no document starts in the chunk at or before i]. The chunk is min(chunk_size, T); the
+padding that makes T a multiple of C has k = v = beta = g = 0 (and the last document id), so it
+leaves the state untouched.
 """
 
 import jax
@@ -82,7 +83,7 @@ def delta_rule_chunk(
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
+    C = min(chunk_size, T)  # a short call pads no further than T
     N = -(-T // C)
     pad = N * C - T
     g = jnp.zeros(beta.shape, jnp.float32) if g is None else g

@@ -29,7 +29,7 @@ def selective_scan_chunk(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"
                          starts: Bool[Array, "B T"], h0: Float[Array, "B Dm N"], chunk_size: int):
     Bsz, T, Dm = x.shape
     N = A.shape[1]
-    L = chunk_size
+    L = min(chunk_size, T)  # a short call pads no further than T
     nC = -(-T // L)
     pad = nC * L - T
 

@@ -29,7 +29,7 @@ def ssd_chunk(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Ar
               B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, " H"] | None,
               starts: Bool[Array, "B T"], h0: Float[Array, "B H P N"], chunk_size: int):
     Bsz, T, H, P = x.shape
-    L = chunk_size
+    L = min(chunk_size, T)  # a short call pads no further than T
     nC = -(-T // L)
 
     def chunks(a):  # (B, T, ...) -> (B, nC, L, ...)
