@@ -1,4 +1,7 @@
-"""python -m infer RUN_DIR_OR_CONFIG --prompt "ROMEO:" --max-new-tokens 200
+"""python -m infer RUN_DIR_OR_CONFIG_OR_HF_FOLDER --prompt "ROMEO:" --max-new-tokens 200
+
+A Hugging Face model folder (config.json + safetensors, zoo/hf.py) is read with its tokenizer.json,
+and generation stops at its end-of-text token; --dtype bfloat16 loads it in bfloat16.
 
 Early exit (a model trained with model.exits): --exit-threshold 0.9 --exit-measure margin [--show-exits],
 or self-speculative decoding: --speculative 4 [--draft-layers 2].
@@ -12,7 +15,10 @@ from pathlib import Path
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer", description="Generate text from a run's latest "
                                 "checkpoint, or from a config with random weights.")
-    p.add_argument("source", help="a run folder (runs/NAME) or a YAML config (random init)")
+    p.add_argument("source", help="a run folder (runs/NAME), a Hugging Face model folder (config.json, "
+                   "*.safetensors, tokenizer.json) or a YAML config (random init)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="a Hugging Face folder's parameter and compute dtype (default: %(default)s)")
     p.add_argument("overrides", nargs="*", help="config overrides (dotted.key=value), only with a YAML config")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=200,
@@ -46,10 +52,17 @@ def main(argv=None):
         import zoo
         from zoo.checkpoint import load_model
 
-        if Path(args.source).is_dir():
-            if args.overrides:
-                raise ValueError(f"overrides {' '.join(args.overrides)}: a run folder is loaded with the config it was "
-                                 "trained with; overrides apply to a YAML config (random weights)")
+        tokenizer = None
+        if Path(args.source).is_dir() and args.overrides:
+            raise ValueError(f"overrides {' '.join(args.overrides)}: a run folder is loaded with the config it was "
+                             "trained with; overrides apply to a YAML config (random weights)")
+        if (Path(args.source) / "config.json").is_file():
+            import zoo.hf
+
+            model, tokenizer = zoo.hf.load(args.source, dtype=args.dtype)
+            print(f"# {args.source}: Hugging Face {zoo.hf.read_config(args.source)['architectures'][0]}",
+                  file=sys.stderr)
+        elif Path(args.source).is_dir():
             _, model, step = load_model(args.source)
             print(f"# {args.source}, checkpoint step {step}", file=sys.stderr)
         else:
@@ -62,7 +75,7 @@ def main(argv=None):
             model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop, temperature=temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, exit_threshold=args.exit_threshold,
             exit_measure=args.exit_measure, exit_decay=args.exit_decay, exit_level=args.exit_level,
-            speculative=args.speculative, draft_layers=args.draft_layers, return_info=True)
+            speculative=args.speculative, draft_layers=args.draft_layers, tokenizer=tokenizer, return_info=True)
     except ValueError as e:
         sys.exit(f"error: {e}")
     for prompt, out, layers in zip(prompts, outs, info["exit_layers"]):

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from jaxtyping import Array, Float, Int
 
 from infer import early_exit
-from zoo import tokenizer
+from zoo import tokenizer as tokenizer_lib
 
 TRACES = {"generate": 0}  # incremented at trace time: tests check the loop compiles once
 
@@ -223,14 +223,22 @@ def _exits(model, temperature, threshold, measure, decay, level, speculative, dr
     return Exits(measure=measure, level=level, decay=float(decay), speculative=speculative or 0, draft=draft)
 
 
-def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str | None = None, **kwargs):
-    """`generate` for strings through the byte tokenizer; `stop` is a single-byte stop character.
-    Returns the texts (with `return_info`: the texts and the info dict)."""
-    if stop is not None and len(tokenizer.encode(stop)) != 1:
-        raise ValueError(f"generate_text: stop={stop!r} must be one character of one byte (a single token)")
-    stop_token = None if stop is None else tokenizer.encode(stop)[0]
-    out = generate(model, [tokenizer.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
+def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str | None = None, tokenizer=None,
+                  **kwargs):
+    """`generate` for strings through `tokenizer` (zoo/tokenizer.py; default bytes, or the one
+    zoo.hf.load returns). A row stops at `stop`, a string of one token, or else at the tokenizer's
+    end-of-text token (bytes have none). Returns the texts (with `return_info`: the texts and the
+    info dict)."""
+    tok = tokenizer or tokenizer_lib.Bytes
+    if tok.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"generate_text: the tokenizer has {tok.vocab_size} ids but the model {model.cfg.vocab_size} "
+                         "(model.vocab_size)")
+    stop_ids = None if stop is None else tok.encode(stop, special=False)
+    if stop_ids is not None and len(stop_ids) != 1:
+        raise ValueError(f"generate_text: stop={stop!r} must be a single token, got ids {stop_ids}")
+    stop_token = tok.eos_id if stop is None else stop_ids[0]
+    out = generate(model, [tok.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
                    stop_token=stop_token, **kwargs)
     ids, info = out if kwargs.get("return_info") else (out, None)
-    texts = [tokenizer.decode(r) for r in ids]
+    texts = [tok.decode(r) for r in ids]
     return (texts, info) if info is not None else texts

@@ -15,6 +15,10 @@ this is exactly full causal attention); "full" lets it see every earlier token (
 distances it never saw: text degrades quickly past the trained length). With `window` set, the
 smaller of the two windows holds. max_seq_len=None means no trained context is known: full.
 
+Options of the Hugging Face families (zoo/hf.py): `rope_scaling` (layers/rotary.py: linear, llama3,
+yarn), `qkv_bias` (Qwen2: biases on the q, k, v projections), `qk_norm` (Qwen3: an RMSNorm over
+each head's query and key, eps `norm_eps`, before the rotary).
+
 Parameters carry their logical sharding axes (layers/sharding.py): the query heads and kv heads over
 `tensor`, the model width over `fsdp`.
 """
@@ -28,7 +32,8 @@ from kernels import check_impl
 from kernels.attention import attention, attention_cached
 from kernels.segments import document_starts, positions_in_document
 from layers.linear import project
-from layers.rotary import apply_rotary
+from layers.norm import RMSNorm
+from layers.rotary import RopeScaling, apply_rotary
 from layers.shapes import check_input
 from layers.sharding import axes, constrain
 from layers.state import state
@@ -61,8 +66,9 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
                  head_dim: int | None = None, window: int | None = None, rope_base: float = 10000.0,
-                 long_context: str = "window", max_seq_len: int | None = None, impl: str = "auto",
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 rope_scaling: RopeScaling | None = None, qkv_bias: bool = False, qk_norm: bool = False,
+                 norm_eps: float = 1e-6, long_context: str = "window", max_seq_len: int | None = None,
+                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "Attention")
         if long_context not in ("window", "full"):
             raise ValueError(f"long_context={long_context!r}; expected 'window' or 'full'")
@@ -78,20 +84,30 @@ class Attention(nnx.Module):
         if long_context == "window" and max_seq_len is not None:
             window = max_seq_len if window is None else min(window, max_seq_len)
         self.window, self.rope_base, self.impl, self.dtype = window, rope_base, impl, dtype  # the window in force
+        self.rope_scaling = rope_scaling
         init = nnx.initializers.normal(d_model ** -0.5)
         self.wq = nnx.Param(init(rngs.params(), (d_model, H, K)), **axes("embed", "heads", None))
         self.wk = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
         self.wv = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
         self.wo = nnx.Param(nnx.initializers.normal((H * K) ** -0.5)(rngs.params(), (H, K, d_model)),
                             **axes("heads", None, "embed"))
+        zeros = lambda n, name: nnx.Param(jnp.zeros((n, K), jnp.float32), **axes(name, None))
+        self.bq, self.bk, self.bv = (zeros(H, "heads"), zeros(G, "kv_heads"), zeros(G, "kv_heads")) if qkv_bias \
+            else (None, None, None)
+        self.q_norm, self.k_norm = (RMSNorm(K, eps=norm_eps), RMSNorm(K, eps=norm_eps)) if qk_norm else (None, None)
 
     def _qkv(self, x, positions):
         x = x.astype(self.dtype)
         q, k, v = (project(x, w[...].astype(self.dtype)) for w in (self.wq, self.wk, self.wv))  # (B, T, H|G, K)
+        if self.bq is not None:
+            q, k, v = (a + b[...].astype(self.dtype) for a, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # On a mesh: heads split over `tensor`, rows over the batch axes (no-op on one device).
         q = constrain(q, ("batch", None, "heads", None))
         k, v = (constrain(a, ("batch", None, "kv_heads", None)) for a in (k, v))
-        return apply_rotary(q, positions, self.rope_base), apply_rotary(k, positions, self.rope_base), v
+        rotary = lambda a: apply_rotary(a, positions, self.rope_base, self.rope_scaling)
+        return rotary(q), rotary(k), v
 
     def _out(self, o):
         B, T, H, K = o.shape

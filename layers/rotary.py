@@ -1,17 +1,85 @@
 """Rotary position embeddings (Su et al., 2021, RoFormer), the rotate-half layout of GPT-NeoX/Llama.
 
-    x'_i       = x_i cos(p θ_i) - x_{i+D/2} sin(p θ_i)     θ_i = base^(-2i/D)
-    x'_{i+D/2} = x_i sin(p θ_i) + x_{i+D/2} cos(p θ_i)
+    x'_i       = m (x_i cos(p θ_i) - x_{i+D/2} sin(p θ_i))     θ_i = base^(-2i/D)
+    x'_{i+D/2} = m (x_i sin(p θ_i) + x_{i+D/2} cos(p θ_i))
+
+with m = 1 and the θ_i above unless a `RopeScaling` stretches them for a longer context, as the
+Hugging Face checkpoints that use it were trained (transformers' rope types of the same names):
+- linear (position interpolation, Chen et al. 2023): every θ_i / factor;
+- llama3 (Llama 3.1): θ_i / factor for wavelengths longer than original_max_position_embeddings /
+  low_freq_factor, θ_i kept below original_max_position_embeddings / high_freq_factor, a smooth
+  blend between;
+- yarn (Peng et al. 2023): a ramp between interpolated (θ_i / factor) and kept frequencies over
+  the dimensions whose rotations in the original context lie between beta_slow and beta_fast, and
+  m = attention_factor (default 0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio).
 """
 
+import dataclasses
+import math
+from typing import Literal
+
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 
-def apply_rotary(x: Float[Array, "B T H K"], positions: Int[Array, "B T"], base: float = 10000.0):
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A rotary scaling (type linear, llama3 or yarn); the fields a type does not use are ignored."""
+    type: Literal["linear", "llama3", "yarn"] = "linear"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 8192  # llama3, yarn: the context the base model was trained on
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: None = from factor, mscale and mscale_all_dim
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+
+
+def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None
+                     ) -> tuple[np.ndarray, float]:
+    """(θ (head_dim / 2,) float32, the cos/sin multiplier m), for the formulas above."""
+    half = head_dim // 2
+    inv_freq = (1.0 / base ** (np.arange(half, dtype=np.float32) * 2 / head_dim)).astype(np.float32)
+    if scaling is None:
+        return inv_freq, 1.0
+    s = scaling
+    if s.type == "linear":
+        return inv_freq / np.float32(s.factor), 1.0
+    if s.type == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        context = s.original_max_position_embeddings
+        low, high = context / s.low_freq_factor, context / s.high_freq_factor
+        scaled = np.where(wavelen > low, inv_freq / s.factor, inv_freq)
+        smooth = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high) & (wavelen <= low)
+        return np.where(medium, blended, scaled).astype(np.float32), 1.0
+    # yarn
+    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    factor = s.attention_factor
+    if factor is None:
+        factor = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim) if s.mscale and s.mscale_all_dim \
+            else mscale(s.factor)
+    dim_of = lambda rotations: head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+        / (2 * math.log(base))
+    lo, hi = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    keep = 1 - np.clip((np.arange(half, dtype=np.float32) - lo) / (hi - lo), 0, 1)  # 1: the original frequency
+    return (inv_freq / s.factor * (1 - keep) + inv_freq * keep).astype(np.float32), float(factor)
+
+
+def apply_rotary(x: Float[Array, "B T H K"], positions: Int[Array, "B T"], base: float = 10000.0,
+                 scaling: RopeScaling | None = None):
+    inv_freq, m = rope_frequencies(x.shape[-1], base, scaling)
     half = x.shape[-1] // 2
-    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, K/2)
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    cos, sin = (m * f(angles)[:, :, None, :] for f in (jnp.cos, jnp.sin))
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)

@@ -269,6 +269,10 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
         opt_state, skipped = restored["opt_state"], restored["meta"].get("skipped", 0)
         log(f"resumed from {run_dir}/checkpoints/{start}")
         prune(mngr, t.keep_checkpoints)
+    elif cfg.model.init_from is not None:
+        from zoo.hf import read_params
+        params = read_params(cfg.model.init_from, cfg.model, params, param_sh)
+        log(f"starting from the weights of {cfg.model.init_from}")
     start = start or 0
     metrics_path = run_dir / "metrics.jsonl"
     kept = metrics_upto(metrics_path, start, log)

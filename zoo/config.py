@@ -60,7 +60,8 @@ class ModelConfig:
     token logits at every position; pooled_decoder: MAD's compression autoencoder, where the last
     position's hidden state alone, plus each position's sinusoidal embedding, goes through a 2-layer
     GELU MLP to that position's logits, so the model must compress the sequence into one state; it is
-    not a language model and cannot decode)."""
+    not a language model and cannot decode); init_from (a Hugging Face model folder, zoo/hf.py: the model
+    is config.json's, with this section's keys on top, and a new run starts from its weights)."""
     vocab_size: PosInt = 256
     d_model: PosInt = 128
     num_layers: PosInt = 4
@@ -73,6 +74,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     exits: ExitsConfig | None = None
     head: Literal["lm", "pooled_decoder"] = "lm"
+    init_from: str | None = None
 
     def mixers(self) -> tuple:
         """The mixer config of each layer."""
@@ -294,4 +296,9 @@ def load_config(path, overrides=None) -> Config:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"config {str(path)!r} is not valid YAML: {e}") from None
-    return from_dict(apply_overrides(data, overrides))
+    data = apply_overrides(data, overrides)
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("init_from") is not None:
+        from zoo.hf import derived_model_section
+        data["model"] = derived_model_section(model)
+    return from_dict(data)

@@ -10,6 +10,7 @@ from typing import Annotated, ClassVar, Literal
 
 import layers
 from kernels import MODES
+from layers.rotary import RopeScaling
 from zoo.registry import Chunked, Kind, Mixer, ffn, mixer
 from zoo.schema import NonNegFloat, NonNegInt, PosFloat, PosInt, Range
 
@@ -20,13 +21,20 @@ class AttentionConfig(Mixer):
     """Softmax attention: MHA (num_kv_heads = num_heads or null), GQA, MQA (num_kv_heads = 1);
     window: sliding-window length in tokens (null = full causal); long_context: past the trained
     context (model.max_seq_len), window = each query sees the last max_seq_len tokens (the distances
-    it was trained on), full = every earlier token (distances it never saw)."""
+    it was trained on), full = every earlier token (distances it never saw); rope_scaling: a rotary
+    scaling for a longer context (type linear, llama3 or yarn, with that type's keys: layers/rotary.py);
+    qkv_bias: biases on the q, k, v projections (Qwen2); qk_norm: RMSNorm of each head's query and key
+    before the rotary, with eps norm_eps (Qwen3)."""
     KIND: ClassVar[str] = "attention"
     num_heads: PosInt = 4
     num_kv_heads: PosInt | None = None
     head_dim: PosInt | None = None
     window: PosInt | None = None
     rope_base: PosFloat = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    norm_eps: PosFloat = 1e-6
     long_context: Literal["window", "full"] = "window"
 
     def check(self, d_model: int, path: str):
@@ -37,6 +45,8 @@ class AttentionConfig(Mixer):
             raise ValueError(f"{path}.num_kv_heads: {kv} does not divide {path}.num_heads={self.num_heads}")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"{path}.window: expected a positive number of tokens or null, got {self.window}")
+        if self.rope_scaling is not None and not self.rope_scaling.factor > 0:
+            raise ValueError(f"{path}.rope_scaling.factor: expected a positive factor, got {self.rope_scaling.factor}")
         super().check(d_model, path)
 
 

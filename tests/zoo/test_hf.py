@@ -1,0 +1,175 @@
+"""zoo.hf against transformers, through the fixtures of tests/fixtures/hf/make_fixtures.py (no torch here).
+
+Each fixture is a tiny random model at unit-scale logits, saved by transformers, with the logits and
+greedy continuations transformers gave. Checked: load -> the same logits (max |diff| < 1e-4) and the
+same greedy tokens; save(load(folder)) -> the folder's tensors bit for bit (the fixture script checks
+transformers reads save's folders with the same logits); every kind of broken folder -> an error naming
+the file and the tensor or field.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import infer
+import zoo.hf
+from zoo import safetensors
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
+PROMPTS = ["From fairest creatures", "thy sweet self"]  # as make_fixtures.py
+
+
+def test_every_architecture_has_a_fixture():
+    archs = {json.loads((FIXTURES / c / "config.json").read_text())["architectures"][0] for c in CASES}
+    assert archs == set(zoo.hf.ARCHITECTURES)
+    checks = json.loads((FIXTURES / "save_check.json").read_text())["max_abs_diff"]
+    assert set(checks) == set(CASES) and max(checks.values()) < 1e-5  # transformers on save's folders
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_greedy_tokens_match_transformers(case):
+    expected = np.load(FIXTURES / case / "expected.npz")
+    model, tok = zoo.hf.load(FIXTURES / case)
+    logits = np.asarray(model(jnp.asarray(expected["ids"], jnp.int32)))
+    assert logits.std() > 0.5  # unit scale: a 1e-4 tolerance means something
+    np.testing.assert_allclose(logits, expected["logits"], atol=1e-4, rtol=0)
+    rows = infer.generate(model, [tok.encode(p) for p in PROMPTS], max_new_tokens=10, stop_token=tok.eos_id)
+    for i, row in enumerate(rows):
+        want = expected[f"greedy_{i}"].tolist()
+        assert row == (want[:want.index(tok.eos_id)] if tok.eos_id in want else want)
+    texts = infer.generate_text(model, PROMPTS, max_new_tokens=10, temperature=0.0, tokenizer=tok)
+    assert texts == [tok.decode(r) for r in rows]
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3_moe"])
+def test_save_then_load_is_the_identity(case, tmp_path):
+    model, tok = zoo.hf.load(FIXTURES / case)
+    zoo.hf.save(model, tmp_path, tok)
+    ours, theirs = (safetensors.SafetensorsFile(d / "model.safetensors") for d in (tmp_path, FIXTURES / case))
+    assert sorted(ours.keys()) == sorted(theirs.keys())
+    for name in theirs.keys():
+        np.testing.assert_array_equal(ours.get(name), theirs.get(name), err_msg=name)
+    again, tok2 = zoo.hf.load(tmp_path)
+    assert again.cfg == model.cfg and tok2.eos_id == tok.eos_id
+    leaves = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(model), leaves(again), strict=True))
+
+
+def test_bfloat16_load_stays_close():
+    expected = np.load(FIXTURES / "llama" / "expected.npz")
+    model, _ = zoo.hf.load(FIXTURES / "llama", dtype="bfloat16")
+    assert model.embed.embedding[...].dtype.name == "bfloat16"
+    logits = np.asarray(model(jnp.asarray(expected["ids"], jnp.int32)), np.float32)
+    assert np.abs(logits - expected["logits"]).max() < 0.25
+
+
+def _copy(tmp_path, case="llama"):
+    shutil.copytree(FIXTURES / case, tmp_path / case)
+    return tmp_path / case
+
+
+def _edit_config(folder, **changes):
+    f = folder / "config.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), **changes}))
+
+
+def test_broken_folders_name_what_is_wrong(tmp_path):
+    folder = _copy(tmp_path)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100])  # truncated
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor \S+ .*truncated"):
+        zoo.hf.load(folder)
+    f = safetensors.SafetensorsFile(FIXTURES / "llama" / "model.safetensors")
+    tensors = {k: np.asarray(f.get(k)) for k in f.keys()}
+    safetensors.write(weights, {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"})
+    with pytest.raises(ValueError, match="no tensor model.layers.1.mlp.up_proj.weight"):
+        zoo.hf.load(folder)
+    safetensors.write(weights, {**tensors, "model.layers.0.self_attn.k_proj.weight": np.zeros((8, 32), np.float32)})
+    with pytest.raises(ValueError, match=r"k_proj.weight has shape \(8, 32\), but config.json implies \(16, 32\)"):
+        zoo.hf.load(folder)
+    safetensors.write(weights, {**tensors, "model.layers.0.mlp.extra.weight": np.zeros((2,), np.float32)})
+    with pytest.raises(ValueError, match="no place for: model.layers.0.mlp.extra.weight"):
+        zoo.hf.load(folder)
+    safetensors.write(weights, tensors)
+    assert zoo.hf.load(folder)[0].cfg.num_layers == 2
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(architectures=["GPT2LMHeadModel"]), r"architectures=\['GPT2LMHeadModel'\] is not supported; expected one of "
+                                             "LlamaForCausalLM"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}, rope_parameters=None),
+     "rope_scaling type 'longrope' is not supported"),
+])
+def test_unsupported_configs_are_refused_naming_the_field(tmp_path, changes, message):
+    folder = _copy(tmp_path)
+    _edit_config(folder, **changes)
+    with pytest.raises(ValueError, match=message):
+        zoo.hf.load(folder)
+
+
+def test_save_refuses_what_transformers_has_no_form_for(tmp_path):
+    cfg = zoo.load_config("configs/gla.yaml", ["model.num_layers=1", "model.d_model=32"])
+    model = zoo.LanguageModel(cfg.model, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"only models of attention mixers .* mixers \['gla'\]"):
+        zoo.hf.save(model, tmp_path)
+
+
+def test_the_cli_generates_from_a_folder(capsys):
+    from infer.__main__ import main
+    model, tok = zoo.hf.load(FIXTURES / "llama")
+    want = infer.generate_text(model, PROMPTS[:1], max_new_tokens=10, temperature=0.0, tokenizer=tok)[0]
+    main([str(FIXTURES / "llama"), "--prompt", PROMPTS[0], "--max-new-tokens", "10", "--temperature", "0"])
+    assert capsys.readouterr().out == PROMPTS[0] + want + "\n"
+
+
+def test_a_run_starts_from_the_folders_weights(tmp_path):
+    from train.loop import run
+    from zoo.checkpoint import load_model
+    overrides = ["train.steps=1", "train.lr=1e-9", "train.warmup_steps=0", "train.batch_size=2", "train.seq_len=16",
+                 "train.eval_every=1", "train.checkpoint_every=1", "model.mixer.window=7"]
+    cfg = zoo.load_config("configs/finetune.yaml", overrides)
+    hf_cfg = zoo.hf.model_config(zoo.hf.read_config(FIXTURES / "llama"))
+    assert cfg.model.mixer.window == 7 and cfg.model.d_model == hf_cfg.d_model and cfg.model.init_from
+    run(cfg, tmp_path, log=lambda *_: None)
+    _, trained, _ = load_model(tmp_path)
+    loaded, _ = zoo.hf.load(FIXTURES / "llama")
+    leaves = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
+    for a, b in zip(leaves(trained), leaves(loaded), strict=True):  # one step at lr 1e-9 moves nothing visible
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+MESH_SCRIPT = """
+import jax, numpy as np, jax.numpy as jnp
+import zoo.hf
+from zoo.config import MeshConfig
+from zoo.sharding import make_mesh
+mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2))
+model, _ = zoo.hf.load("{folder}", mesh=mesh)
+wq = model.blocks[0].mixer.wq[...]
+assert wq.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None), wq.sharding.spec
+expected = np.load("{folder}/expected.npz")
+with jax.set_mesh(mesh):
+    logits = np.asarray(model(jnp.asarray(expected["ids"], jnp.int32)))
+assert np.abs(logits - expected["logits"]).max() < 1e-4
+print("ok")
+"""
+
+
+def test_load_places_each_tensor_on_the_mesh(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"}
+    out = subprocess.run([sys.executable, "-c", MESH_SCRIPT.format(folder=FIXTURES / "mixtral")], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

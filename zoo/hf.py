@@ -1,0 +1,320 @@
+"""Hugging Face checkpoints in and out: `load(folder) -> (model, tokenizer)` and `save(model, folder)`.
+
+A folder is what `save_pretrained` writes: config.json, model.safetensors (or shards listed in
+model.safetensors.index.json) and tokenizer.json. `load` derives the zoo config from config.json,
+builds the model abstractly (no weights made), then reads the checkpoint one tensor at a time
+(memory-mapped, zoo/safetensors.py), casts each to `dtype` and places it on the mesh's sharding when
+a mesh is given: no more than one tensor is ever held beyond the model itself.
+
+Architectures (config.json `architectures`), with the zoo options each needs:
+- LlamaForCausalLM (Llama 1/2/3: rope_scaling linear, llama3, yarn), MistralForCausalLM (window),
+  Qwen2ForCausalLM (qkv_bias), Qwen3ForCausalLM (qk_norm): attention + SwiGLU MLP blocks;
+- MixtralForCausalLM, Qwen3MoeForCausalLM: attention + MoE blocks (softmax, top-k, renormalised
+  for Mixtral and where Qwen3-MoE's norm_topk_prob says; dropless dispatch).
+Anything else is refused naming the architecture and this list, and a config.json setting the zoo
+cannot honour (a rope type, a bias, an activation) is refused naming the field.
+
+Parity: logits equal transformers' to float32 rounding within the context (tests/zoo/test_hf.py
+against fixtures made by tests/fixtures/hf/make_fixtures.py). Past max_position_embeddings the
+loaded attention sees every earlier token (long_context: full), as transformers does.
+
+`save` writes the same layout back from any zoo model made only of these pieces (attention mixers,
+MLP or MoE FFNs, the LM head), choosing the architecture from its options; transformers reads it
+with the same logits. The loaded model is in eval mode (model.train() before fine-tuning).
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from layers.rotary import RopeScaling
+from zoo import safetensors
+from zoo.config import ModelConfig, _build_model, to_dict
+from zoo.model import DTYPES, LanguageModel
+from zoo.tokenizer import HFTokenizer
+
+DENSE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+         "Qwen3ForCausalLM": "qwen3"}
+MOE = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+ARCHITECTURES = {**DENSE, **MOE}
+ROPE_KEYS = {  # what each rope type reads (layers/rotary.py)
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+             "mscale_all_dim", "truncate")}
+IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # buffers older Llama checkpoints carry; recomputed here
+
+
+def read_config(folder) -> dict:
+    f = Path(folder) / "config.json"
+    try:
+        return json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: a Hugging Face model folder needs a readable config.json ({e})") from None
+
+
+def architecture(hf: dict, where: str = "config.json") -> str:
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ValueError(f"{where}: architectures={archs} is not supported; expected one of {', '.join(ARCHITECTURES)}")
+    return archs[0]
+
+
+def _rope(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from config.json: the rope_theta / rope_scaling keys of transformers 4
+    or the rope_parameters of transformers 5."""
+    p = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    base = float(p.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor={p.get('partial_rotary_factor')} is not supported (rotary on "
+                         "the whole head only)")
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind == "default":
+        return base, None
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported; expected default, linear, llama3 or "
+                         "yarn")
+    original = p.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    factor = p.get("factor") or hf["max_position_embeddings"] / original
+    keys = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
+            "mscale_all_dim", "truncate")
+    extra = {k: p[k] for k in keys if p.get(k) is not None}
+    return base, RopeScaling(type=kind, factor=float(factor), original_max_position_embeddings=int(original), **extra)
+
+
+def _refuse(hf: dict, where: str, **bad):
+    """A ValueError naming the first config.json field whose value the zoo cannot honour."""
+    for key, ok in bad.items():
+        if not ok(hf.get(key)):
+            raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported by the zoo's layers")
+
+
+def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -> ModelConfig:
+    """The zoo ModelConfig of a config.json."""
+    arch = architecture(hf, where)
+    family = ARCHITECTURES[arch]
+    _refuse(hf, where, hidden_act=lambda v: v in (None, "silu"), attention_bias=lambda v: not v,
+            mlp_bias=lambda v: not v, use_sliding_window=lambda v: not v,
+            decoder_sparse_step=lambda v: v in (None, 1), mlp_only_layers=lambda v: not v,
+            shared_expert_intermediate_size=lambda v: not v)
+    D, H = hf["hidden_size"], hf["num_attention_heads"]
+    base, scaling = _rope(hf, where)
+    mixer = {"kind": "attention", "num_heads": H, "num_kv_heads": hf.get("num_key_value_heads") or H,
+             "head_dim": hf.get("head_dim") or D // H, "rope_base": base, "long_context": "full",
+             "window": hf.get("sliding_window") if family in ("mistral", "mixtral") else None,
+             "qkv_bias": family == "qwen2", "qk_norm": family in ("qwen3", "qwen3_moe"),
+             "norm_eps": hf.get("rms_norm_eps", 1e-6)}
+    if scaling is not None:
+        mixer["rope_scaling"] = to_dict(scaling)
+    if arch in MOE:
+        experts = hf.get("num_local_experts") or hf["num_experts"]
+        ffn = {"kind": "moe", "num_experts": experts, "top_k": hf["num_experts_per_tok"],
+               "hidden_dim": hf["intermediate_size"] if family == "mixtral" else hf["moe_intermediate_size"],
+               "renormalize": bool(hf.get("norm_topk_prob", True)), "dispatch": "dropless",
+               "balance_loss_weight": hf.get("router_aux_loss_coef", 0.01)}
+    else:
+        ffn = {"kind": "mlp", "hidden_dim": hf["intermediate_size"]}
+    return _build_model({
+        "vocab_size": hf["vocab_size"], "d_model": D, "num_layers": hf["num_hidden_layers"],
+        "max_seq_len": hf.get("max_position_embeddings"), "mixer": mixer, "ffn": ffn,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "dtype": dtype}, f"{where} as model")
+
+
+def _tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
+    """(zoo parameter path, checkpoint names, names' arrays -> the zoo array, zoo array -> the arrays)."""
+    D, m, f = cfg.d_model, cfg.mixer, cfg.ffn
+    H, G = m.num_heads, m.num_kv_heads or m.num_heads
+    K = m.head_dim or D // H
+    one = lambda to, back: (lambda a: to(a[0]), lambda w: [back(w)])
+    same, linear = one(lambda a: a, lambda w: w), one(lambda a: a.T, lambda w: w.T)  # torch Linear: (out, in)
+    heads = lambda n: one(lambda a: a.T.reshape(D, n, K), lambda w: w.reshape(D, n * K).T)
+    bias = lambda n: one(lambda a: a.reshape(n, K), lambda w: w.reshape(n * K))
+    stacked = lambda E: (lambda a: np.stack([x.T for x in a]), lambda w: [x.T for x in w])  # E x (out, in)
+    rows = [(("embed", "embedding"), ["model.embed_tokens.weight"], *same),
+            (("norm", "weight"), ["model.norm.weight"], *same)]
+    if not cfg.tie_embeddings:
+        rows.append((("head",), ["lm_head.weight"], *linear))
+    for i in range(cfg.num_layers):
+        z, p = ("blocks", i), f"model.layers.{i}."
+        att = p + "self_attn."
+        rows += [(z + ("mixer_norm", "weight"), [p + "input_layernorm.weight"], *same),
+                 (z + ("ffn_norm", "weight"), [p + "post_attention_layernorm.weight"], *same),
+                 (z + ("mixer", "wq"), [att + "q_proj.weight"], *heads(H)),
+                 (z + ("mixer", "wk"), [att + "k_proj.weight"], *heads(G)),
+                 (z + ("mixer", "wv"), [att + "v_proj.weight"], *heads(G)),
+                 (z + ("mixer", "wo"), [att + "o_proj.weight"], *one(lambda a: a.T.reshape(H, K, D),
+                                                                     lambda w: w.reshape(H * K, D).T))]
+        if m.qkv_bias:
+            rows += [(z + ("mixer", f"b{n}"), [att + f"{n}_proj.bias"], *bias(c))
+                     for n, c in (("q", H), ("k", G), ("v", G))]
+        if m.qk_norm:
+            rows += [(z + ("mixer", f"{n}_norm", "weight"), [att + f"{n}_norm.weight"], *same) for n in "qk"]
+        if f.KIND == "mlp":
+            rows += [(z + ("ffn", w), [p + f"mlp.{n}_proj.weight"], *linear)
+                     for w, n in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))]
+            continue
+        E = f.num_experts
+        if ARCHITECTURES[arch] == "mixtral":
+            moe, names = p + "block_sparse_moe.", (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))
+        else:
+            moe, names = p + "mlp.", (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+        rows.append((z + ("ffn", "w_router"), [moe + "gate.weight"], *linear))
+        rows += [(z + ("ffn", w), [f"{moe}experts.{e}.{n}.weight" for e in range(E)], *stacked(E)) for w, n in names]
+    return rows
+
+
+def _open_checkpoint(folder: Path) -> dict[str, safetensors.SafetensorsFile]:
+    """Tensor name -> the open file that holds it (one model.safetensors, or the index's shards)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: safetensors.SafetensorsFile(folder / name) for name in sorted(set(weight_map.values()))}
+        for name, file in weight_map.items():
+            if name not in files[file].keys():
+                raise ValueError(f"{folder / file}: holds no tensor {name}, which {index.name} places there")
+        return {name: files[file] for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors "
+                         "checkpoints are read)")
+    f = safetensors.SafetensorsFile(single)
+    return {name: f for name in f.keys()}
+
+
+def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
+    """`params` (an nnx.State of the model `cfg` makes, abstract or not) with every value read from the
+    checkpoint in folder `path`, one tensor at a time, cast to `dtype` (default: each parameter's own)
+    and placed with `shardings` (an nnx.State of NamedShardings like params) when given."""
+    folder = Path(path)
+    arch = architecture(read_config(folder), str(folder / "config.json"))
+    checkpoint = _open_checkpoint(folder)
+    flat = dict(nnx.to_flat_state(params))
+    placed = {p: v.get_value() if isinstance(v, nnx.Variable) else v
+              for p, v in (nnx.to_flat_state(shardings) if shardings is not None else ())}
+    used = set()
+    for zpath, names, to_zoo, to_hf in _tensors(cfg, arch):
+        expected = [a.shape for a in to_hf(np.empty(flat[zpath].shape, np.float32))]  # no memory is touched
+        arrays = []
+        for name, shape in zip(names, expected):
+            if name not in checkpoint:
+                raise ValueError(f"{folder}: the checkpoint has no tensor {name}, which {arch} with this config.json "
+                                 "needs")
+            found = checkpoint[name].shape(name)
+            if found != shape:
+                raise ValueError(f"{checkpoint[name].path}: tensor {name} has shape {found}, but config.json implies "
+                                 f"{shape}")
+            arrays.append(checkpoint[name].get(name))
+        used.update(names)
+        value = np.asarray(to_zoo(arrays)).astype(DTYPES[dtype] if dtype else flat[zpath].dtype)
+        flat[zpath].set_value(jax.device_put(value, placed.get(zpath)))
+    extra = sorted(n for n in checkpoint if n not in used and not n.endswith(IGNORED_TENSORS))
+    if extra:
+        raise ValueError(f"{folder}: the checkpoint holds tensors {arch} with this config.json has no place for: "
+                         f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    return nnx.from_flat_state(flat)
+
+
+def load(path, *, dtype: str = "float32", mesh=None) -> tuple[LanguageModel, HFTokenizer | None]:
+    """(model, tokenizer) from a local Hugging Face model folder; tokenizer None without tokenizer.json.
+    Parameters are stored in `dtype` (float32 or bfloat16), which is also the compute dtype."""
+    folder = Path(path)
+    cfg = model_config(read_config(folder), dtype, str(folder / "config.json"))
+    build = lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))
+    abstract = nnx.eval_shape(build)
+    graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
+    rest = jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)))()  # the weights are dead code: never made
+    if mesh is not None:
+        from zoo.sharding import state_shardings
+        shardings = state_shardings(abstract, mesh)[0]
+    model = nnx.merge(graphdef, read_params(folder, cfg, params, shardings if mesh is not None else None, dtype), rest)
+    model.eval()
+    tok = folder / "tokenizer.json"
+    return model, HFTokenizer(tok) if tok.is_file() else None
+
+
+def derived_model_section(model: dict) -> dict:
+    """The `model` section of a run with model.init_from=FOLDER: config.json's model, with the
+    section's own keys on top (mixer and ffn key by key)."""
+    folder = Path(model["init_from"])
+    derived = to_dict(model_config(read_config(folder), model.get("dtype", "float32"), str(folder / "config.json")))
+    out = {**derived, **{k: v for k, v in model.items() if k not in ("mixer", "ffn")}}
+    for key in ("mixer", "ffn"):
+        out[key] = {**derived[key], **(model.get(key) or {})}
+    return out
+
+
+def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
+    """The config.json of a zoo model `save` can write; a ValueError naming what it cannot."""
+    m, f = cfg.mixer, cfg.ffn
+    if cfg.layer_pattern or m is None or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
+        raise ValueError("zoo.hf.save: only models of attention mixers with mlp or moe FFNs have a transformers "
+                         f"architecture; this one has mixers {sorted({x.KIND for x in cfg.mixers()})} and ffn {f.KIND}")
+    if cfg.exits is not None or cfg.head != "lm":
+        raise ValueError("zoo.hf.save: early exits and model.head other than lm have no transformers equivalent")
+    if f.KIND == "moe" and (f.router != "topk" or f.score_order != "softmax_then_topk" or f.num_shared_experts):
+        raise ValueError("zoo.hf.save: an MoE saves as Mixtral / Qwen3-MoE only with router topk, score_order "
+                         "softmax_then_topk and no shared experts")
+    if m.qkv_bias and (m.qk_norm or f.KIND == "moe" or m.window):
+        raise ValueError("zoo.hf.save: qkv_bias (Qwen2) goes with neither qk_norm, moe nor a window")
+    if f.KIND == "moe":
+        arch = "Qwen3MoeForCausalLM" if m.qk_norm else "MixtralForCausalLM"
+        if not m.qk_norm and not f.renormalize:
+            raise ValueError("zoo.hf.save: Mixtral renormalises its top-k gates (moe.renormalize: true)")
+    else:
+        arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else \
+            "MistralForCausalLM" if m.window else "LlamaForCausalLM"
+    if m.window and ARCHITECTURES[arch] not in ("mistral", "mixtral"):
+        raise ValueError(f"zoo.hf.save: a sliding window has no place in {arch}")
+    if m.qk_norm and m.norm_eps != cfg.norm_eps:
+        raise ValueError(f"zoo.hf.save: {arch} uses one epsilon for every norm; mixer.norm_eps={m.norm_eps} and "
+                         f"model.norm_eps={cfg.norm_eps} differ")
+    H = m.num_heads
+    out = {"architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers, "num_attention_heads": H,
+           "num_key_value_heads": m.num_kv_heads or H, "head_dim": m.head_dim or cfg.d_model // H,
+           "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len or 2048, "rms_norm_eps": cfg.norm_eps,
+           "rope_theta": m.rope_base, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+           "torch_dtype": "float32"}
+    if m.rope_scaling is not None:
+        s = to_dict(m.rope_scaling)
+        out["rope_scaling"] = {"rope_type": s["type"], **{k: s[k] for k in ROPE_KEYS[s["type"]] if s[k] is not None}}
+    if ARCHITECTURES[arch] in ("mistral", "mixtral"):
+        out["sliding_window"] = m.window
+    hidden = param_shapes[("blocks", 0, "ffn", "w_gate")][-1]
+    if f.KIND == "mlp":
+        out["intermediate_size"] = hidden
+    elif arch == "MixtralForCausalLM":
+        out.update(intermediate_size=hidden, num_local_experts=f.num_experts, num_experts_per_tok=f.top_k,
+                   router_aux_loss_coef=f.balance_loss_weight)
+    else:
+        out.update(moe_intermediate_size=hidden, intermediate_size=hidden, num_experts=f.num_experts,
+                   num_experts_per_tok=f.top_k, norm_topk_prob=f.renormalize, decoder_sparse_step=1,
+                   mlp_only_layers=[], router_aux_loss_coef=f.balance_loss_weight)
+    return out
+
+
+def save(model: LanguageModel, path, tokenizer: HFTokenizer | None = None):
+    """Write `model` as a Hugging Face folder (config.json, model.safetensors in float32, and the
+    tokenizer's tokenizer.json when given) that `load` and transformers read with the same logits."""
+    flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    config = hf_config(model.cfg, {p: v.shape for p, v in flat.items()})
+    arch = config["architectures"][0]
+    tensors = {}
+    for zpath, names, _, to_hf in _tensors(model.cfg, arch):
+        value = np.asarray(jax.device_get(flat[zpath][...]), np.float32)
+        tensors.update(zip(names, (np.ascontiguousarray(a) for a in to_hf(value))))
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    safetensors.write(folder / "model.safetensors", tensors, {"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.tokenizer.save(str(folder / "tokenizer.json"))
+        if tokenizer.eos_id is not None:
+            config["eos_token_id"] = tokenizer.eos_id
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+__all__ = ["load", "save", "model_config", "read_config", "ARCHITECTURES"]
