@@ -22,7 +22,7 @@ from layers.gla import GatedLinearAttention, GLAState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
-from layers.mlp import MLP
+from layers.mlp import MLP, NoFFN
 from layers.moe import MoE
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.retnet import MultiScaleRetention, RetentionState

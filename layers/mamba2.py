@@ -19,9 +19,10 @@ normalisation before the output projection, `out_proj` W_out; the decode state's
 Initialisation as in the official code: A ~ U(A_init_range), D = 1, dt_bias = softplus^-1(dt) with dt
 log-uniform in [dt_min, dt_max] and floored at dt_init_floor.
 
-Departures, all named: the output norm is layers.norm.GatedRMSNorm, RMSNorm(y) * SiLU(z) over all Di
-channels, where the official module normalises after gating, RMSNorm(y * SiLU(z)) (its
-`norm_before_gate=False`), and per group of Di / G channels; no `dt_limit` clamp, no learnable initial
+Departures, all named: by default the output norm is layers.norm.GatedRMSNorm, RMSNorm(y) * SiLU(z)
+over all Di channels, where the official module normalises after gating, RMSNorm(y * SiLU(z)), and
+per group of Di / G channels: `norm_before_gate=False` is the official form (what zoo.hf loads
+checkpoints with), its eps `norm_eps`; no `dt_limit` clamp, no learnable initial
 state, no `d_ssm` < Di partial SSM and no MLP branch in in_proj (`d_mlp`); the linear layers use
 Flax's lecun-normal init instead of PyTorch's U(±1/sqrt(fan_in)) and the conv bias starts at zero;
 `conv_size=0` drops the convolution (SiLU only). The layer's `mode` picks the SSD form of the
@@ -59,8 +60,8 @@ class Mamba2(nnx.Module):
     def __init__(self, d_model: int, *, state_size: int = 64, expand: int = 2, head_dim: int = 64,
                  num_groups: int = 1, conv_size: int = 4, chunk_size: int = 64, mode: str = "chunk",
                  dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 A_init_range: tuple[float, float] = (1.0, 16.0), impl: str = "auto", dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 A_init_range: tuple[float, float] = (1.0, 16.0), norm_before_gate: bool = True,
+                 norm_eps: float = 1e-5, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if min(d_model, state_size, expand, head_dim, num_groups) < 1:
             raise ValueError(f"Mamba2: d_model={d_model}, state_size={state_size}, expand={expand}, "
                              f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")
@@ -98,7 +99,7 @@ class Mamba2(nnx.Module):
         self.dt_bias = nnx.Param(inverse_softplus_dt(rngs.params(), (H,), dt_min, dt_max, dt_init_floor))
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, lo, hi)))
         self.D = nnx.Param(jnp.ones((H,), jnp.float32))
-        self.norm = GatedRMSNorm(Di, eps=1e-5)
+        self.norm = GatedRMSNorm(Di, eps=norm_eps, norm_before_gate=norm_before_gate, groups=G)
         self.out_proj = linear(Di, d_model, ROWS)
 
     def init_state(self, batch_size: int, max_len: int = 0) -> Mamba2State:

@@ -15,6 +15,13 @@ def default_hidden_dim(d_model: int) -> int:
     return -(-8 * d_model // 3 // 32) * 32
 
 
+class NoFFN(nnx.Module):
+    """No FFN: a block of the mixer alone, as Mamba's (the model's Block then has no FFN norm either)."""
+
+    def __init__(self, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.d_model = d_model
+
+
 class MLP(nnx.Module):
     def __init__(self, d_model: int, *, hidden_dim: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         F = hidden_dim or default_hidden_dim(d_model)

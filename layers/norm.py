@@ -1,7 +1,7 @@
 """Normalisation layers: RMSNorm (Zhang & Sennrich, 2019) and its gated variant (Mamba-2, GLA).
 
     RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w
-    GatedRMSNorm(x, z) = RMSNorm(x) * silu(z)
+    GatedRMSNorm(x, z) = RMSNorm(x) * silu(z)      (or RMSNorm(x * silu(z)) by groups, Mamba-2's own)
 
 Statistics are computed in float32 whatever the input dtype; the output has the input's dtype.
 """
@@ -24,7 +24,19 @@ class RMSNorm(nnx.Module):
 
 
 class GatedRMSNorm(RMSNorm):
-    """RMSNorm(x) * silu(z): the output norm-and-gate of Mamba-2 and the GLA/DeltaNet layers."""
+    """RMSNorm(x) * silu(z): the output norm-and-gate of Mamba-2 and the GLA/DeltaNet layers. With
+    norm_before_gate=False, RMSNorm(x * silu(z)) with the statistics over each of `groups` equal
+    groups of channels (the official Mamba-2 module and its checkpoints)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, norm_before_gate: bool = True, groups: int = 1,
+                 rngs: nnx.Rngs | None = None):
+        super().__init__(dim, eps=eps)
+        self.norm_before_gate, self.groups = norm_before_gate, groups
 
     def __call__(self, x: Float[Array, "... D"], z: Float[Array, "... D"]) -> Float[Array, "... D"]:
-        return (super().__call__(x).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+        gate = jax.nn.silu(z.astype(jnp.float32))
+        if self.norm_before_gate:
+            return (super().__call__(x).astype(jnp.float32) * gate).astype(x.dtype)
+        y = (x.astype(jnp.float32) * gate).reshape(*x.shape[:-1], self.groups, -1)
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
+        return (y.reshape(x.shape) * self.weight[...]).astype(x.dtype)

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeScaling:
+class RopeScaling:  # zoo/kinds.py's RopeScalingConfig is this with each number's range
     """A rotary scaling (type linear, llama3 or yarn); the fields a type does not use are ignored."""
     type: Literal["linear", "llama3", "yarn"] = "linear"
     factor: float = 1.0

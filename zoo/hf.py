@@ -10,7 +10,9 @@ Architectures (config.json `architectures`), with the zoo options each needs:
 - LlamaForCausalLM (Llama 1/2/3: rope_scaling linear, llama3, yarn), MistralForCausalLM (window),
   Qwen2ForCausalLM (qkv_bias), Qwen3ForCausalLM (qk_norm): attention + SwiGLU MLP blocks;
 - MixtralForCausalLM, Qwen3MoeForCausalLM: attention + MoE blocks (softmax, top-k, renormalised
-  for Mixtral and where Qwen3-MoE's norm_topk_prob says; dropless dispatch).
+  for Mixtral and where Qwen3-MoE's norm_topk_prob says; dropless dispatch);
+- MambaForCausalLM, Mamba2ForCausalLM: mixer-only blocks (ffn: none); Mamba-2 with its own gated
+  norm (norm_before_gate: false, per group, eps layer_norm_epsilon).
 Anything else is refused naming the architecture and this list, and a config.json setting the zoo
 cannot honour (a rope type, a bias, an activation) is refused naming the field.
 
@@ -39,7 +41,8 @@ from zoo.tokenizer import HFTokenizer
 DENSE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
          "Qwen3ForCausalLM": "qwen3"}
 MOE = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
-ARCHITECTURES = {**DENSE, **MOE}
+SSM = {"MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba2"}
+ARCHITECTURES = {**DENSE, **MOE, **SSM}
 ROPE_KEYS = {  # what each rope type reads (layers/rotary.py)
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -85,6 +88,11 @@ def _rope(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     return base, RopeScaling(type=kind, factor=float(factor), original_max_position_embeddings=int(original), **extra)
 
 
+def _number(v) -> float:
+    """A config.json number; transformers 5 writes infinities as {"__float__": "Infinity"}."""
+    return float(v["__float__"] if isinstance(v, dict) else v)
+
+
 def _refuse(hf: dict, where: str, **bad):
     """A ValueError naming the first config.json field whose value the zoo cannot honour."""
     for key, ok in bad.items():
@@ -92,10 +100,33 @@ def _refuse(hf: dict, where: str, **bad):
             raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported by the zoo's layers")
 
 
+def _ssm_config(hf: dict, family: str, where: str) -> dict:
+    """The model section of a Mamba or Mamba-2 config.json: mixer blocks without an FFN."""
+    _refuse(hf, where, hidden_act=lambda v: v in (None, "silu"), use_bias=lambda v: not v,
+            use_conv_bias=lambda v: v in (None, True),
+            time_step_limit=lambda v: v is None or [_number(x) for x in v] == [0, float("inf")])
+    D, expand = hf["hidden_size"], hf.get("expand", 2)
+    mixer = {"kind": family, "state_size": hf["state_size"], "expand": expand, "conv_size": hf.get("conv_kernel", 4)}
+    if family == "mamba":
+        rank = hf.get("time_step_rank", "auto")
+        mixer["dt_rank"] = -(-D // 16) if rank == "auto" else rank
+    else:
+        if hf["num_heads"] * hf["head_dim"] != expand * D:
+            raise ValueError(f"{where}: num_heads={hf['num_heads']} x head_dim={hf['head_dim']} must equal expand x "
+                             f"hidden_size = {expand * D}")
+        mixer.update(head_dim=hf["head_dim"], num_groups=hf.get("n_groups", 1), norm_before_gate=False,
+                     norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+    return {"vocab_size": hf["vocab_size"], "d_model": D, "num_layers": hf["num_hidden_layers"], "mixer": mixer,
+            "ffn": {"kind": "none"}, "tie_embeddings": bool(hf.get("tie_word_embeddings", family == "mamba")),
+            "norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
+
+
 def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -> ModelConfig:
     """The zoo ModelConfig of a config.json."""
     arch = architecture(hf, where)
     family = ARCHITECTURES[arch]
+    if arch in SSM:
+        return _build_model({**_ssm_config(hf, family, where), "dtype": dtype}, f"{where} as model")
     _refuse(hf, where, hidden_act=lambda v: v in (None, "silu"), attention_bias=lambda v: not v,
             mlp_bias=lambda v: not v, use_sliding_window=lambda v: not v,
             decoder_sparse_step=lambda v: v in (None, 1), mlp_only_layers=lambda v: not v,
@@ -124,13 +155,40 @@ def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -
         "dtype": dtype}, f"{where} as model")
 
 
+one = lambda to, back: (lambda a: to(a[0]), lambda w: [back(w)])  # one checkpoint tensor <-> one parameter
+same, linear = one(lambda a: a, lambda w: w), one(lambda a: a.T, lambda w: w.T)  # torch Linear: (out, in)
+
+
+def _ssm_tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
+    conv = one(lambda a: a[:, 0].T, lambda w: w.T[:, None])  # torch Conv1d (C, 1, W) <-> (W, C)
+    rows = [(("embed", "embedding"), ["backbone.embeddings.weight"], *same),
+            (("norm", "weight"), ["backbone.norm_f.weight"], *same)]
+    if not cfg.tie_embeddings:
+        rows.append((("head",), ["lm_head.weight"], *linear))
+    own = ("A_log", "D") + (("dt_bias", "norm.weight") if ARCHITECTURES[arch] == "mamba2" else ())
+    for i in range(cfg.num_layers):
+        z, p = ("blocks", i), f"backbone.layers.{i}."
+        mix = p + "mixer."
+        rows += [(z + ("mixer_norm", "weight"), [p + "norm.weight"], *same),
+                 (z + ("mixer", "in_proj", "kernel"), [mix + "in_proj.weight"], *linear),
+                 (z + ("mixer", "out_proj", "kernel"), [mix + "out_proj.weight"], *linear),
+                 (z + ("mixer", "conv", "weight"), [mix + "conv1d.weight"], *conv),
+                 (z + ("mixer", "conv", "bias"), [mix + "conv1d.bias"], *same)]
+        rows += [(z + ("mixer", *n.split(".")), [mix + n], *same) for n in own]
+        if ARCHITECTURES[arch] == "mamba":
+            rows += [(z + ("mixer", "x_proj", "kernel"), [mix + "x_proj.weight"], *linear),
+                     (z + ("mixer", "dt_proj", "kernel"), [mix + "dt_proj.weight"], *linear),
+                     (z + ("mixer", "dt_bias"), [mix + "dt_proj.bias"], *same)]
+    return rows
+
+
 def _tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
     """(zoo parameter path, checkpoint names, names' arrays -> the zoo array, zoo array -> the arrays)."""
+    if arch in SSM:
+        return _ssm_tensors(cfg, arch)
     D, m, f = cfg.d_model, cfg.mixer, cfg.ffn
     H, G = m.num_heads, m.num_kv_heads or m.num_heads
     K = m.head_dim or D // H
-    one = lambda to, back: (lambda a: to(a[0]), lambda w: [back(w)])
-    same, linear = one(lambda a: a, lambda w: w), one(lambda a: a.T, lambda w: w.T)  # torch Linear: (out, in)
     heads = lambda n: one(lambda a: a.T.reshape(D, n, K), lambda w: w.reshape(D, n * K).T)
     bias = lambda n: one(lambda a: a.reshape(n, K), lambda w: w.reshape(n * K))
     stacked = lambda E: (lambda a: np.stack([x.T for x in a]), lambda w: [x.T for x in w])  # E x (out, in)
@@ -247,14 +305,37 @@ def derived_model_section(model: dict) -> dict:
     return out
 
 
+def _ssm_hf_config(cfg: ModelConfig) -> dict:
+    m = cfg.mixer
+    if m.conv_size == 0 or m.KIND == "mamba2" and m.norm_before_gate:
+        raise ValueError("zoo.hf.save: a Mamba saves for transformers with its convolution (conv_size > 0) and, for "
+                         "Mamba-2, the official norm (norm_before_gate: false)")
+    if m.KIND == "mamba2" and m.norm_eps != cfg.norm_eps:
+        raise ValueError(f"zoo.hf.save: Mamba-2 uses one epsilon for every norm; mixer.norm_eps={m.norm_eps} and "
+                         f"model.norm_eps={cfg.norm_eps} differ")
+    out = {"architectures": ["MambaForCausalLM" if m.KIND == "mamba" else "Mamba2ForCausalLM"], "model_type": m.KIND,
+           "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
+           "state_size": m.state_size, "expand": m.expand, "conv_kernel": m.conv_size, "layer_norm_epsilon": cfg.norm_eps,
+           "use_bias": False, "use_conv_bias": True, "hidden_act": "silu", "residual_in_fp32": True,
+           "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32"}
+    if m.KIND == "mamba":
+        out["time_step_rank"] = -(-cfg.d_model // 16) if m.dt_rank == "auto" else m.dt_rank
+    else:
+        out.update(num_heads=m.expand * cfg.d_model // m.head_dim, head_dim=m.head_dim, n_groups=m.num_groups)
+    return out
+
+
 def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     """The config.json of a zoo model `save` can write; a ValueError naming what it cannot."""
     m, f = cfg.mixer, cfg.ffn
-    if cfg.layer_pattern or m is None or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
-        raise ValueError("zoo.hf.save: only models of attention mixers with mlp or moe FFNs have a transformers "
-                         f"architecture; this one has mixers {sorted({x.KIND for x in cfg.mixers()})} and ffn {f.KIND}")
     if cfg.exits is not None or cfg.head != "lm":
         raise ValueError("zoo.hf.save: early exits and model.head other than lm have no transformers equivalent")
+    if not cfg.layer_pattern and m.KIND in ("mamba", "mamba2") and f.KIND == "none":
+        return _ssm_hf_config(cfg)
+    if cfg.layer_pattern or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
+        raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, or mamba / mamba2 mixers with ffn "
+                         f"none, have a transformers architecture; this model has mixers "
+                         f"{sorted({x.KIND for x in cfg.mixers()})} and ffn {f.KIND}")
     if f.KIND == "moe" and (f.router != "topk" or f.score_order != "softmax_then_topk" or f.num_shared_experts):
         raise ValueError("zoo.hf.save: an MoE saves as Mixtral / Qwen3-MoE only with router topk, score_order "
                          "softmax_then_topk and no shared experts")

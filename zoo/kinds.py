@@ -15,6 +15,20 @@ from zoo.registry import Chunked, Kind, Mixer, ffn, mixer
 from zoo.schema import NonNegFloat, NonNegInt, PosFloat, PosInt, Range
 
 
+@dataclass(frozen=True)
+class RopeScalingConfig(RopeScaling):
+    """attention.rope_scaling: type linear, llama3 or yarn and that type's keys (layers/rotary.py)."""
+    factor: PosFloat = 1.0
+    original_max_position_embeddings: PosInt = 8192
+    low_freq_factor: PosFloat = 1.0
+    high_freq_factor: PosFloat = 4.0
+    beta_fast: PosFloat = 32.0
+    beta_slow: PosFloat = 1.0
+    attention_factor: PosFloat | None = None
+    mscale: PosFloat | None = None
+    mscale_all_dim: PosFloat | None = None
+
+
 @mixer(layers.Attention)
 @dataclass(frozen=True)
 class AttentionConfig(Mixer):
@@ -31,7 +45,7 @@ class AttentionConfig(Mixer):
     head_dim: PosInt | None = None
     window: PosInt | None = None
     rope_base: PosFloat = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScalingConfig | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
     norm_eps: PosFloat = 1e-6
@@ -45,8 +59,6 @@ class AttentionConfig(Mixer):
             raise ValueError(f"{path}.num_kv_heads: {kv} does not divide {path}.num_heads={self.num_heads}")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"{path}.window: expected a positive number of tokens or null, got {self.window}")
-        if self.rope_scaling is not None and not self.rope_scaling.factor > 0:
-            raise ValueError(f"{path}.rope_scaling.factor: expected a positive factor, got {self.rope_scaling.factor}")
         super().check(d_model, path)
 
 
@@ -111,7 +123,9 @@ class MambaConfig(Chunked):
 @mixer(layers.Mamba2)
 @dataclass(frozen=True)
 class Mamba2Config(Chunked):
-    """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head and grouped B/C."""
+    """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head and grouped B/C; norm_before_gate:
+    the output norm RMSNorm(y) * SiLU(z) (true) or the official RMSNorm(y * SiLU(z)) per group (false),
+    with eps norm_eps."""
     KIND: ClassVar[str] = "mamba2"
     state_size: PosInt = 64
     expand: PosInt = 2
@@ -122,6 +136,8 @@ class Mamba2Config(Chunked):
     dt_max: PosFloat = 0.1
     dt_init_floor: PosFloat = 1e-4
     A_init_range: tuple[PosFloat, PosFloat] = (1.0, 16.0)
+    norm_before_gate: bool = True
+    norm_eps: PosFloat = 1e-5
 
 
 @mixer(layers.RWKV6TimeMix)
@@ -173,6 +189,13 @@ class GatedDeltaNetConfig(Chunked):
     conv_size: NonNegInt = 4
     use_output_gate: bool = True
     norm_eps: PosFloat = 1e-5
+
+
+@ffn(layers.NoFFN)
+@dataclass(frozen=True)
+class NoFFNConfig(Kind):
+    """No FFN: each block is its mixer alone (Mamba's blocks)."""
+    KIND: ClassVar[str] = "none"
 
 
 @ffn(layers.MLP)

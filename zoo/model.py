@@ -1,6 +1,6 @@
 """LanguageModel: token embedding, N pre-norm residual blocks (mixer, then FFN), final norm, LM head.
 
-    h = x + mixer(norm(x));  y = h + ffn(norm(h))
+    h = x + mixer(norm(x));  y = h + ffn(norm(h))      (y = h with ffn: none, Mamba's blocks)
 
 Every mixer kind plugs in through the registry; the model never looks at which kind it holds. A
 stateful FFN (one with `init_state`, e.g. RWKV's channel mix with its token shift) gets a decode
@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from layers import RMSNorm
+from layers import NoFFN, RMSNorm
 from layers.linear import project
 from layers.sharding import axes, constrain
 from zoo.config import ModelConfig
@@ -39,7 +39,7 @@ RESIDUAL = ("batch", None, None)  # (B, T, D): rows over the batch axes, the wid
 class Block(nnx.Module):
     def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int, eps: float):
         self.mixer_norm, self.mixer = RMSNorm(d_model, eps=eps), mixer
-        self.ffn_norm, self.ffn = RMSNorm(d_model, eps=eps), ffn
+        self.ffn_norm, self.ffn = (None if isinstance(ffn, NoFFN) else RMSNorm(d_model, eps=eps)), ffn  # none: no FFN
         self.stateful_ffn = hasattr(ffn, "init_state")
 
     def __call__(self, x, segment_ids=None, v_first=None):
@@ -48,6 +48,8 @@ class Block(nnx.Module):
         else:
             y = self.mixer(self.mixer_norm(x), segment_ids=segment_ids)
         x = x + y
+        if self.ffn_norm is None:
+            return x, v_first
         h = self.ffn_norm(x)
         return x + (self.ffn(h, segment_ids=segment_ids) if self.stateful_ffn else self.ffn(h)), v_first
 
@@ -62,6 +64,8 @@ class Block(nnx.Module):
         else:
             y, mixer_state = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids)
         x = x + y
+        if self.ffn_norm is None:
+            return x, (mixer_state, None), v_first
         if not self.stateful_ffn:
             return x + self.ffn(self.ffn_norm(x)), (mixer_state, None), v_first
         y, ffn_state = self.ffn.decode(self.ffn_norm(x), state[1], segment_ids=segment_ids)
