@@ -315,7 +315,8 @@ def _ssm_hf_config(cfg: ModelConfig) -> dict:
                          f"model.norm_eps={cfg.norm_eps} differ")
     out = {"architectures": ["MambaForCausalLM" if m.KIND == "mamba" else "Mamba2ForCausalLM"], "model_type": m.KIND,
            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
-           "state_size": m.state_size, "expand": m.expand, "conv_kernel": m.conv_size, "layer_norm_epsilon": cfg.norm_eps,
+           "state_size": m.state_size, "expand": m.expand, "conv_kernel": m.conv_size,
+           "layer_norm_epsilon": cfg.norm_eps,
            "use_bias": False, "use_conv_bias": True, "hidden_act": "silu", "residual_in_fp32": True,
            "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32"}
     if m.KIND == "mamba":
