@@ -54,8 +54,8 @@ class ModelConfig:
     """model: vocab_size; d_model (residual width); num_layers; max_seq_len (the context the model
     is trained for, null = train.seq_len: the longest training sequence, and where attention's
     long_context choice starts at inference); mixer (the sequence mixer, picked by `kind`); ffn (the
-    FFN, picked by `kind`; none: no FFN); layer_pattern (optional list of mixer configs, repeated over the layers; replaces `mixer`);
-    tie_embeddings (LM head shares the embedding matrix); norm_eps; dtype (compute dtype;
+    FFN, picked by `kind`; none: no FFN); layer_pattern (optional list of mixer configs, repeated over
+    the layers; replaces `mixer`); tie_embeddings (LM head shares the embedding matrix); norm_eps; dtype (compute dtype;
     parameters stay float32); exits (optional early exits: the model.exits keys below); head (lm: next-
     token logits at every position; pooled_decoder: MAD's compression autoencoder, where the last
     position's hidden state alone, plus each position's sinusoidal embedding, goes through a 2-layer
