@@ -267,8 +267,8 @@ def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
                                  f"{shape}")
             arrays.append(checkpoint[name].get(name))
         used.update(names)
-        value = np.asarray(to_zoo(arrays)).astype(DTYPES[dtype] if dtype else flat[zpath].dtype)
-        flat[zpath].set_value(jax.device_put(value, placed.get(zpath)))
+        value = np.asarray(to_zoo(arrays)).astype(DTYPES[dtype] if dtype else flat[zpath].dtype, copy=False)
+        flat[zpath].set_value(jax.device_put(value, placed.get(zpath), may_alias=False))  # copied: the file stays free
     extra = sorted(n for n in checkpoint if n not in used and not n.endswith(IGNORED_TENSORS))
     if extra:
         raise ValueError(f"{folder}: the checkpoint holds tensors {arch} with this config.json has no place for: "

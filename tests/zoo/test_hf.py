@@ -173,3 +173,24 @@ def test_load_places_each_tensor_on_the_mesh(tmp_path):
     out = subprocess.run([sys.executable, "-c", MESH_SCRIPT.format(folder=FIXTURES / "mixtral")], env=env,
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_a_sharded_checkpoint_loads_like_one_file(tmp_path):
+    folder = _copy(tmp_path)
+    f = safetensors.SafetensorsFile(folder / "model.safetensors")
+    names = sorted(f.keys())
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        safetensors.write(folder / file, {n: np.asarray(f.get(n)) for n in part})
+    (folder / "model.safetensors").unlink()
+    index = {"weight_map": {n: file for file, part in shards.items() for n in part}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    expected = np.load(folder / "expected.npz")
+    model, _ = zoo.hf.load(folder)
+    logits = model(jnp.asarray(expected["ids"], jnp.int32))
+    np.testing.assert_allclose(np.asarray(logits), expected["logits"], atol=1e-4)
+    first, second = shards
+    index["weight_map"]["model.norm.weight"] = first if "model.norm.weight" in shards[second] else second
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="holds no tensor model.norm.weight, which model.safetensors.index.json"):
+        zoo.hf.load(folder)
