@@ -11,9 +11,11 @@ p = softmax(l) (`probs`). Each expert e is a SwiGLU MLP (layers/mlp.py) with sta
     y_n = sum_{e in S_n} g_{n,e} FFN_e(x_n)  +  sum_{s < num_shared_experts} FFN_s^shared(x_n)
 
 The shared experts are one MLP of width num_shared_experts * F (`shared`), which is exactly the sum of
-that many width-F experts. hidden_dim=None gives F = default_expert_dim(d_model, top_k +
-num_shared_experts): the dense MLP's width divided by the experts active per token, rounded up to a
-multiple of 8 (fine-grained experts with the dense model's active parameters; top_k=1: full width).
+that many width-F experts, or of width shared_hidden_dim when set; with shared_gate (Qwen2-MoE) their
+sum is scaled per token by sigmoid(x w_sg) (`w_shared_gate`, (D, 1), zero at init: a gate of 1/2).
+hidden_dim=None gives F = default_expert_dim(d_model, top_k + num_shared_experts): the dense MLP's
+width divided by the experts active per token, rounded up to a multiple of 8 (fine-grained experts
+with the dense model's active parameters; top_k=1: full width).
 
 Token choice (`router="topk"`), S_n = the k = top_k experts of the selection scores:
   score_order="softmax_then_topk": S_n = TopK(p_n + b), g = p_{n,S_n} (divided by its sum when
@@ -148,8 +150,8 @@ class MoE(nnx.Module):
                  router: str = "topk", score_order: str = "softmax_then_topk", renormalize: bool = True,
                  dispatch: str = "capacity", capacity_factor: float = 1.25, num_shared_experts: int = 0,
                  balance: str = "aux_loss", balance_loss_weight: float = 0.01, z_loss_weight: float = 0.001,
-                 bias_update_rate: float = 0.001, router_jitter: float = 0.0, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 bias_update_rate: float = 0.001, router_jitter: float = 0.0, shared_hidden_dim: int | None = None,
+                 shared_gate: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         for name, value, valid in (("router", router, ROUTERS), ("score_order", score_order, SCORE_ORDERS),
                                    ("dispatch", dispatch, DISPATCHES), ("balance", balance, BALANCES)):
             _choose(name, value, valid)
@@ -171,8 +173,11 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: capacity_factor={capacity_factor} must be > 0")
         if num_shared_experts < 0:
             raise ValueError(f"MoE: num_shared_experts={num_shared_experts} must be >= 0")
-        if hidden_dim is not None and hidden_dim < 1:
-            raise ValueError(f"MoE: hidden_dim={hidden_dim} must be >= 1 or None")
+        if hidden_dim is not None and hidden_dim < 1 or shared_hidden_dim is not None and shared_hidden_dim < 1:
+            raise ValueError(f"MoE: hidden_dim={hidden_dim} and shared_hidden_dim={shared_hidden_dim} must be >= 1 "
+                             "or None")
+        if (shared_hidden_dim is not None or shared_gate) and not num_shared_experts:
+            raise ValueError("MoE: shared_hidden_dim and shared_gate set the shared experts; set num_shared_experts")
         if min(balance_loss_weight, z_loss_weight, bias_update_rate) < 0:
             raise ValueError("MoE: balance_loss_weight, z_loss_weight and bias_update_rate must be >= 0")
         if not 0 <= router_jitter < 1:
@@ -192,7 +197,9 @@ class MoE(nnx.Module):
         self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (E, F, d_model)), **out)
         self.bias = RouterBias(jnp.zeros((E,), jnp.float32))
         if num_shared_experts:
-            self.shared = MLP(d_model, hidden_dim=num_shared_experts * F, dtype=dtype, rngs=rngs)
+            self.shared = MLP(d_model, hidden_dim=shared_hidden_dim or num_shared_experts * F, dtype=dtype, rngs=rngs)
+        self.w_shared_gate = nnx.Param(jnp.zeros((d_model, 1), jnp.float32), **axes("embed", None)) \
+            if shared_gate else None
         if router_jitter > 0:
             self.jitter_rngs = rngs["jitter"].fork()
 
@@ -294,7 +301,10 @@ class MoE(nnx.Module):
             y, load, dropped = self._dispatch(xf, experts, gates, dropless)
         y = y.reshape(B, T, D).astype(self.dtype)
         if self.num_shared_experts:
-            y = y + self.shared(x)
+            shared = self.shared(x)
+            if self.w_shared_gate is not None:  # Qwen2-MoE: sigmoid(x w) scales the shared experts per token
+                shared = shared * jax.nn.sigmoid(xr @ self.w_shared_gate[...]).reshape(B, T, 1).astype(shared.dtype)
+            y = y + shared
         if not self.deterministic:
             self._record(logits, probs, load, dropped)
         return y

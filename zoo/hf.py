@@ -9,8 +9,9 @@ a mesh is given: no more than one tensor is ever held beyond the model itself.
 Architectures (config.json `architectures`), with the zoo options each needs:
 - LlamaForCausalLM (Llama 1/2/3: rope_scaling linear, llama3, yarn), MistralForCausalLM (window),
   Qwen2ForCausalLM (qkv_bias), Qwen3ForCausalLM (qk_norm): attention + SwiGLU MLP blocks;
-- MixtralForCausalLM, Qwen3MoeForCausalLM: attention + MoE blocks (softmax, top-k, renormalised
-  for Mixtral and where Qwen3-MoE's norm_topk_prob says; dropless dispatch);
+- MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM: attention + MoE blocks (softmax,
+  top-k, renormalised for Mixtral and where the Qwen configs' norm_topk_prob says; dropless
+  dispatch; Qwen2-MoE's shared expert of its own width behind a sigmoid gate);
 - MambaForCausalLM, Mamba2ForCausalLM: mixer-only blocks (ffn: none); Mamba-2 with its own gated
   norm (norm_before_gate: false, per group, eps layer_norm_epsilon).
 Anything else is refused naming the architecture and this list, and a config.json setting the zoo
@@ -40,7 +41,7 @@ from zoo.tokenizer import HFTokenizer
 
 DENSE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
          "Qwen3ForCausalLM": "qwen3"}
-MOE = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
 SSM = {"MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba2"}
 ARCHITECTURES = {**DENSE, **MOE, **SSM}
 ROPE_KEYS = {  # what each rope type reads (layers/rotary.py)
@@ -129,14 +130,14 @@ def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -
         return _build_model({**_ssm_config(hf, family, where), "dtype": dtype}, f"{where} as model")
     _refuse(hf, where, hidden_act=lambda v: v in (None, "silu"), attention_bias=lambda v: not v,
             mlp_bias=lambda v: not v, use_sliding_window=lambda v: not v,
-            decoder_sparse_step=lambda v: v in (None, 1), mlp_only_layers=lambda v: not v,
-            shared_expert_intermediate_size=lambda v: not v)
+            decoder_sparse_step=lambda v: v in (None, 1), mlp_only_layers=lambda v: not v)
     D, H = hf["hidden_size"], hf["num_attention_heads"]
     base, scaling = _rope(hf, where)
     mixer = {"kind": "attention", "num_heads": H, "num_kv_heads": hf.get("num_key_value_heads") or H,
              "head_dim": hf.get("head_dim") or D // H, "rope_base": base, "long_context": "full",
              "window": hf.get("sliding_window") if family in ("mistral", "mixtral") else None,
-             "qkv_bias": family == "qwen2", "qk_norm": family in ("qwen3", "qwen3_moe"),
+             "qkv_bias": family == "qwen2" or family == "qwen2_moe" and hf.get("qkv_bias", True),
+             "qk_norm": family in ("qwen3", "qwen3_moe"),
              "norm_eps": hf.get("rms_norm_eps", 1e-6)}
     if scaling is not None:
         mixer["rope_scaling"] = to_dict(scaling)
@@ -144,8 +145,10 @@ def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -
         experts = hf.get("num_local_experts") or hf["num_experts"]
         ffn = {"kind": "moe", "num_experts": experts, "top_k": hf["num_experts_per_tok"],
                "hidden_dim": hf["intermediate_size"] if family == "mixtral" else hf["moe_intermediate_size"],
-               "renormalize": bool(hf.get("norm_topk_prob", True)), "dispatch": "dropless",
+               "renormalize": bool(hf.get("norm_topk_prob", family != "qwen2_moe")), "dispatch": "dropless",
                "balance_loss_weight": hf.get("router_aux_loss_coef", 0.01)}
+        if family == "qwen2_moe":
+            ffn.update(num_shared_experts=1, shared_hidden_dim=hf["shared_expert_intermediate_size"], shared_gate=True)
     else:
         ffn = {"kind": "mlp", "hidden_dim": hf["intermediate_size"]}
     return _build_model({
@@ -222,6 +225,9 @@ def _tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
             moe, names = p + "mlp.", (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
         rows.append((z + ("ffn", "w_router"), [moe + "gate.weight"], *linear))
         rows += [(z + ("ffn", w), [f"{moe}experts.{e}.{n}.weight" for e in range(E)], *stacked(E)) for w, n in names]
+        if f.num_shared_experts:  # Qwen2-MoE's gated shared expert
+            rows += [(z + ("ffn", "shared", w), [f"{moe}shared_expert.{n}.weight"], *linear) for w, n in names]
+            rows.append((z + ("ffn", "w_shared_gate"), [moe + "shared_expert_gate.weight"], *linear))
     return rows
 
 
@@ -337,14 +343,17 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
         raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, or mamba / mamba2 mixers with ffn "
                          f"none, have a transformers architecture; this model has mixers "
                          f"{sorted({x.KIND for x in cfg.mixers()})} and ffn {f.KIND}")
-    if f.KIND == "moe" and (f.router != "topk" or f.score_order != "softmax_then_topk" or f.num_shared_experts):
-        raise ValueError("zoo.hf.save: an MoE saves as Mixtral / Qwen3-MoE only with router topk, score_order "
-                         "softmax_then_topk and no shared experts")
-    if m.qkv_bias and (m.qk_norm or f.KIND == "moe" or m.window):
-        raise ValueError("zoo.hf.save: qkv_bias (Qwen2) goes with neither qk_norm, moe nor a window")
+    shared = f.KIND == "moe" and f.num_shared_experts
+    if f.KIND == "moe" and (f.router != "topk" or f.score_order != "softmax_then_topk" or shared and (
+            f.num_shared_experts != 1 or not f.shared_gate or m.qk_norm)):
+        raise ValueError("zoo.hf.save: an MoE saves as Mixtral / Qwen2-MoE / Qwen3-MoE only with router topk, "
+                         "score_order softmax_then_topk and, for Qwen2-MoE, one gated shared expert")
+    if m.qkv_bias and (m.qk_norm or m.window or f.KIND == "moe" and not shared):
+        raise ValueError("zoo.hf.save: qkv_bias (Qwen2, Qwen2-MoE) goes with neither qk_norm, a window nor an MoE "
+                         "without Qwen2-MoE's shared expert")
     if f.KIND == "moe":
-        arch = "Qwen3MoeForCausalLM" if m.qk_norm else "MixtralForCausalLM"
-        if not m.qk_norm and not f.renormalize:
+        arch = "Qwen2MoeForCausalLM" if shared else "Qwen3MoeForCausalLM" if m.qk_norm else "MixtralForCausalLM"
+        if arch == "MixtralForCausalLM" and not f.renormalize:
             raise ValueError("zoo.hf.save: Mixtral renormalises its top-k gates (moe.renormalize: true)")
     else:
         arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else \
@@ -376,6 +385,9 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
         out.update(moe_intermediate_size=hidden, intermediate_size=hidden, num_experts=f.num_experts,
                    num_experts_per_tok=f.top_k, norm_topk_prob=f.renormalize, decoder_sparse_step=1,
                    mlp_only_layers=[], router_aux_loss_coef=f.balance_loss_weight)
+        if shared:
+            out.update(shared_expert_intermediate_size=param_shapes[("blocks", 0, "ffn", "shared", "w_gate")][-1],
+                       qkv_bias=m.qkv_bias)
     return out
 
 

@@ -213,8 +213,9 @@ class MoEConfig(Kind):
     (top-1), expert_choice (not causal; outside training it routes by token choice); dispatch, in
     training: capacity (drops overflow, GShard order) or dropless (ragged_dot), and always dropless
     outside training (evaluation, decoding); balance aux_loss (Switch loss), bias (DeepSeek-V3,
-    loss-free) or none; shared experts (DeepSeekMoE). hidden_dim null = the dense width / active
-    experts (same active params)."""
+    loss-free) or none; shared experts (DeepSeekMoE; shared_hidden_dim: their own width, null =
+    num_shared_experts x hidden_dim; shared_gate: a sigmoid gate on them per token, Qwen2-MoE).
+    hidden_dim null = the dense width / active experts (same active params)."""
     KIND: ClassVar[str] = "moe"
     num_experts: PosInt = 8
     top_k: PosInt = 2
@@ -230,6 +231,8 @@ class MoEConfig(Kind):
     z_loss_weight: NonNegFloat = 0.001
     bias_update_rate: NonNegFloat = 0.001
     router_jitter: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
+    shared_hidden_dim: PosInt | None = None
+    shared_gate: bool = False
 
     def check(self, d_model: int, path: str):
         if self.top_k > self.num_experts:

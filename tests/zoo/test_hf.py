@@ -48,7 +48,7 @@ def test_logits_and_greedy_tokens_match_transformers(case):
     assert texts == [tok.decode(r) for r in rows]
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3_moe", "mamba2"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2_moe", "qwen3_moe", "mamba2"])
 def test_save_then_load_is_the_identity(case, tmp_path):
     model, tok = zoo.hf.load(FIXTURES / case)
     zoo.hf.save(model, tmp_path, tok)
