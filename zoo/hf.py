@@ -4,7 +4,7 @@ A folder is what `save_pretrained` writes: config.json, model.safetensors (or sh
 model.safetensors.index.json) and tokenizer.json. `load` derives the zoo config from config.json,
 builds the model abstractly (no weights made), then reads the checkpoint one tensor at a time
 (memory-mapped, zoo/safetensors.py), casts each to `dtype` and places it on the mesh's sharding when
-a mesh is given: no more than one tensor is ever held beyond the model itself.
+a mesh is given: beyond the model itself, at most one tensor is held (its mapped pages and one copy).
 
 Architectures (config.json `architectures`), with the zoo options each needs:
 - LlamaForCausalLM (Llama 1/2/3: rope_scaling linear, llama3, yarn), MistralForCausalLM (window),
@@ -21,9 +21,9 @@ Parity: logits equal transformers' to float32 rounding within the context (tests
 against fixtures made by tests/fixtures/hf/make_fixtures.py). Past max_position_embeddings the
 loaded attention sees every earlier token (long_context: full), as transformers does.
 
-`save` writes the same layout back from any zoo model made only of these pieces (attention mixers,
-MLP or MoE FFNs, the LM head), choosing the architecture from its options; transformers reads it
-with the same logits. The loaded model is in eval mode (model.train() before fine-tuning).
+`save` writes the same layout back from any zoo model made only of these pieces (attention mixers
+with MLP or MoE FFNs; mamba or mamba2 mixers with ffn none), choosing the architecture from its
+options; transformers reads it with the same logits (checked by the fixture script). The loaded model is in eval mode (model.train() before fine-tuning).
 """
 
 import json
