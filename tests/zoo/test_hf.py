@@ -194,3 +194,18 @@ def test_a_sharded_checkpoint_loads_like_one_file(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="holds no tensor model.norm.weight, which model.safetensors.index.json"):
         zoo.hf.load(folder)
+
+
+@pytest.mark.parametrize("case", ["mamba", "qwen3"])
+def test_prefill_then_decode_equals_the_full_pass(case):
+    """ffn: none (Mamba's blocks) and qk_norm take the decode path too."""
+    ids = jnp.asarray(np.load(FIXTURES / case / "expected.npz")["ids"], jnp.int32)
+    model, _ = zoo.hf.load(FIXTURES / case)
+    full = np.asarray(model(ids))
+    state = model.init_state(ids.shape[0], ids.shape[1])
+    logits, state = model.decode(ids[:, :10], state)
+    steps = [logits]
+    for t in range(10, ids.shape[1]):
+        logits, state = model.decode(ids[:, t:t + 1], state)
+        steps.append(logits)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=2e-4)
