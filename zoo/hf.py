@@ -23,7 +23,8 @@ loaded attention sees every earlier token (long_context: full), as transformers 
 
 `save` writes the same layout back from any zoo model made only of these pieces (attention mixers
 with MLP or MoE FFNs; mamba or mamba2 mixers with ffn none), choosing the architecture from its
-options; transformers reads it with the same logits (checked by the fixture script). The loaded model is in eval mode (model.train() before fine-tuning).
+options; transformers reads it with the same logits (checked by the fixture script). The loaded
+model is in eval mode (model.train() before fine-tuning).
 """
 
 import json
