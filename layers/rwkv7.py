@@ -78,9 +78,9 @@ class RWKV7TimeMix(nnx.Module):
     """The RWKV-7 time-mixing block (the sequence mixer); see the module docstring for v_first.
     `mode` ("auto", "chunk", "recurrent" or "parallel"; auto: kernels/wkv7's fastest for the backend)
     picks the WKV7 algorithm of __call__; decode uses "auto" for T > 1 and the recurrence for T = 1.
-    `impl` ("auto", "reference", "xla", "pallas") picks the op's implementation on every path (kernels/wkv7: "pallas" runs the Pallas kernels of
-    the platform, interpret mode on CPU). State: the previous token (B, D) and the WKV
-    state (B, H, K, K), both float32."""
+    `impl` ("auto", "reference", "xla", "pallas") picks the op's implementation on every path
+    (kernels/wkv7: "pallas" runs the Pallas kernels of the platform, interpret mode on CPU). State:
+    the previous token (B, D) and the WKV state (B, H, K, K), both float32."""
 
     carries_v_first = True
 
