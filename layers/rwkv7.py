@@ -54,7 +54,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import MODES, check_impl, check_mode
+from kernels import check_impl, check_mode
 from kernels.wkv7 import wkv7
 from layers.rwkv6 import (
     RWKVChannelMixState,
@@ -76,21 +76,21 @@ def lora_rank(d_model: int, factor: float) -> int:
 
 class RWKV7TimeMix(nnx.Module):
     """The RWKV-7 time-mixing block (the sequence mixer); see the module docstring for v_first.
-    `mode` ("auto", "chunk", "recurrent" or "parallel"; auto: kernels/wkv7's fastest for the backend)
-    picks the WKV7 algorithm of __call__; decode uses "auto" for T > 1 and the recurrence for T = 1.
-    `impl` ("auto", "reference", "xla", "pallas") picks the op's implementation on every path
-    (kernels/wkv7: "pallas" runs the Pallas kernels of the platform, interpret mode on CPU). State:
-    the previous token (B, D) and the WKV state (B, H, K, K), both float32."""
+    `mode` ("chunk", "recurrent" or "parallel") picks the WKV7 algorithm of __call__; decode uses
+    "chunk" for T > 1 and the recurrence for T = 1. `impl` ("auto", "reference", "xla", "pallas")
+    picks the op's implementation on every path (kernels/wkv7: "pallas" runs the Pallas kernels of
+    the platform, interpret mode on CPU). State: the previous token (B, D) and the WKV
+    state (B, H, K, K), both float32."""
 
     carries_v_first = True
 
     def __init__(self, d_model: int, *, head_dim: int = 64, layer_id: int = 0, num_layers: int = 1,
                  decay_lora_dim: int | None = None, icl_lora_dim: int | None = None,
-                 value_lora_dim: int | None = None, gate_lora_dim: int | None = None, mode: str = "auto",
+                 value_lora_dim: int | None = None, gate_lora_dim: int | None = None, mode: str = "chunk",
                  chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if head_dim < 1 or d_model % head_dim:
             raise ValueError(f"head_dim={head_dim} does not divide d_model={d_model}")
-        check_mode(mode, chunk_size, "RWKV7TimeMix", (*MODES, "auto"))
+        check_mode(mode, chunk_size, "RWKV7TimeMix")
         check_impl(impl, "RWKV7TimeMix")
         r0, r1 = depth_ratios(layer_id, num_layers)
         ranks = {name: lora_rank(d_model, c) if rank is None else rank for name, rank, c in (
@@ -148,7 +148,7 @@ class RWKV7TimeMix(nnx.Module):
     def decode(self, x: Float[Array, "B T D"], state: RWKVTimeMixState, *,
                segment_ids: Int[Array, "B T"] | None = None, v_first: Float[Array, "B T D"] | None = None
                ) -> tuple[Float[Array, "B T D"], RWKVTimeMixState, Float[Array, "B T D"]]:
-        return self._forward(x, state, segment_ids, v_first, "recurrent" if x.shape[1] == 1 else "auto")
+        return self._forward(x, state, segment_ids, v_first, "recurrent" if x.shape[1] == 1 else "chunk")
 
     def _forward(self, x, state, segment_ids, v_first, mode):
         check_input(x, self.num_heads * self.head_dim, segment_ids, "RWKV7TimeMix")

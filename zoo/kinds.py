@@ -154,11 +154,9 @@ class RWKV6Config(Chunked):
 @dataclass(frozen=True)
 class RWKV7Config(Chunked):
     """RWKV-7 "Goose" time mix (Peng et al. 2025): generalised delta rule with vector decay and
-    in-context learning rate, value residual from layer 0 (LoRA ranks null = the official sizes); mode
-    auto runs the fastest exact WKV7 form for the backend (recurrent on CPU)."""
+    in-context learning rate, value residual from layer 0 (LoRA ranks null = the official sizes)."""
     KIND: ClassVar[str] = "rwkv7"
     head_dim: PosInt = 64
-    mode: Literal[("auto", *MODES)] = "auto"
     decay_lora_dim: PosInt | None = None
     icl_lora_dim: PosInt | None = None
     value_lora_dim: PosInt | None = None

@@ -9,17 +9,7 @@ b = kappa^ * a_icl.
 
 Modes: "recurrent" (reference.py, a lax.scan), "chunk" (chunk.py, the WY/UT chunked form, exact for
 any T) and "parallel" (parallel.py, the UT transform over the whole sequence: one T x T triangular
-solve, no scan). "auto" picks "recurrent" on CPU, where it was measured fastest at every size tried,
-"chunk" elsewhere (a device pays per loop step; not measured yet). Forward+backward w.r.t. every
-input, H = 4, K = V = 32, float32, ms per call on the 2 shared cores (chunk at 64 / at 32):
-
-    B, T         recurrent    chunk
-    64, 32       63           149 / 148
-    16, 128      143          491 / 440
-    4, 1024      335          982 / 872
-
-The chunk form needs four decayed-score matrices (C x C x K terms each) and a triangular inverse
-per chunk; the scan's step is one (K, V) rank-2 update, cheap on a CPU core.
+solve, no scan).
 
 impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan whatever the mode;
 "pallas" the Pallas kernels of kernels.pallas_platform(): pallas.py (Triton; fused chunks, forward
@@ -29,10 +19,9 @@ kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens),
 `mode` elsewhere. This function is the one dispatch point.
 """
 
-import jax
 from jaxtyping import Array, Float, Int
 
-from kernels import MODES, check_impl, check_mode, pallas_platform, use_pallas
+from kernels import check_impl, check_mode, pallas_platform, use_pallas
 from kernels.wkv7.chunk import wkv7_chunk
 from kernels.wkv7.pallas import supports, wkv7_pallas
 from kernels.wkv7.pallas_tpu import wkv7_pallas_tpu
@@ -43,15 +32,13 @@ from kernels.wkv7.reference import wkv7_recurrent, wkv7_step
 def wkv7(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
          v: Float[Array, "B T H V"], a: Float[Array, "B T H K"], b: Float[Array, "B T H K"], *,
          segment_ids: Int[Array, "B T"] | None = None, initial_state: Float[Array, "B H K V"] | None = None,
-         output_final_state: bool = False, mode: str = "auto", chunk_size: int = 64, impl: str = "auto"):
+         output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64, impl: str = "auto"):
     """Returns (o (B, T, H, V) in r's dtype, final state (B, H, K, V) float32 or None).
 
     segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
     start restarts from zero (kernels/__init__.py).
     """
-    check_mode(mode, chunk_size, "wkv7", (*MODES, "auto"))
-    if mode == "auto":
-        mode = "recurrent" if jax.default_backend() == "cpu" else "chunk"
+    check_mode(mode, chunk_size, "wkv7")
     check_impl(impl, "wkv7")
     B, T, H, K = r.shape
     if any(x.shape != r.shape for x in (w_log, k, a, b)) or v.shape[:3] != (B, T, H):
