@@ -197,7 +197,8 @@ def test_command_line_errors_name_the_field_without_a_traceback(finished, tmp_pa
          "error: override 'train.steps=[1': the value '[1' is not valid YAML"),
         ([sys.executable, "-m", "infer", str(run_dir), "model.d_model=8"],
          "error: overrides model.d_model=8: a run folder is loaded with the config it was trained with"),
-        ([sys.executable, "-m", "infer", str(run_dir), "--stop", ""], "error: generate_text: stop='' must be a single token"),
+        ([sys.executable, "-m", "infer", str(run_dir), "--stop", ""],
+         "error: generate_text: stop='' must be a single token"),
         ([sys.executable, "-m", "infer", str(run_dir), "--top-k", "1000"], "1 <= top_k <= 256 (the vocabulary)"),
     ]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
