@@ -124,7 +124,14 @@ def _ssm_config(hf: dict, family: str, where: str) -> dict:
 
 
 def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -> ModelConfig:
-    """The zoo ModelConfig of a config.json."""
+    """The zoo ModelConfig of a config.json; a field it needs and lacks is a ValueError naming it."""
+    try:
+        return _model_config(hf, dtype, where)
+    except KeyError as e:
+        raise ValueError(f"{where}: no field {e.args[0]}, which {hf.get('architectures')} needs") from None
+
+
+def _model_config(hf: dict, dtype: str, where: str) -> ModelConfig:
     arch = architecture(hf, where)
     family = ARCHITECTURES[arch]
     if arch in SSM:

@@ -76,8 +76,10 @@ def _copy(tmp_path, case="llama"):
 
 
 def _edit_config(folder, **changes):
+    """Set config.json fields; a None removes the field."""
     f = folder / "config.json"
-    f.write_text(json.dumps({**json.loads(f.read_text()), **changes}))
+    edited = {**json.loads(f.read_text()), **changes}
+    f.write_text(json.dumps({k: v for k, v in edited.items() if v is not None}))
 
 
 def test_broken_folders_name_what_is_wrong(tmp_path):
@@ -106,6 +108,7 @@ def test_broken_folders_name_what_is_wrong(tmp_path):
     (dict(architectures=["GPT2LMHeadModel"]), r"architectures=\['GPT2LMHeadModel'\] is not supported; expected one of "
                                              "LlamaForCausalLM"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    (dict(num_attention_heads=None), "no field num_attention_heads"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
     (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}, rope_parameters=None),
      "rope_scaling type 'longrope' is not supported"),
