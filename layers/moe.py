@@ -285,6 +285,7 @@ class MoE(nnx.Module):
         B, T, D = x.shape
         xr = x.reshape(B * T, D).astype(jnp.float32)  # (N, D) the router's input, float32
         xf = xr.astype(self.dtype)  # the experts' input
+        x_gate = xr  # the shared-expert gate's input: never the jittered one
         if self.router_jitter > 0 and not self.deterministic:
             eps = self.router_jitter
             xr = xr * jax.random.uniform(self.jitter_rngs(), xr.shape, jnp.float32, 1 - eps, 1 + eps)
@@ -303,7 +304,7 @@ class MoE(nnx.Module):
         if self.num_shared_experts:
             shared = self.shared(x)
             if self.w_shared_gate is not None:  # Qwen2-MoE: sigmoid(x w) scales the shared experts per token
-                shared = shared * jax.nn.sigmoid(xr @ self.w_shared_gate[...]).reshape(B, T, 1).astype(shared.dtype)
+                shared = shared * jax.nn.sigmoid(x_gate @ self.w_shared_gate[...]).reshape(B, T, 1).astype(shared.dtype)
             y = y + shared
         if not self.deterministic:
             self._record(logits, probs, load, dropped)

@@ -84,9 +84,8 @@ def _rope(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
                          "yarn")
     original = p.get("original_max_position_embeddings") or hf["max_position_embeddings"]
     factor = p.get("factor") or hf["max_position_embeddings"] / original
-    keys = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
-            "mscale_all_dim", "truncate")
-    extra = {k: p[k] for k in keys if p.get(k) is not None}
+    extra = {k: p[k] for k in ROPE_KEYS[kind]  # the other keys this type reads
+             if k not in ("factor", "original_max_position_embeddings") and p.get(k) is not None}
     return base, RopeScaling(type=kind, factor=float(factor), original_max_position_embeddings=int(original), **extra)
 
 
