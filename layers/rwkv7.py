@@ -177,7 +177,8 @@ class RWKV7TimeMix(nnx.Module):
         k = f32(k) * (1.0 + (a - 1.0) * self.replace_rate[...])
         r, k, v, a = heads(r), heads(k), heads(v), heads(a)
         o, wkv = wkv7(r, heads(w_log), k, v, -kappa, kappa * a, segment_ids=segment_ids, initial_state=state.wkv,
-                      output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
+                      output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl,
+                      max_decay=math.exp(-0.5))
         o = head_group_norm(o, self.ln_weight[...], self.ln_bias[...], self.eps)  # (B, T, D) float32
         o = o + (jnp.sum(f32(r) * k * self.bonus[...], axis=-1, keepdims=True) * f32(v)).reshape(B, T, D)
         y = (o.astype(dt) * g) @ p(self.w_o)

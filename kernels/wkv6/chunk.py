@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, Int
 from kernels.segments import document_starts
 
 SUB = 16  # sub-chunk length of the pairwise (exact) part of `decayed_scores`
+FACTOR_SPAN = 20.0  # the largest total log decay a factored block of `decayed_scores` spans
 
 
 def chunk_length(chunk_size: int, length: int) -> int:
@@ -80,31 +81,56 @@ def cumsum_exclusive(log_w: Float[Array, "... C K"], *, reverse: bool = False) -
     return jnp.cumsum(jnp.pad(log_w[..., :-1, :], ((0, 0),) * (log_w.ndim - 2) + ((1, 0), (0, 0))), axis=-2)
 
 
+def factor_length(C: int, max_decay: float | None) -> int | None:
+    """The block length `decayed_scores` factors with a decay bound: C halved until its total decay
+    fits FACTOR_SPAN, or None (pairwise sub-chunks) without a bound or below SUB tokens."""
+    if max_decay is None:
+        return None
+    c = C
+    while c * max_decay > FACTOR_SPAN and c % 2 == 0 and c > SUB:
+        c //= 2
+    return c if c * max_decay <= FACTOR_SPAN else None
+
+
 def decayed_scores(q: Float[Array, "... C K"], k: Float[Array, "... C K"], log_w: Float[Array, "... C K"], *,
-                   inclusive: bool) -> Float[Array, "... C C"]:
+                   inclusive: bool, max_decay: float | None = None) -> Float[Array, "... C C"]:
     """A[t, s] = sum_k q[t, k] k[s, k] prod_{s < i <= t'} w[i, k] on s <= t', else 0, where t' = t if
     inclusive else t - 1. q, k and log_w have one shape.
 
     Every exponent is a sum of log decays (<= 0) over the exact interval, never a difference of
-    cumulative sums: no overflow, and no cancellation when a huge decay precedes small ones."""
+    cumulative sums: no overflow, and no cancellation when a huge decay precedes small ones.
+
+    max_decay: a bound the caller guarantees on -log_w (RWKV-7's e^{-0.5}). With it, blocks of up to
+    C tokens whose decay stays within e^{-FACTOR_SPAN} are scored by one matmul of q e^{G_t'} with
+    k e^{-G_s} (G the block's own cumulative sums, so every factor lies in [e^{-FACTOR_SPAN},
+    e^{FACTOR_SPAN}] and each term keeps a relative error of about FACTOR_SPAN float32 roundings)
+    instead of the pairwise (c, c, K) exponentials, which dominate the op's cost."""
     lead = q.shape[:-2]
     C, K = q.shape[-2:]
     # Leading dimensions flattened into one keeps every intermediate at rank <= 5: XLA:CPU in jaxlib
     # 0.10.2 and 0.11 crashes or hangs on rank >= 7 multiply-reduce fusions (jax-ml/jax#39257).
     q, k, log_w = (x.reshape(-1, C, K) for x in (q, k, log_w))  # (Z, C, K)
-    c = SUB if C % SUB == 0 else C
+    c = factor_length(C, max_decay)
+    factored = c is not None
+    c = c or (SUB if C % SUB == 0 else C)
     n = C // c
     split = lambda x: x.reshape(-1, n, c, K)
     qs, ks, lws = split(q), split(k), split(log_w)  # (Z, n, c, K)
     i = jnp.arange(c)
-    # Diagonal sub-blocks, pairwise: D[t, s] = sum_{s < m <= t'} log_w[m], a cumsum over m of the
-    # log decays masked to m > s, read at t' (shifted by one token when exclusive).
     after = (i[:, None] > i[None, :])[:, :, None]  # (m, s, 1)
-    D = jnp.cumsum(jnp.where(after, lws[:, :, :, None, :], 0.0), axis=2)  # (Z, n, t, s, K)
-    if not inclusive:
-        D = jnp.pad(D[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0)))
-    keep = ((i[:, None] >= i[None, :]) if inclusive else after[..., 0])[:, :, None]  # (t, s, 1)
-    diag = jnp.einsum("zntk,znsk,zntsk->znts", qs, ks, jnp.where(keep, jnp.exp(D), 0.0))
+    if factored:  # bounded decays: q_t e^{G_t'} . k_s e^{-G_s}, both exponents within the block
+        G = jnp.cumsum(lws, axis=-2)
+        keep = (i[:, None] >= i[None, :]) if inclusive else after[..., 0]  # (t, s)
+        diag = jnp.where(keep, jnp.einsum("zntk,znsk->znts", qs * jnp.exp(G if inclusive else cumsum_exclusive(lws)),
+                                          ks * jnp.exp(-G)), 0.0)
+    else:
+        # Diagonal sub-blocks, pairwise: D[t, s] = sum_{s < m <= t'} log_w[m], a cumsum over m of the
+        # log decays masked to m > s, read at t' (shifted by one token when exclusive).
+        D = jnp.cumsum(jnp.where(after, lws[:, :, :, None, :], 0.0), axis=2)  # (Z, n, t, s, K)
+        if not inclusive:
+            D = jnp.pad(D[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0)))
+        keep = ((i[:, None] >= i[None, :]) if inclusive else after[..., 0])[:, :, None]  # (t, s, 1)
+        diag = jnp.einsum("zntk,znsk,zntsk->znts", qs, ks, jnp.where(keep, jnp.exp(D), 0.0))
     out = jnp.einsum("znts,nm->zntms", diag, jnp.eye(n, dtype=diag.dtype))  # block diagonal
     if n > 1:
         # Key s in sub-chunk j, query t in sub-chunk i > j: the interval (s, t'] splits into the rest

@@ -35,8 +35,9 @@ from kernels.wkv6.chunk import chunk_length, chunk_masks, cumsum_exclusive, deca
 def wkv7_chunk(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
                v: Float[Array, "B T H V"], a: Float[Array, "B T H K"], b: Float[Array, "B T H K"], *,
                segment_ids: Int[Array, "B T"] | None = None,
-               initial_state: Float[Array, "B H K V"] | None = None, chunk_size: int = 64):
-    """Returns (o (B, T, H, V) in r's dtype, S_T (B, H, K, V) float32)."""
+               initial_state: Float[Array, "B H K V"] | None = None, chunk_size: int = 64,
+               max_decay: float | None = None):
+    """Returns (o (B, T, H, V) in r's dtype, S_T (B, H, K, V) float32). max_decay: decayed_scores'."""
     B, T, H, K = r.shape
     V = v.shape[-1]
     C = chunk_length(chunk_size, T)  # capped at T rounded up to whole 16-token sub-chunks
@@ -45,7 +46,7 @@ def wkv7_chunk(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Fl
     G = jnp.cumsum(lw, axis=-2)  # (B, H, N, C, K): G_t
     Gm = cumsum_exclusive(lw)  # G_{t-1}
 
-    scores = lambda q, key, inclusive: decayed_scores(q, key, lw, inclusive=inclusive) * same  # (B, H, N, C, C)
+    scores = lambda q, key, inclusive: decayed_scores(q, key, lw, inclusive=inclusive, max_decay=max_decay) * same  # (B, H, N, C, C)
     A_ak, A_ab = scores(ac, kc, False), scores(ac, bc, False)  # sa_t reads S_{t-1}
     A_rk, A_rb = scores(rc, kc, True), scores(rc, bc, True)  # o_t reads S_t
     a_in = ac * jnp.exp(Gm) * cont[..., None]  # reads S_0 (sa_t)

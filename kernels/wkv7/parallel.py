@@ -22,8 +22,8 @@ from kernels.wkv7.chunk import wkv7_chunk
 def wkv7_parallel(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
                   v: Float[Array, "B T H V"], a: Float[Array, "B T H K"], b: Float[Array, "B T H K"], *,
                   segment_ids: Int[Array, "B T"] | None = None,
-                  initial_state: Float[Array, "B H K V"] | None = None):
+                  initial_state: Float[Array, "B H K V"] | None = None, max_decay: float | None = None):
     """Returns (o (B, T, H, V) in r's dtype, S_T (B, H, K, V) float32)."""
     length = SUB * -(-r.shape[1] // SUB)  # one chunk, padded to whole sub-chunks
     return wkv7_chunk(r, w_log, k, v, a, b, segment_ids=segment_ids, initial_state=initial_state,
-                      chunk_size=length)
+                      chunk_size=length, max_decay=max_decay)

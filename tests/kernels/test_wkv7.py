@@ -34,23 +34,24 @@ def make_inputs(seed, B, T, H, K, V, decay_scale=0.0):
     return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "chunk_size"))
-def value_and_grads(inputs, segment_ids, cotangents, mode, chunk_size=16):
+@functools.partial(jax.jit, static_argnames=("mode", "chunk_size", "max_decay"))
+def value_and_grads(inputs, segment_ids, cotangents, mode, chunk_size=16, max_decay=None):
     """o, S_T and the gradients of a random projection of both w.r.t. every input."""
     def loss(x):
-        o, s = wkv7(**x, segment_ids=segment_ids, output_final_state=True, mode=mode, chunk_size=chunk_size)
+        o, s = wkv7(**x, segment_ids=segment_ids, output_final_state=True, mode=mode, chunk_size=chunk_size,
+                    max_decay=max_decay)
         return jnp.sum(o * cotangents[0]) + jnp.sum(s * cotangents[1]), (o, s)
     (_, (o, s)), g = jax.value_and_grad(loss, has_aux=True)(inputs)
     return o, s, g
 
 
-def check_against_reference(inputs, segment_ids, chunk_size):
+def check_against_reference(inputs, segment_ids, chunk_size, max_decay=None):
     B, T, H, K = inputs["r"].shape
     V = inputs["v"].shape[-1]
     cot = (jnp.asarray(randn(100, (B, T, H, V))), jnp.asarray(randn(101, (B, H, K, V))))
     o_ref, s_ref, g_ref = value_and_grads(inputs, segment_ids, cot, "recurrent")
     for mode in ("chunk", "parallel"):
-        o, s, g = value_and_grads(inputs, segment_ids, cot, mode, chunk_size)
+        o, s, g = value_and_grads(inputs, segment_ids, cot, mode, chunk_size, max_decay)
         assert_close(o, o_ref, 1e-4, f"{mode}: o")
         assert_close(s, s_ref, 1e-4, f"{mode}: final state")
         for name in NAMES:
@@ -60,14 +61,16 @@ def check_against_reference(inputs, segment_ids, chunk_size):
 SEG63 = [0] * 5 + [1] * 30 + [2] * 28  # resets inside chunks and sub-chunks (16 divides neither 5 nor 35)
 
 
-@pytest.mark.parametrize("B,T,H,K,V,chunk,decay_scale,seg", [
-    (2, 63, 2, 16, 16, 16, 0.0, SEG63),  # T not a multiple of the chunk; row 0 packed, row 1 one document
-    (1, 1, 1, 8, 8, 16, 0.0, None),      # a single token
-    (2, 63, 2, 8, 16, 48, 2.5, SEG63),   # 3 sub-chunks per chunk, K != V, per-step log w from ~-1e-4 to ~-e^5
+@pytest.mark.parametrize("B,T,H,K,V,chunk,decay_scale,seg,max_decay", [
+    (2, 63, 2, 16, 16, 16, 0.0, SEG63, None),  # T not a multiple of the chunk; row 0 packed, row 1 one document
+    (1, 1, 1, 8, 8, 16, 0.0, None, None),      # a single token
+    (2, 63, 2, 8, 16, 48, 2.5, SEG63, None),   # 3 sub-chunks per chunk, K != V, per-step log w from ~-1e-4 to ~-e^5
+    # the model's decay bound: factored blocks of 32 (chunk 64: two of them with the cross-block part; parallel one)
+    (2, 63, 2, 16, 8, 64, 0.0, SEG63, float(np.exp(-0.5))),
 ])
-def test_fast_forms_match_reference(B, T, H, K, V, chunk, decay_scale, seg):
+def test_fast_forms_match_reference(B, T, H, K, V, chunk, decay_scale, seg, max_decay):
     segment_ids = None if seg is None else jnp.array([seg] + [[7] * T] * (B - 1), jnp.int32)
-    check_against_reference(make_inputs(0, B, T, H, K, V, decay_scale), segment_ids, chunk)
+    check_against_reference(make_inputs(0, B, T, H, K, V, decay_scale), segment_ids, chunk, max_decay)
 
 
 @jax.jit
