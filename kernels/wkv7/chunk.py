@@ -46,7 +46,8 @@ def wkv7_chunk(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Fl
     G = jnp.cumsum(lw, axis=-2)  # (B, H, N, C, K): G_t
     Gm = cumsum_exclusive(lw)  # G_{t-1}
 
-    scores = lambda q, key, inclusive: decayed_scores(q, key, lw, inclusive=inclusive, max_decay=max_decay) * same  # (B, H, N, C, C)
+    def scores(q, key, inclusive):  # (B, H, N, C, C)
+        return decayed_scores(q, key, lw, inclusive=inclusive, max_decay=max_decay) * same
     A_ak, A_ab = scores(ac, kc, False), scores(ac, bc, False)  # sa_t reads S_{t-1}
     A_rk, A_rb = scores(rc, kc, True), scores(rc, bc, True)  # o_t reads S_t
     a_in = ac * jnp.exp(Gm) * cont[..., None]  # reads S_0 (sa_t)
