@@ -9,7 +9,8 @@ float32. Δ must already be positive: the caller applies softplus(Δ + bias) (th
 gate; here XLA fuses both, so the op keeps to the SSM itself and the gate lives in layers/mamba.py).
 
 Modes, all exact and all computing the same function and final state:
-- "recurrent": token-by-token lax.scan (reference.py, the truth), T sequential steps;
+- "recurrent": token-by-token lax.scan, T sequential steps (recurrent.py: reference.py's scan, the
+  truth, with a hand-written backward; impl="reference" differentiates the reference itself);
 - "chunk": the scan inside chunks of `chunk_size`, all chunks at once, state carried across chunks
   (chunk.py), chunk_size sequential steps plus T / chunk_size;
 - "parallel": lax.associative_scan over (decay, input) pairs (parallel.py), O(log T) depth.
@@ -46,6 +47,7 @@ from kernels.selective_scan.chunk import selective_scan_chunk
 from kernels.selective_scan.pallas import selective_scan_pallas, supports
 from kernels.selective_scan.pallas_tpu import selective_scan_pallas_tpu
 from kernels.selective_scan.parallel import selective_scan_parallel
+from kernels.selective_scan.recurrent import selective_scan_adjoint
 from kernels.selective_scan.reference import selective_scan_recurrent, selective_scan_step
 
 
@@ -73,12 +75,12 @@ def selective_scan(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: 
         y, h = kernel(x, delta, A, B, C, D, starts, h0)
         return y, (h if output_final_state else None)
     args = [a.astype(f32) for a in (x, delta, A, B, C)] + [None if D is None else D.astype(f32)]
-    if impl == "reference":
-        mode = "recurrent"
     if mode == "auto":
         mode = "recurrent" if jax.default_backend() == "cpu" else "chunk"
-    if mode == "recurrent":
+    if impl == "reference":
         y, h = selective_scan_recurrent(*args, starts, h0)
+    elif mode == "recurrent":
+        y, h = selective_scan_adjoint(*args, starts, h0)
     elif mode == "chunk":
         y, h = selective_scan_chunk(*args, starts, h0, chunk_size)
     else:

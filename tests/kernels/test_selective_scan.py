@@ -32,12 +32,12 @@ def make_inputs(seed, Bsz, T, Dm, N):
 
 
 @functools.cache
-def outputs_and_grads(mode, chunk_size):
+def outputs_and_grads(mode, chunk_size, impl="xla"):
     """jit(inputs, segment_ids, weights) -> ((y, h_T), grads of a random projection of both)."""
 
     def loss(inputs, segment_ids, wy, wh):
         y, h = selective_scan(**inputs, segment_ids=segment_ids, output_final_state=True, mode=mode,
-                              chunk_size=chunk_size)
+                              chunk_size=chunk_size, impl=impl)
         return jnp.sum(y * wy) + jnp.sum(h * wh), (y, h)
 
     return jax.jit(jax.grad(loss, has_aux=True))
@@ -56,8 +56,8 @@ def test_modes_match_reference(case):
     seg = None if seg is None else jnp.asarray(seg, jnp.int32)
     rng = np.random.default_rng(1)
     wy, wh = rng.standard_normal((Bsz, T, Dm)), rng.standard_normal((Bsz, Dm, N))
-    ref_grads, (ref_y, ref_h) = outputs_and_grads("recurrent", chunk)(inputs, seg, wy, wh)
-    for mode in MODES[1:]:
+    ref_grads, (ref_y, ref_h) = outputs_and_grads("recurrent", chunk, "reference")(inputs, seg, wy, wh)
+    for mode in MODES:  # "recurrent": the scan with the hand-written backward (recurrent.py)
         grads, (y, h) = outputs_and_grads(mode, chunk)(inputs, seg, wy, wh)
         assert_close(y, ref_y, what=f"{mode} y")
         assert_close(h, ref_h, what=f"{mode} final state")
