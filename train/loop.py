@@ -278,9 +278,14 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
     kept = metrics_upto(metrics_path, start, log)
     if primary:
         metrics_path.write_text("".join(line + "\n" for line in kept))
-    if start >= t.steps:
-        log(f"{run_dir} is finished: its checkpoint is step {start} of train.steps={t.steps}, nothing to train "
-            "(to train on, raise train.steps and pass --allow-config-change)")
+    end = json.loads(kept[-1]) if start > 0 and kept else {}
+    stop = t.stop_at_accuracy
+    stopped = end.get("stopped_early") and stop is not None and end["val_accuracy"] >= stop
+    if start >= t.steps or stopped:
+        why = (f"step {start}'s accuracy reached train.stop_at_accuracy={stop}" if stopped
+               else f"its checkpoint is step {start} of train.steps={t.steps}")
+        log(f"{run_dir} is finished: {why}; nothing to train (to train on, raise train.steps"
+            f"{' or train.stop_at_accuracy' if stopped else ''} and pass --allow-config-change)")
         mngr.close()
         return json.loads(kept[-1]) if kept else {}
 
@@ -348,6 +353,8 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
                     e0 = time.perf_counter()
                     last.update(evaluate())
                     eval_time += time.perf_counter() - e0
+                    if t.stop_at_accuracy is not None and last["val_accuracy"] >= t.stop_at_accuracy and not final:
+                        last["stopped_early"] = final = True
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
                 val = (f"  val {last['val_loss']:.4f} nats/byte ({last['val_bpb']:.3f} bpb)" if "val_bpb" in last
@@ -376,12 +383,15 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
                 mngr.wait_until_finished()
                 log(f"received signal {signals.received}: checkpoint of step {step} written to {run_dir}")
                 sys.exit(128 + signals.received)
+            if final:
+                break
     mngr.wait_until_finished()
     mngr.close()
     if last:
         wall = time.perf_counter() - wall0
         last["overhead"] = 1 - step_time / max(wall - eval_time, 1e-9)
-        log(f"done: {t.steps} steps; {last['overhead']:.1%} of training time outside the jitted step "
+        log(f"done: {last['step']} steps{' (stop_at_accuracy reached)' if last.get('stopped_early') else ''}; "
+            f"{last['overhead']:.1%} of training time outside the jitted step "
             f"(data, logging, checkpoints; evaluation excluded)")
         if primary:
             plot(run_dir)

@@ -12,10 +12,11 @@ each width of the grid: the field's two conventions for a fair comparison).
 
 Every cell is an ordinary run in `<out>/cells/<cell>/`, so a killed sweep resumes: finished cells
 are skipped and an interrupted one resumes from its checkpoint, bitwise. Cells run in `--workers`
-processes. Every cell's config is checked before any runs. The best learning rate of each (kind,
-width, length) is kept, as Zoology does (the mean over seeds decides), and the sweep writes
-`results.jsonl` (every cell), `table.md` and `accuracy.png` (accuracy against width per kind, one
-panel per sequence length, as Zoology's Figure 2).
+processes. Every cell's config is checked before any runs. A cell whose base sets
+train.stop_at_accuracy ends at the first evaluation that reaches it (its row says at which step).
+The best learning rate of each (kind, width, length) is kept, as Zoology does (the mean over seeds
+decides), and the sweep writes `results.jsonl` (every cell), `table.md` and `accuracy.png` (accuracy
+against width per kind, one panel per sequence length, as Zoology's Figure 2).
 """
 
 import argparse
@@ -141,7 +142,7 @@ def _finished(run_dir: Path, steps: int) -> dict | None:
         return None
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     last = [r for r in rows if "val_loss" in r]
-    return last[-1] if last and last[-1]["step"] == steps else None
+    return last[-1] if last and (last[-1]["step"] == steps or last[-1].get("stopped_early")) else None
 
 
 def run_cell(cell: Cell, out: Path) -> dict:
@@ -158,7 +159,7 @@ def run_cell(cell: Cell, out: Path) -> dict:
     params, state = sizes(cell.config)
     return {"mixer": cell.mixer, "d_model": cell.d_model, "width": cell.config["model"]["d_model"],
             "seq_len": cell.seq_len, "lr": cell.lr, "seed": cell.seed, "params": params, "state_bytes": state,
-            "val_accuracy": last.get("val_accuracy"), "val_loss": last["val_loss"], "steps": steps,
+            "val_accuracy": last.get("val_accuracy"), "val_loss": last["val_loss"], "steps": last["step"],
             "tokens_per_s": last.get("tokens_per_s")}
 
 
@@ -176,7 +177,7 @@ def best_lr(rows: list[dict]) -> list[dict]:
         out.append({"mixer": mixer, "d_model": d, "seq_len": L, "lr": lr, "width": rs[0]["width"],
                     "params": rs[0]["params"], "state_bytes": rs[0]["state_bytes"],
                     "val_accuracy": None if rs[0]["val_accuracy"] is None else round(mean(rs, "val_accuracy"), 4),
-                    "val_loss": round(mean(rs, "val_loss"), 4), "seeds": len(rs)})
+                    "val_loss": round(mean(rs, "val_loss"), 4), "seeds": len(rs), "steps": max(r["steps"] for r in rs)})
     return out
 
 
@@ -196,11 +197,11 @@ def table(best: list[dict]) -> str:
                 else f"{r['val_loss']:.3f}"
             cells_.append(value)
         lines.append(f"| {m} | " + " | ".join(cells_) + " |")
-    lines += ["", "| mixer | seq_len | d_model | width | parameters | decode state (bytes per sequence) |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| mixer | seq_len | d_model | width | parameters | decode state (bytes per sequence) | steps |",
+              "|---|---|---|---|---|---|---|"]
     for r in sorted(best, key=lambda r: (mixers.index(r["mixer"]), r["seq_len"], r["d_model"])):
         lines.append(f"| {r['mixer']} | {r['seq_len']} | {r['d_model']} | {r['width']} | {r['params']:,} | "
-                     f"{r['state_bytes']:,} |")
+                     f"{r['state_bytes']:,} | {r['steps']} |")
     return "\n".join(lines) + "\n"
 
 

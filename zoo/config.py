@@ -122,7 +122,9 @@ class TrainConfig:
     keep_checkpoints; sample_tokens (bytes sampled at each evaluation, 0 = none);
     redraw_features_every (Performer: new random features every N steps, 0 = fixed); run_dir (default
     runs/<config stem>); on_nonfinite (stop: end the run naming the step, keeping the last good
-    checkpoint; skip: drop the update and count it); mesh (devices per mesh axis, see train.mesh)."""
+    checkpoint; skip: drop the update and count it); stop_at_accuracy (a task run ends after the first
+    evaluation whose held-out accuracy reaches it, as Zoology's early_stopping_threshold; null =
+    never); mesh (devices per mesh axis, see train.mesh)."""
     steps: PosInt = 1000
     batch_size: PosInt = 32
     seq_len: PosInt = 128
@@ -145,6 +147,7 @@ class TrainConfig:
     redraw_features_every: NonNegInt = 0
     run_dir: str | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    stop_at_accuracy: UnitFloat | None = None
     mesh: MeshConfig = field(default_factory=MeshConfig)
 
 
@@ -246,6 +249,9 @@ def from_dict(data: dict) -> Config:
         raise ValueError(f"model.head: {cfg.model.head!r} with data.task.kind="
                          f"{task.KIND if task else None!r}; MAD's compression task and model.head=pooled_decoder "
                          "go together (every other source is next-token prediction, for model.head=lm)")
+    if task is None and train.stop_at_accuracy is not None:
+        raise ValueError(f"train.stop_at_accuracy: {train.stop_at_accuracy} needs data.task (a text run reports no "
+                         "accuracy); remove it or train on a task")
     if task is not None and cfg.model.vocab_size < task.vocab_size:
         raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than data.task.vocab_size="
                          f"{task.vocab_size} (the task's token ids)")

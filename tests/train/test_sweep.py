@@ -62,12 +62,13 @@ def test_a_killed_sweep_resumes_to_the_same_table(tmp_path, monkeypatch):
 
 def test_best_learning_rate_per_cell_and_the_table():
     row = lambda lr, seed, acc: {"mixer": "gla", "d_model": 64, "seq_len": 32, "lr": lr, "seed": seed, "width": 64,
-                                 "params": 1, "state_bytes": 2, "val_accuracy": acc, "val_loss": 1.0}
+                                 "params": 1, "state_bytes": 2, "val_accuracy": acc, "val_loss": 1.0,
+                                 "steps": 40 - seed}
     rows = [row(1e-3, 0, 0.9), row(1e-3, 1, 0.5), row(3e-3, 0, 0.8), row(3e-3, 1, 0.8)]
     (best,) = sweep.best_lr(rows)
     assert best["lr"] == 3e-3 and best["val_accuracy"] == 0.8 and best["seeds"] == 2  # the mean decides
     assert sweep.table([best]).startswith("| mixer | L=32 d=64 |\n|---|---|\n| gla | 0.800 |\n")
-    assert "| gla | 32 | 64 | 64 | 1 | 2 |" in sweep.table([best])
+    assert "| gla | 32 | 64 | 64 | 1 | 2 | 40 |" in sweep.table([best])  # the most steps of its seeds
 
 
 def test_widths_matched_by_parameters():

@@ -173,27 +173,57 @@ def test_training_reports_held_out_accuracy(tmp_path, monkeypatch):
     assert rows[-1]["val_accuracy"] == last["val_accuracy"]
 
 
-def _mqar_accuracy(tmp_path, steps: int, mixer: dict) -> float:
+def test_stop_at_accuracy_ends_the_run_and_a_rerun_keeps_it(tmp_path, monkeypatch):
+    """train.stop_at_accuracy: the run ends (checkpointed) after the first evaluation that reaches it;
+    run again it trains nothing; with the threshold removed it trains on to train.steps."""
+    from train.loop import run
+    monkeypatch.setenv("ZOO_CACHE", str(tmp_path / "cache"))
+    data = {"model": {"d_model": 16, "num_layers": 1, "mixer": {"kind": "attention", "num_heads": 1}},
+            "data": {"task": {"kind": "mqar", "vocab_size": 32, "num_kv_pairs": 2,
+                              "num_train_examples": 64, "num_test_examples": 20}},
+            "train": {"steps": 6, "batch_size": 8, "seq_len": 16, "eval_every": 2, "log_every": 1,
+                      "checkpoint_every": 6, "stop_at_accuracy": 0.0}}
+    quiet = lambda *a: None  # noqa: E731
+    last = run(from_dict(data), tmp_path / "run", log=quiet)
+    assert last["step"] == 2 and last["stopped_early"]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    rows = metrics.read_text()
+    assert json.loads(rows.splitlines()[-1])["step"] == 2
+    said = []
+    again = run(from_dict(data), tmp_path / "run", log=said.append)
+    assert again == {k: v for k, v in last.items() if k != "overhead"} and metrics.read_text() == rows
+    assert any("stop_at_accuracy" in line and "finished" in line for line in said)
+    data["train"]["stop_at_accuracy"] = None
+    assert run(from_dict(data), tmp_path / "run", log=quiet, allow_config_change=True)["step"] == 6
+    with pytest.raises(ValueError, match="train.stop_at_accuracy.*needs data.task"):
+        from_dict({"train": {"stop_at_accuracy": 0.9}})
+
+
+def _mqar_run(tmp_path, steps: int, mixer: dict, **train) -> dict:
     """A 2-layer model (width 128, untied embeddings) trained on a small MQAR cell: 2 pairs in 16
-    tokens, vocabulary 32; the held-out accuracy at the end."""
+    tokens, vocabulary 32; the last metrics row."""
     from train.loop import run
     cfg = from_dict({
         "model": {"d_model": 128, "num_layers": 2, "mixer": mixer, "tie_embeddings": False},
         "data": {"task": {"kind": "mqar", "vocab_size": 32, "num_kv_pairs": 2, "num_train_examples": 20_000,
                           "num_test_examples": 256}},
         "train": {"steps": steps, "batch_size": 64, "seq_len": 16, "lr": 1e-3, "warmup_steps": 50,
-                  "weight_decay": 0.0, "eval_every": steps, "log_every": steps, "checkpoint_every": steps}})
-    return run(cfg, tmp_path / "run", log=lambda *a: None)["val_accuracy"]
+                  "weight_decay": 0.0, "eval_every": steps, "log_every": steps, "checkpoint_every": steps,
+                  **train}})
+    return run(cfg, tmp_path / "run", log=lambda *a: None)
 
 
 def test_attention_solves_mqar_and_a_model_without_the_past_cannot(tmp_path, monkeypatch):
-    """Both directions, so the metric can fail: 2-layer attention reaches >= 0.99 in 500 steps (seeds
-    0-3 all did: 0.994-1.0); attention that sees only its own token (window 1) cannot know which
-    values were given and stays near chance (1/16 for the 16 values)."""
+    """Both directions, so the metric can fail: 2-layer attention reaches >= 0.99 within 500 steps
+    (seeds 0-3 all did: 0.994-1.0 at step 500), evaluated every 100 and stopped there once it does;
+    attention that sees only its own token (window 1) cannot know which values were given and stays
+    near chance (1/16 for the 16 values)."""
     monkeypatch.setenv("ZOO_CACHE", str(tmp_path / "cache"))
-    assert _mqar_accuracy(tmp_path / "attention", 500, {"kind": "attention", "num_heads": 2}) >= 0.99
-    blind = _mqar_accuracy(tmp_path / "blind", 100, {"kind": "attention", "num_heads": 2, "window": 1})
-    assert blind < 0.15
+    solved = _mqar_run(tmp_path / "attention", 500, {"kind": "attention", "num_heads": 2}, eval_every=100,
+                       stop_at_accuracy=0.99)
+    assert solved["val_accuracy"] >= 0.99
+    blind = _mqar_run(tmp_path / "blind", 100, {"kind": "attention", "num_heads": 2, "window": 1})
+    assert blind["val_accuracy"] < 0.15
 
 
 def test_compression_and_the_pooled_decoder():
