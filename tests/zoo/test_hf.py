@@ -151,6 +151,25 @@ def test_a_run_starts_from_the_folders_weights(tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_a_loaded_model_fine_tuned_with_exits_decodes_with_them(tmp_path):
+    """A folder has no exit heads: model.exits in the fine-tuning config adds them (fresh, the rest read
+    from the folder) and trains them; the run then decodes with self-speculation exactly as greedy,
+    and with token-level exit at threshold 0 every token leaves at the exit."""
+    from train.loop import run
+    from zoo.checkpoint import load_model
+    overrides = ["train.steps=3", "train.batch_size=2", "train.seq_len=16", "train.eval_every=3",
+                 "train.checkpoint_every=3", "model.exits.layers=[1]", "model.exits.weights=[1.0]"]
+    run(zoo.load_config("configs/finetune.yaml", overrides), tmp_path, log=lambda *_: None)
+    _, model, _ = load_model(tmp_path)
+    assert model.exit_layers == (1,)
+    prompts = [[1, 40, 41, 42], [1, 50]]
+    greedy = infer.generate(model, prompts, max_new_tokens=10)
+    spec, info = infer.generate(model, prompts, max_new_tokens=10, speculative=3, return_info=True)
+    assert spec == greedy and 0 <= info["acceptance"] <= 1
+    _, info = infer.generate(model, prompts, max_new_tokens=10, exit_threshold=0.0, return_info=True)
+    assert all(layer == 1 for row in info["exit_layers"] for layer in row[1:])  # the prompt's token: full depth
+
+
 MESH_SCRIPT = """
 import jax, numpy as np, jax.numpy as jnp
 import zoo.hf
