@@ -44,7 +44,8 @@ DENSE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2For
          "Qwen3ForCausalLM": "qwen3"}
 MOE = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
 SSM = {"MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba2"}
-ARCHITECTURES = {**DENSE, **MOE, **SSM}
+FLA = {"GLAForCausalLM": "gla"}  # flash-linear-attention's model hub (fla-hub/gla-*)
+ARCHITECTURES = {**DENSE, **MOE, **SSM, **FLA}
 ROPE_KEYS = {  # what each rope type reads (layers/rotary.py)
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -122,6 +123,23 @@ def _ssm_config(hf: dict, family: str, where: str) -> dict:
             "norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
 
 
+def _fla_config(hf: dict, where: str) -> dict:
+    """The model section of a flash-linear-attention GLA config.json: GLA mixer, SwiGLU MLP blocks
+    (fla's GatedMLP: intermediate_size, else 2/3 of hidden_ratio x hidden_size rounded up to 256)."""
+    _refuse(hf, where, hidden_act=lambda v: v in (None, "swish", "silu"), feature_map=lambda v: v is None,
+            clamp_min=lambda v: v is None, attn=lambda v: not v, attnres_block_size=lambda v: v is None,
+            elementwise_affine=lambda v: v in (None, True),
+            num_kv_heads=lambda v: v in (None, hf.get("num_heads", 4)))
+    D = hf["hidden_size"]
+    hidden = hf.get("intermediate_size") or 256 * -(-int(D * (hf.get("hidden_ratio") or 4) * 2 / 3) // 256)
+    mixer = {"kind": "gla", "num_heads": hf.get("num_heads", 4), "expand_k": hf.get("expand_k", 0.5),
+             "expand_v": hf.get("expand_v", 1.0), "conv_size": hf.get("conv_size", 4) if hf.get("use_short_conv")
+             else 0, "use_output_gate": hf.get("use_output_gate", True), "norm_eps": hf.get("norm_eps", 1e-6)}
+    return {"vocab_size": hf["vocab_size"], "d_model": D, "num_layers": hf["num_hidden_layers"], "mixer": mixer,
+            "ffn": {"kind": "mlp", "hidden_dim": hidden}, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "norm_eps": hf.get("norm_eps", 1e-6)}
+
+
 def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -> ModelConfig:
     """The zoo ModelConfig of a config.json; a field it needs and lacks is a ValueError naming it."""
     try:
@@ -133,8 +151,9 @@ def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -
 def _model_config(hf: dict, dtype: str, where: str) -> ModelConfig:
     arch = architecture(hf, where)
     family = ARCHITECTURES[arch]
-    if arch in SSM:
-        return _build_model({**_ssm_config(hf, family, where), "dtype": dtype}, f"{where} as model")
+    if arch in SSM or arch in FLA:
+        section = (_ssm_config(hf, family, where) if arch in SSM else _fla_config(hf, where))
+        return _build_model({**section, "dtype": dtype}, f"{where} as model")
     _refuse(hf, where, hidden_act=lambda v: v in (None, "silu"), attention_bias=lambda v: not v,
             mlp_bias=lambda v: not v, use_sliding_window=lambda v: not v,
             decoder_sparse_step=lambda v: v in (None, 1), mlp_only_layers=lambda v: not v)
@@ -192,10 +211,38 @@ def _ssm_tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
     return rows
 
 
+def _fla_tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
+    conv = one(lambda a: a[:, 0].T, lambda w: w.T[:, None])  # torch Conv1d (C, 1, W) <-> (W, C)
+    m = cfg.mixer
+    rows = [(("embed", "embedding"), ["model.embeddings.weight"], *same),
+            (("norm", "weight"), ["model.norm.weight"], *same)]
+    if not cfg.tie_embeddings:
+        rows.append((("head",), ["lm_head.weight"], *linear))
+    projections = ("q", "k", "v", "o") + (("g",) if m.use_output_gate else ())
+    norm = "g_norm_swish_gate" if m.use_output_gate else "g_norm"  # fla's fused gate norm, or its plain one
+    for i in range(cfg.num_layers):
+        z, p = ("blocks", i), f"model.layers.{i}."
+        att = p + "attn."
+        rows += [(z + ("mixer_norm", "weight"), [p + "attn_norm.weight"], *same),
+                 (z + ("ffn_norm", "weight"), [p + "mlp_norm.weight"], *same),
+                 (z + ("mixer", "gk_down", "kernel"), [att + "gk_proj.0.weight"], *linear),
+                 (z + ("mixer", "gk_up", "kernel"), [att + "gk_proj.1.weight"], *linear),
+                 (z + ("mixer", "gk_up", "bias"), [att + "gk_proj.1.bias"], *same),
+                 (z + ("mixer", "norm", "weight"), [att + norm + ".weight"], *same)]
+        rows += [(z + ("mixer", f"{n}_proj", "kernel"), [att + f"{n}_proj.weight"], *linear) for n in projections]
+        if m.conv_size:
+            rows += [(z + ("mixer", f"conv_{n}", "weight"), [att + f"{n}_conv1d.weight"], *conv) for n in "qkv"]
+        rows += [(z + ("ffn", w), [p + f"mlp.{n}_proj.weight"], *linear)
+                 for w, n in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))]
+    return rows
+
+
 def _tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
     """(zoo parameter path, checkpoint names, names' arrays -> the zoo array, zoo array -> the arrays)."""
     if arch in SSM:
         return _ssm_tensors(cfg, arch)
+    if arch in FLA:
+        return _fla_tensors(cfg, arch)
     D, m, f = cfg.d_model, cfg.mixer, cfg.ffn
     H, G = m.num_heads, m.num_kv_heads or m.num_heads
     K = m.head_dim or D // H
@@ -339,6 +386,20 @@ def _ssm_hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
+def _fla_hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
+    m = cfg.mixer
+    if (m.gate_low_rank_dim, m.gate_logit_normalizer, m.norm_eps) != (16, 16, cfg.norm_eps):
+        raise ValueError("zoo.hf.save: fla's GLA has gate_low_rank_dim 16, gate_logit_normalizer 16 and one "
+                         f"epsilon for every norm; this GLA has {m.gate_low_rank_dim}, {m.gate_logit_normalizer}, "
+                         f"mixer.norm_eps={m.norm_eps} and model.norm_eps={cfg.norm_eps}")
+    return {"architectures": ["GLAForCausalLM"], "model_type": "gla", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers, "num_heads": m.num_heads,
+            "expand_k": m.expand_k, "expand_v": m.expand_v, "use_short_conv": m.conv_size > 0,
+            "conv_size": m.conv_size or 4, "use_output_gate": m.use_output_gate, "hidden_act": "swish",
+            "intermediate_size": param_shapes[("blocks", 0, "ffn", "w_gate")][-1], "norm_eps": cfg.norm_eps,
+            "fuse_norm": True, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32"}
+
+
 def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     """The config.json of a zoo model `save` can write; a ValueError naming what it cannot."""
     m, f = cfg.mixer, cfg.ffn
@@ -346,9 +407,11 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
         raise ValueError("zoo.hf.save: early exits and model.head other than lm have no transformers equivalent")
     if not cfg.layer_pattern and m.KIND in ("mamba", "mamba2") and f.KIND == "none":
         return _ssm_hf_config(cfg)
+    if not cfg.layer_pattern and m.KIND == "gla" and f.KIND == "mlp":
+        return _fla_hf_config(cfg, param_shapes)
     if cfg.layer_pattern or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
-        raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, or mamba / mamba2 mixers with ffn "
-                         f"none, have a transformers architecture; this model has mixers "
+        raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, mamba / mamba2 mixers with ffn "
+                         "none, or gla with mlp (fla's layout) have a Hugging Face architecture; this model has mixers "
                          f"{sorted({x.KIND for x in cfg.mixers()})} and ffn {f.KIND}")
     shared = f.KIND == "moe" and f.num_shared_experts
     if f.KIND == "moe" and (f.router != "topk" or f.score_order != "softmax_then_topk" or shared and (

@@ -104,26 +104,32 @@ def test_broken_folders_name_what_is_wrong(tmp_path):
     assert zoo.hf.load(folder)[0].cfg.num_layers == 2
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(architectures=["GPT2LMHeadModel"]), r"architectures=\['GPT2LMHeadModel'\] is not supported; expected one of "
-                                             "LlamaForCausalLM"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
-    (dict(num_attention_heads=None), "no field num_attention_heads"),
-    (dict(attention_bias=True), "attention_bias=True is not supported"),
-    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}, rope_parameters=None),
+@pytest.mark.parametrize("case, changes, message", [
+    ("llama", dict(architectures=["GPT2LMHeadModel"]),
+     r"architectures=\['GPT2LMHeadModel'\] is not supported; expected one of LlamaForCausalLM"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    ("llama", dict(num_attention_heads=None), "no field num_attention_heads"),
+    ("llama", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("llama", dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}, rope_parameters=None),
      "rope_scaling type 'longrope' is not supported"),
+    ("fla_gla", dict(feature_map="relu"), "feature_map='relu' is not supported"),
+    ("fla_gla", dict(num_kv_heads=1), "num_kv_heads=1 is not supported"),
 ])
-def test_unsupported_configs_are_refused_naming_the_field(tmp_path, changes, message):
-    folder = _copy(tmp_path)
+def test_unsupported_configs_are_refused_naming_the_field(tmp_path, case, changes, message):
+    folder = _copy(tmp_path, case)
     _edit_config(folder, **changes)
     with pytest.raises(ValueError, match=message):
         zoo.hf.load(folder)
 
 
-def test_save_refuses_what_transformers_has_no_form_for(tmp_path):
-    cfg = zoo.load_config("configs/gla.yaml", ["model.num_layers=1", "model.d_model=32"])
+@pytest.mark.parametrize("config,overrides,message", [
+    ("deltanet", [], r"have a Hugging Face architecture; this model has mixers \['deltanet'\]"),
+    ("gla", ["model.mixer.gate_low_rank_dim=8"], "fla's GLA has gate_low_rank_dim 16"),
+])
+def test_save_refuses_what_has_no_hugging_face_form(tmp_path, config, overrides, message):
+    cfg = zoo.load_config(f"configs/{config}.yaml", ["model.num_layers=1", "model.d_model=32", *overrides])
     model = zoo.LanguageModel(cfg.model, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"have a transformers architecture; this model has mixers \['gla'\]"):
+    with pytest.raises(ValueError, match=message):
         zoo.hf.save(model, tmp_path)
 
 
