@@ -13,17 +13,21 @@ Architectures (config.json `architectures`), with the zoo options each needs:
   top-k, renormalised for Mixtral and where the Qwen configs' norm_topk_prob says; dropless
   dispatch; Qwen2-MoE's shared expert of its own width behind a sigmoid gate);
 - MambaForCausalLM, Mamba2ForCausalLM: mixer-only blocks (ffn: none); Mamba-2 with its own gated
-  norm (norm_before_gate: false, per group, eps layer_norm_epsilon).
+  norm (norm_before_gate: false, per group, eps layer_norm_epsilon);
+- GLAForCausalLM in the layout of flash-linear-attention's model hub (fla-hub/gla-*): GLA mixer (its
+  short convolutions when use_short_conv) and SwiGLU MLP blocks, as fla's GLABlock computes them.
 Anything else is refused naming the architecture and this list, and a config.json setting the zoo
 cannot honour (a rope type, a bias, an activation) is refused naming the field.
 
-Parity: logits equal transformers' to float32 rounding within the context (tests/zoo/test_hf.py
-against fixtures made by tests/fixtures/hf/make_fixtures.py). Past max_position_embeddings the
+Parity: logits equal transformers' (fla's for GLA) to float32 rounding within the context
+(tests/zoo/test_hf.py against fixtures made by tests/fixtures/hf/make_fixtures.py and
+make_fla_fixtures.py). Past max_position_embeddings the
 loaded attention sees every earlier token (long_context: full), as transformers does.
 
 `save` writes the same layout back from any zoo model made only of these pieces (attention mixers
-with MLP or MoE FFNs; mamba or mamba2 mixers with ffn none), choosing the architecture from its
-options; transformers reads it with the same logits (checked by the fixture script). The loaded
+with MLP or MoE FFNs; mamba or mamba2 mixers with ffn none; gla with an MLP), choosing the
+architecture from its options; transformers (fla for GLA) reads it with the same logits (checked by
+the fixture scripts). The loaded
 model is in eval mode (model.train() before fine-tuning).
 """
 
