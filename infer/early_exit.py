@@ -73,7 +73,7 @@ def exit_pass(model, tokens, state, *, stop_rule, segment_ids=None, freeze: bool
     B = tokens.shape[0]
     L = len(model.blocks)
     where = {layer: j for j, layer in enumerate(model.exit_layers)}
-    x, v_first = model.embed(tokens), None
+    x, v_first = model.embed_tokens(tokens), None
     done, used = jnp.zeros((B,), bool), jnp.full((B,), L, jnp.int32)
     chosen = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
     h_prev, new_state = x[:, -1], []
@@ -104,7 +104,7 @@ def prompt_depth(model, tokens, segment_ids, measure: str, threshold):
     _, hidden = model(tokens, segment_ids=segment_ids, return_exits=True)
     mask = (segment_ids == 1).astype(jnp.float32)
     depth = jnp.full(tokens.shape[:1], len(model.blocks), jnp.int32)
-    h_prev = model.embed(tokens)
+    h_prev = model.embed_tokens(tokens)
     B, T = tokens.shape
     flat = lambda a: a.reshape(B * T, *a.shape[2:])
     for j in reversed(range(len(hidden))):  # the shallowest passing exit is written last
@@ -121,7 +121,7 @@ def draft_tokens(model, last, state, *, k: int, draft: int):
 
     def step(carry, _):
         tok, states = carry
-        x, v_first, new = model.embed(tok[:, None]), None, []
+        x, v_first, new = model.embed_tokens(tok[:, None]), None, []
         for block, s in zip(model.blocks[:draft], states):
             x, s, v_first = block.decode(x, s, v_first=v_first)
             new.append(s)

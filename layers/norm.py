@@ -1,7 +1,9 @@
-"""Normalisation layers: RMSNorm (Zhang & Sennrich, 2019) and its gated variant (Mamba-2, GLA).
+"""Normalisation layers: RMSNorm (Zhang & Sennrich, 2019), its gated variant (Mamba-2, GLA) and
+LayerNorm with a bias (Ba et al., 2016; RWKV's blocks).
 
     RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w
     GatedRMSNorm(x, z) = RMSNorm(x) * silu(z)      (or RMSNorm(x * silu(z)) by groups, Mamba-2's own)
+    LayerNorm(x) = (x - mean(x)) / sqrt(var(x) + eps) * w + b
 
 Statistics are computed in float32 whatever the input dtype; the output has the input's dtype.
 """
@@ -21,6 +23,19 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * self.weight[...]).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float = 1e-5, rngs: nnx.Rngs | None = None):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        x32 = x.astype(jnp.float32)
+        c = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        y = c * jax.lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...] + self.bias[...]).astype(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):

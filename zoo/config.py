@@ -55,7 +55,9 @@ class ModelConfig:
     is trained for, null = train.seq_len: the longest training sequence, and where attention's
     long_context choice starts at inference); mixer (the sequence mixer, picked by `kind`); ffn (the
     FFN, picked by `kind`; none: no FFN); layer_pattern (optional list of mixer configs, repeated over
-    the layers; replaces `mixer`); tie_embeddings (LM head shares the embedding matrix); norm_eps; dtype (compute dtype;
+    the layers; replaces `mixer`); tie_embeddings (LM head shares the embedding matrix); norm (the
+    blocks', final and exit norms: rms, or layer: LayerNorm with a bias, as RWKV); embed_norm (a norm of
+    the embeddings before block 0, RWKV's ln0); norm_eps; dtype (compute dtype;
     parameters stay float32); exits (optional early exits: the model.exits keys below); head (lm: next-
     token logits at every position; pooled_decoder: MAD's compression autoencoder, where the last
     position's hidden state alone, plus each position's sinusoidal embedding, goes through a 2-layer
@@ -70,6 +72,8 @@ class ModelConfig:
     ffn: Any = None
     layer_pattern: tuple | None = None
     tie_embeddings: bool = True
+    norm: Literal["rms", "layer"] = "rms"
+    embed_norm: bool = False
     norm_eps: PosFloat = 1e-6
     dtype: Literal["float32", "bfloat16"] = "float32"
     exits: ExitsConfig | None = None

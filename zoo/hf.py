@@ -48,7 +48,7 @@ DENSE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2For
          "Qwen3ForCausalLM": "qwen3"}
 MOE = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
 SSM = {"MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba2"}
-FLA = {"GLAForCausalLM": "gla"}  # flash-linear-attention's model hub (fla-hub/gla-*)
+FLA = {"GLAForCausalLM": "gla", "RWKV7ForCausalLM": "rwkv7"}  # flash-linear-attention's hub (fla-hub/*)
 ARCHITECTURES = {**DENSE, **MOE, **SSM, **FLA}
 ROPE_KEYS = {  # what each rope type reads (layers/rotary.py)
     "linear": ("factor",),
@@ -127,9 +127,30 @@ def _ssm_config(hf: dict, family: str, where: str) -> dict:
             "norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
 
 
+def _rwkv7_config(hf: dict, where: str) -> dict:
+    """The model section of a flash-linear-attention RWKV-7 config.json: LayerNorm blocks (with the
+    embeddings' own norm when norm_first), RWKV-7 time mix and channel mix (intermediate_size, else
+    hidden_ratio x hidden_size rounded up to 32)."""
+    _refuse(hf, where, hidden_act=lambda v: v in (None, "sqrelu"), attn=lambda v: not v,
+            norm_bias=lambda v: v in (None, True), norm_eps=lambda v: v in (None, 1e-5),
+            value_dim=lambda v: v is None or set(v if isinstance(v, list) else [v]) == {hf["hidden_size"]})
+    D = hf["hidden_size"]
+    head_dim = hf.get("head_dim") or D // hf["num_heads"]
+    hidden = hf.get("intermediate_size") or 32 * -(-int(D * (hf.get("hidden_ratio") or 4)) // 32)
+    mixer = {"kind": "rwkv7", "head_dim": head_dim, "decay_lora_dim": hf.get("decay_low_rank_dim", 64),
+             "icl_lora_dim": hf.get("a_low_rank_dim", 64), "value_lora_dim": hf.get("v_low_rank_dim", 16),
+             "gate_lora_dim": hf.get("gate_low_rank_dim", 128)}
+    return {"vocab_size": hf["vocab_size"], "d_model": D, "num_layers": hf["num_hidden_layers"], "mixer": mixer,
+            "ffn": {"kind": "rwkv7_channel_mix", "hidden_dim": hidden}, "norm": "layer",
+            "embed_norm": bool(hf.get("norm_first", True)), "norm_eps": 1e-5,
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+
+
 def _fla_config(hf: dict, where: str) -> dict:
     """The model section of a flash-linear-attention GLA config.json: GLA mixer, SwiGLU MLP blocks
     (fla's GatedMLP: intermediate_size, else 2/3 of hidden_ratio x hidden_size rounded up to 256)."""
+    if ARCHITECTURES[architecture(hf, where)] == "rwkv7":
+        return _rwkv7_config(hf, where)
     _refuse(hf, where, hidden_act=lambda v: v in (None, "swish", "silu"), feature_map=lambda v: v is None,
             clamp_min=lambda v: v is None, attn=lambda v: not v, attnres_block_size=lambda v: v is None,
             elementwise_affine=lambda v: v in (None, True),
@@ -215,13 +236,49 @@ def _ssm_tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
     return rows
 
 
+def _rwkv7_tensors(cfg: ModelConfig) -> list[tuple]:
+    """fla's RWKV7Attention / RWKV7FeedForward names for the zoo's RWKV-7 (the official model's
+    parameters under other names: x_r..x_g the token-shift mixes, k_k / k_a / r_k the removal scale,
+    replacement rate and bonus, each LoRA's lora.0 / lora.2 its two matrices, lora.2's bias its base)."""
+    D = cfg.d_model
+    mixes = (lambda a: np.stack([x.reshape(D) for x in a]), lambda w: [x.reshape(1, 1, D) for x in w])
+    rows = []
+    for i in range(cfg.num_layers):
+        z, p = ("blocks", i), f"model.layers.{i}."
+        att, mix = p + "attn.", z + ("mixer",)
+        if i == 0 and cfg.embed_norm:
+            rows += [(("embed_norm", n), [p + f"pre_norm.{n}"], *same) for n in ("weight", "bias")]
+        rows += [(z + (norm, n), [p + f"{name}.{n}"], *same)
+                 for norm, name in (("mixer_norm", "attn_norm"), ("ffn_norm", "ffn_norm")) for n in ("weight", "bias")]
+        rows.append((mix + ("mu",), [att + f"x_{c}" for c in "rwkvag"], *mixes))
+        rows += [(mix + (z_,), [att + n], *same) for z_, n in (
+            ("removal_scale", "k_k"), ("replace_rate", "k_a"), ("bonus", "r_k"), ("ln_weight", "g_norm.weight"),
+            ("ln_bias", "g_norm.bias"))]
+        rows += [(mix + (f"w_{c}",), [att + f"{c}_proj.weight"], *linear) for c in "rkvo"]
+        loras = [("decay", "w_lora", True), ("icl", "a_lora", True), ("gate", "g_lora", False)]
+        loras += [("vres", "v_lora", True)] if i > 0 else []  # layer 0's v is v_first: no value residual
+        for zoo_name, name, bias in loras:
+            rows += [(mix + (f"{zoo_name}_a",), [att + f"{name}.lora.0.weight"], *linear),
+                     (mix + (f"{zoo_name}_b",), [att + f"{name}.lora.2.weight"], *linear)]
+            if bias:
+                rows.append((mix + (f"{zoo_name}_base",), [att + f"{name}.lora.2.bias"], *same))
+        rows += [(z + ("ffn", "mu_k"), [p + "ffn.x_k"], *same),
+                 (z + ("ffn", "w_k"), [p + "ffn.key.weight"], *linear),
+                 (z + ("ffn", "w_v"), [p + "ffn.value.weight"], *linear)]
+    return rows
+
+
 def _fla_tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
     conv = one(lambda a: a[:, 0].T, lambda w: w.T[:, None])  # torch Conv1d (C, 1, W) <-> (W, C)
     m = cfg.mixer
     rows = [(("embed", "embedding"), ["model.embeddings.weight"], *same),
             (("norm", "weight"), ["model.norm.weight"], *same)]
+    if cfg.norm == "layer":
+        rows.append((("norm", "bias"), ["model.norm.bias"], *same))
     if not cfg.tie_embeddings:
         rows.append((("head",), ["lm_head.weight"], *linear))
+    if ARCHITECTURES[arch] == "rwkv7":
+        return rows + _rwkv7_tensors(cfg)
     projections = ("q", "k", "v", "o") + (("g",) if m.use_output_gate else ())
     norm = "g_norm_swish_gate" if m.use_output_gate else "g_norm"  # fla's fused gate norm, or its plain one
     for i in range(cfg.num_layers):
@@ -390,6 +447,24 @@ def _ssm_hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
+def _rwkv7_hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
+    if cfg.norm != "layer" or cfg.norm_eps != 1e-5:
+        raise ValueError("zoo.hf.save: fla's RWKV-7 has LayerNorm blocks (model.norm: layer) with norm_eps 1e-5 (its "
+                         f"group norm's too); this model has norm {cfg.norm!r}, norm_eps {cfg.norm_eps}")
+    m = cfg.mixer
+    rank = lambda name: param_shapes[("blocks", 0, "mixer", f"{name}_a")][-1]
+    out = {"architectures": ["RWKV7ForCausalLM"], "model_type": "rwkv7", "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers, "head_dim": m.head_dim,
+           "num_heads": cfg.d_model // m.head_dim, "decay_low_rank_dim": rank("decay"),
+           "a_low_rank_dim": rank("icl"), "gate_low_rank_dim": rank("gate"),
+           "intermediate_size": param_shapes[("blocks", 0, "ffn", "w_k")][-1], "hidden_act": "sqrelu",
+           "norm_first": cfg.embed_norm, "norm_bias": True, "norm_eps": cfg.norm_eps,
+           "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32"}
+    if cfg.num_layers > 1:
+        out["v_low_rank_dim"] = param_shapes[("blocks", 1, "mixer", "vres_a")][-1]
+    return out
+
+
 def _fla_hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     m = cfg.mixer
     if (m.gate_low_rank_dim, m.gate_logit_normalizer, m.norm_eps) != (16, 16, cfg.norm_eps):
@@ -409,13 +484,19 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     m, f = cfg.mixer, cfg.ffn
     if cfg.exits is not None or cfg.head != "lm":
         raise ValueError("zoo.hf.save: early exits and model.head other than lm have no transformers equivalent")
+    if (cfg.norm, cfg.embed_norm) != ("rms", False) and m.KIND != "rwkv7":
+        raise ValueError("zoo.hf.save: LayerNorm blocks (model.norm: layer) and model.embed_norm have a Hugging Face "
+                         "form only in fla's RWKV-7 layout")
     if not cfg.layer_pattern and m.KIND in ("mamba", "mamba2") and f.KIND == "none":
         return _ssm_hf_config(cfg)
     if not cfg.layer_pattern and m.KIND == "gla" and f.KIND == "mlp":
         return _fla_hf_config(cfg, param_shapes)
+    if not cfg.layer_pattern and m.KIND == "rwkv7" and f.KIND == "rwkv7_channel_mix":
+        return _rwkv7_hf_config(cfg, param_shapes)
     if cfg.layer_pattern or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
         raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, mamba / mamba2 mixers with ffn "
-                         "none, or gla with mlp (fla's layout) have a Hugging Face architecture; this model has mixers "
+                         "none, gla with mlp or rwkv7 with its channel mix (fla's layouts) have a Hugging Face "
+                         "architecture; this model has mixers "
                          f"{sorted({x.KIND for x in cfg.mixers()})} and ffn {f.KIND}")
     shared = f.KIND == "moe" and f.num_shared_experts
     if f.KIND == "moe" and (f.router != "topk" or f.score_order != "softmax_then_topk" or shared and (

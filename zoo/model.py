@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from layers import NoFFN, RMSNorm
 from layers.linear import project
+from layers.norm import LayerNorm
 from layers.sharding import axes, constrain
 from zoo.config import ModelConfig
 from zoo.registry import make_layer
@@ -36,10 +37,15 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 RESIDUAL = ("batch", None, None)  # (B, T, D): rows over the batch axes, the width whole
 
 
+def norm_of(cfg: ModelConfig):
+    """A new norm of the model's kind (model.norm) over d_model."""
+    return (RMSNorm if cfg.norm == "rms" else LayerNorm)(cfg.d_model, eps=cfg.norm_eps)
+
+
 class Block(nnx.Module):
-    def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int, eps: float):
-        self.mixer_norm, self.mixer = RMSNorm(d_model, eps=eps), mixer
-        self.ffn_norm, self.ffn = (None if isinstance(ffn, NoFFN) else RMSNorm(d_model, eps=eps)), ffn  # none: no FFN
+    def __init__(self, mixer: nnx.Module, ffn: nnx.Module, norm):
+        self.mixer_norm, self.mixer = norm(), mixer
+        self.ffn_norm, self.ffn = (None if isinstance(ffn, NoFFN) else norm()), ffn  # none: no FFN
         self.stateful_ffn = hasattr(ffn, "init_state")
 
     def __call__(self, x, segment_ids=None, v_first=None):
@@ -83,9 +89,10 @@ class LanguageModel(nnx.Module):
         self.blocks = nnx.List([
             Block(make_layer(m, cfg.d_model, dtype=dtype, rngs=rngs, **model_kwargs(i)),
                   make_layer(cfg.ffn, cfg.d_model, dtype=dtype, rngs=rngs, **model_kwargs(i)),
-                  cfg.d_model, cfg.norm_eps)
+                  lambda: norm_of(cfg))
             for i, m in enumerate(cfg.mixers())])
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.embed_norm = norm_of(cfg) if cfg.embed_norm else None
+        self.norm = norm_of(cfg)
         self.head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size)),
             **axes("embed", "vocab"))
@@ -96,7 +103,7 @@ class LanguageModel(nnx.Module):
         self.exit_layers = exits.layers if exits else ()
         if exits:
             E = len(exits.layers)
-            self.exit_norms = nnx.List([RMSNorm(cfg.d_model, eps=cfg.norm_eps) for _ in range(E)])
+            self.exit_norms = nnx.List([norm_of(cfg) for _ in range(E)])
             self.exit_heads = nnx.Param(nnx.initializers.normal(cfg.d_model ** -0.5)(
                 rngs.params(), (E, cfg.d_model, cfg.vocab_size)), **axes(None, "embed", "vocab")) \
                 if exits.own_head else None
@@ -110,6 +117,11 @@ class LanguageModel(nnx.Module):
         """Lets `nnx.view(model, deterministic=...)` make a train/eval view without mutating model."""
         if deterministic is not None and self.exit_layers:
             self.deterministic = deterministic
+
+    def embed_tokens(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        """The residual stream entering block 0: the embeddings, normed when model.embed_norm."""
+        x = self.embed(tokens)
+        return x if self.embed_norm is None else self.embed_norm(x)
 
     def logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         x = self.norm(x)
@@ -151,7 +163,7 @@ class LanguageModel(nnx.Module):
                  return_exits: bool = False):
         """Logits (B, T, V); with return_exits, also the hidden state at each exit (a tuple of (B, T, D))."""
         self.check_tokens(tokens, segment_ids)
-        x, v_first = constrain(self.embed(tokens), RESIDUAL), None
+        x, v_first = constrain(self.embed_tokens(tokens), RESIDUAL), None
         hidden = []
         drop = self.exit_layers and self.layer_dropout > 0 and not self.deterministic
         L = len(self.blocks)
@@ -195,7 +207,7 @@ class LanguageModel(nnx.Module):
             raise ValueError(f"LanguageModel.decode: model.head={self.cfg.head!r} is not a language model; "
                              "only model.head=lm decodes")
         self.check_tokens(tokens, segment_ids, "LanguageModel.decode")
-        x, v_first = constrain(self.embed(tokens), RESIDUAL), None
+        x, v_first = constrain(self.embed_tokens(tokens), RESIDUAL), None
         new_state = []
         for block, s in zip(self.blocks, state):
             x, s, v_first = block.decode(x, s, segment_ids=segment_ids, v_first=v_first)
