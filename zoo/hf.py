@@ -28,9 +28,9 @@ loaded attention sees every earlier token (long_context: full), as transformers 
 
 `save` writes the same layout back from any zoo model made only of these pieces (attention mixers
 with MLP or MoE FFNs; mamba or mamba2 mixers with ffn none; gla with an MLP; rwkv7 with its channel
-mix), choosing the architecture from its options; transformers (fla for GLA, RWKV-7) reads it with the same logits (checked by
-the fixture scripts). The loaded
-model is in eval mode (model.train() before fine-tuning).
+mix), choosing the architecture from its options; transformers (fla for GLA, RWKV-7) reads it with
+the same logits (checked by the fixture scripts). The loaded model is in eval mode (model.train()
+before fine-tuning).
 """
 
 import json

@@ -18,6 +18,7 @@ and re-raises the layer's own ValueError under the config's dotted path.
 """
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -86,9 +87,15 @@ class Kind:
 
     def check(self, d_model: int, path: str):
         try:
-            nnx.eval_shape(lambda: make_layer(self, d_model, rngs=nnx.Rngs(0)))
+            _build_abstract(self, d_model)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+@functools.lru_cache(maxsize=1024)  # a sweep checks each (kind config, width) once, not once per cell
+def _build_abstract(cfg: Kind, d_model: int):
+    """Build the layer abstractly (no weights made): its constructor's checks raise here."""
+    nnx.eval_shape(lambda: make_layer(cfg, d_model, rngs=nnx.Rngs(0)))
 
 
 @dataclass(frozen=True)
