@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from zoo.checkpoint import manager, newest_meta
-from zoo.config import Config, to_dict
+from zoo.config import Config, from_dict, to_dict
 
 SAFE = ("train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
         "train.keep_checkpoints", "train.sample_tokens", "train.run_dir", "train.on_nonfinite", "train.mesh.")
@@ -67,6 +67,11 @@ def check_run_dir(run_dir: Path, cfg: Config, allow_config_change: bool, log):
         if not isinstance(old, dict):
             raise ValueError(f"train.run_dir: {run_dir} holds checkpoints but its config.yaml is empty or unreadable "
                              "and the checkpoints hold no config; restore config.yaml or use another train.run_dir")
+    if old:
+        try:  # keys added since the run was made read as their defaults, which keep what it computed
+            old = to_dict(from_dict(old))
+        except ValueError:
+            pass  # a config this version cannot read: compared as it is
     changed = differences(old, new) if old else []
     meaningful = [c for c in changed if not _safe(c[0])]
     listed = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, a, b in meaningful)

@@ -98,6 +98,26 @@ def test_harmless_changes_resume_and_a_finished_run_says_so(finished, tmp_path):
     assert last["step"] == 10 and sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["10"]
 
 
+def test_keys_added_since_a_run_was_made_read_as_their_defaults(finished, tmp_path, monkeypatch):
+    """A run made by an older version has no entry for a config key added since (its default keeps
+    what the run computed): it resumes, not refused as changed."""
+    import train.resume as resume
+    cfg, run_dir = copy_of(finished, tmp_path)
+    newest = resume.newest_meta
+
+    def older(mngr):
+        meta = newest(mngr)
+        for section, key in (("model", "norm"), ("model", "embed_norm"), ("train", "stop_at_accuracy")):
+            del meta["config"][section][key]
+        return meta
+
+    monkeypatch.setattr(resume, "newest_meta", older)
+    lines, log = quiet()
+    assert run(cfg, run_dir, log=log)["step"] == 10
+    changes = [line for line in lines if line.startswith("config change")]
+    assert changes and not any("norm" in line or "stop_at_accuracy" in line for line in changes), changes
+
+
 def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_carries_on(finished, tmp_path):
     cfg, run_dir = copy_of(finished, tmp_path)
     victim = next(p for p in (run_dir / "checkpoints" / "10" / "opt_state").rglob("*") if p.is_file())
