@@ -16,8 +16,10 @@ distances it never saw: text degrades quickly past the trained length). With `wi
 smaller of the two windows holds. max_seq_len=None means no trained context is known: full.
 
 Options of the Hugging Face families (zoo/hf.py): `rope_scaling` (layers/rotary.py: linear, llama3,
-yarn), `qkv_bias` (Qwen2: biases on the q, k, v projections), `qk_norm` (Qwen3: an RMSNorm over
-each head's query and key, eps `norm_eps`, before the rotary).
+yarn, dynamic; under dynamic a forward pass or KV cache longer than its original_max_position_embeddings
+is refused, the one range where a fixed rotary equals transformers' dynamic NTK), `qkv_bias` (Qwen2:
+biases on the q, k, v projections), `qk_norm` (Qwen3: an RMSNorm over each head's query and key, eps
+`norm_eps`, before the rotary).
 
 Parameters carry their logical sharding axes (layers/sharding.py): the query heads and kv heads over
 `tensor`, the model width over `fsdp`.
@@ -85,6 +87,8 @@ class Attention(nnx.Module):
             window = max_seq_len if window is None else min(window, max_seq_len)
         self.window, self.rope_base, self.impl, self.dtype = window, rope_base, impl, dtype  # the window in force
         self.rope_scaling = rope_scaling
+        self.exact_up_to = rope_scaling.original_max_position_embeddings \
+            if rope_scaling is not None and rope_scaling.type == "dynamic" else None
         init = nnx.initializers.normal(d_model ** -0.5)
         self.wq = nnx.Param(init(rngs.params(), (d_model, H, K)), **axes("embed", "heads", None))
         self.wk = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
@@ -113,14 +117,22 @@ class Attention(nnx.Module):
         B, T, H, K = o.shape
         return project(o.reshape(B, T, H * K), self.wo[...].astype(self.dtype).reshape(H * K, -1))  # (B, T, D)
 
+    def _check_length(self, n: int, what: str):
+        if self.exact_up_to is not None and n > self.exact_up_to:
+            raise ValueError(f"Attention: {what} of {n} tokens exceeds {self.exact_up_to}, the context where dynamic "
+                             "rope scaling is the plain rotary (past it transformers re-derives the frequencies from "
+                             "the running length, which this layer cannot match); keep within it")
+
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
         check_input(x, self.d_model, segment_ids, "Attention")
         B, T, _ = x.shape
+        self._check_length(T, "a sequence")
         q, k, v = self._qkv(x, positions_in_document(segment_ids, B, T))
         doc = None if segment_ids is None else _documents(segment_ids, B, T, jnp.zeros((B,), jnp.int32))
         return self._out(attention(q, k, v, segment_ids=doc, window=self.window, impl=self.impl))
 
     def init_state(self, batch_size: int, max_len: int) -> KVCache:
+        self._check_length(max_len, "a KV cache")
         shape = (batch_size, self.num_kv_heads, max_len, self.head_dim)
         zeros = jnp.zeros((batch_size,), jnp.int32)
         return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),

@@ -11,7 +11,10 @@ Hugging Face checkpoints that use it were trained (transformers' rope types of t
   blend between;
 - yarn (Peng et al. 2023): a ramp between interpolated (θ_i / factor) and kept frequencies over
   the dimensions whose rotations in the original context lie between beta_slow and beta_fast, and
-  m = attention_factor (default 0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio).
+  m = attention_factor (default 0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio);
+- dynamic (transformers' dynamic NTK): the plain θ_i within original_max_position_embeddings, which
+  is all a fixed rotary can honour: past it transformers re-derives the base from the running length,
+  so layers/attention.py refuses longer sequences and caches under this type.
 """
 
 import dataclasses
@@ -25,10 +28,10 @@ from jaxtyping import Array, Float, Int
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:  # zoo/kinds.py's RopeScalingConfig is this with each number's range
-    """A rotary scaling (type linear, llama3 or yarn); the fields a type does not use are ignored."""
-    type: Literal["linear", "llama3", "yarn"] = "linear"
+    """A rotary scaling (type linear, llama3, yarn or dynamic); the fields a type does not use are ignored."""
+    type: Literal["linear", "llama3", "yarn", "dynamic"] = "linear"
     factor: float = 1.0
-    original_max_position_embeddings: int = 8192  # llama3, yarn: the context the base model was trained on
+    original_max_position_embeddings: int = 8192  # llama3, yarn, dynamic: the base model's context
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
@@ -47,6 +50,8 @@ def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: RopeScaling 
     if scaling is None:
         return inv_freq, 1.0
     s = scaling
+    if s.type == "dynamic":  # exact only within the original context, where it is the plain rotary
+        return inv_freq, 1.0
     if s.type == "linear":
         return inv_freq / np.float32(s.factor), 1.0
     if s.type == "llama3":

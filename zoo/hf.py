@@ -7,7 +7,7 @@ builds the model abstractly (no weights made), then reads the checkpoint one ten
 a mesh is given: beyond the model itself, at most one tensor is held (its mapped pages and one copy).
 
 Architectures (config.json `architectures`), with the zoo options each needs:
-- LlamaForCausalLM (Llama 1/2/3: rope_scaling linear, llama3, yarn), MistralForCausalLM (window),
+- LlamaForCausalLM (Llama 1/2/3: rope_scaling linear, llama3, yarn, dynamic), MistralForCausalLM (window),
   Qwen2ForCausalLM (qkv_bias), Qwen3ForCausalLM (qk_norm): attention + SwiGLU MLP blocks;
 - MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM: attention + MoE blocks (softmax,
   top-k, renormalised for Mixtral and where the Qwen configs' norm_topk_prob says; dropless
@@ -54,6 +54,7 @@ FLA = {"GLAForCausalLM": "gla", "RWKV7ForCausalLM": "rwkv7"}  # flash-linear-att
 ARCHITECTURES = {**DENSE, **MOE, **SSM, **FLA}
 ROPE_KEYS = {  # what each rope type reads (layers/rotary.py)
     "linear": ("factor",),
+    "dynamic": ("factor",),  # and max_position_embeddings, its original context
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
              "mscale_all_dim", "truncate")}
@@ -86,9 +87,9 @@ def _rope(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     kind = p.get("rope_type", p.get("type", "default"))
     if kind == "default":
         return base, None
-    if kind not in ("linear", "llama3", "yarn"):
-        raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported; expected default, linear, llama3 or "
-                         "yarn")
+    if kind not in ROPE_KEYS:
+        raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported; expected default, "
+                         f"{', '.join(ROPE_KEYS)}")
     original = p.get("original_max_position_embeddings") or hf["max_position_embeddings"]
     factor = p.get("factor") or hf["max_position_embeddings"] / original
     extra = {k: p[k] for k in ROPE_KEYS[kind]  # the other keys this type reads

@@ -17,7 +17,7 @@ from zoo.schema import NonNegFloat, NonNegInt, PosFloat, PosInt, Range
 
 @dataclass(frozen=True)
 class RopeScalingConfig(RopeScaling):
-    """attention.rope_scaling: type linear, llama3 or yarn and that type's keys (layers/rotary.py)."""
+    """attention.rope_scaling: type linear, llama3, yarn or dynamic and that type's keys (layers/rotary.py)."""
     factor: PosFloat = 1.0
     original_max_position_embeddings: PosInt = 8192
     low_freq_factor: PosFloat = 1.0
@@ -36,7 +36,7 @@ class AttentionConfig(Mixer):
     window: sliding-window length in tokens (null = full causal); long_context: past the trained
     context (model.max_seq_len), window = each query sees the last max_seq_len tokens (the distances
     it was trained on), full = every earlier token (distances it never saw); rope_scaling: a rotary
-    scaling for a longer context (type linear, llama3 or yarn, with that type's keys: layers/rotary.py);
+    scaling for a longer context (type linear, llama3, yarn or dynamic, with its keys: layers/rotary.py);
     qkv_bias: biases on the q, k, v projections (Qwen2); qk_norm: RMSNorm of each head's query and key
     before the rotary, with eps norm_eps (Qwen3)."""
     KIND: ClassVar[str] = "attention"

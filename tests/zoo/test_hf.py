@@ -48,7 +48,20 @@ def test_logits_and_greedy_tokens_match_transformers(case):
     assert texts == [tok.decode(r) for r in rows]
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2_moe", "qwen3_moe", "mamba2"])
+def test_dynamic_rope_is_loaded_within_its_context_and_refused_past_it():
+    """Dynamic NTK scaling is the plain rotary up to max_position_embeddings (the fixture's logits and
+    greedy tokens match transformers there); a longer pass or cache is an error, never a silent
+    departure from transformers' running-length frequencies."""
+    model, _ = zoo.hf.load(FIXTURES / "mistral")
+    assert model.blocks[0].mixer.rope_scaling.type == "dynamic" and model.blocks[0].mixer.exact_up_to == 256
+    model(jnp.zeros((1, 256), jnp.int32))
+    with pytest.raises(ValueError, match="a sequence of 257 tokens exceeds 256.*dynamic rope"):
+        model(jnp.zeros((1, 257), jnp.int32))
+    with pytest.raises(ValueError, match="a KV cache of 300 tokens exceeds 256"):
+        infer.generate(model, [[1, 2, 3]], max_new_tokens=297)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2_moe", "qwen3_moe", "mamba2", "fla_gla", "fla_rwkv7"])
 def test_save_then_load_is_the_identity(case, tmp_path):
     model, tok = zoo.hf.load(FIXTURES / case)
     zoo.hf.save(model, tmp_path, tok)
