@@ -287,7 +287,7 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
         log(f"{run_dir} is finished: {why}; nothing to train (to train on, raise train.steps"
             f"{' or train.stop_at_accuracy' if stopped else ''} and pass --allow-config-change)")
         mngr.close()
-        return json.loads(kept[-1]) if kept else {}
+        return end
 
     replicated = NamedSharding(mesh, PartitionSpec())
     step_fn = make_train_step(graphdef, tx, (param_sh, rest_sh, opt_sh, replicated))

@@ -149,11 +149,9 @@ def _rwkv7_config(hf: dict, where: str) -> dict:
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
 
 
-def _fla_config(hf: dict, where: str) -> dict:
+def _gla_config(hf: dict, where: str) -> dict:
     """The model section of a flash-linear-attention GLA config.json: GLA mixer, SwiGLU MLP blocks
     (fla's GatedMLP: intermediate_size, else 2/3 of hidden_ratio x hidden_size rounded up to 256)."""
-    if ARCHITECTURES[architecture(hf, where)] == "rwkv7":
-        return _rwkv7_config(hf, where)
     _refuse(hf, where, hidden_act=lambda v: v in (None, "swish", "silu"), feature_map=lambda v: v is None,
             clamp_min=lambda v: v is None, attn=lambda v: not v, attnres_block_size=lambda v: v is None,
             elementwise_affine=lambda v: v in (None, True),
@@ -180,7 +178,8 @@ def _model_config(hf: dict, dtype: str, where: str) -> ModelConfig:
     arch = architecture(hf, where)
     family = ARCHITECTURES[arch]
     if arch in SSM or arch in FLA:
-        section = (_ssm_config(hf, family, where) if arch in SSM else _fla_config(hf, where))
+        section = _ssm_config(hf, family, where) if arch in SSM else \
+            {"gla": _gla_config, "rwkv7": _rwkv7_config}[family](hf, where)
         return _build_model({**section, "dtype": dtype}, f"{where} as model")
     _refuse(hf, where, hidden_act=lambda v: v in (None, "silu"), attention_bias=lambda v: not v,
             mlp_bias=lambda v: not v, use_sliding_window=lambda v: not v,
@@ -214,10 +213,10 @@ def _model_config(hf: dict, dtype: str, where: str) -> ModelConfig:
 
 one = lambda to, back: (lambda a: to(a[0]), lambda w: [back(w)])  # one checkpoint tensor <-> one parameter
 same, linear = one(lambda a: a, lambda w: w), one(lambda a: a.T, lambda w: w.T)  # torch Linear: (out, in)
+conv = one(lambda a: a[:, 0].T, lambda w: w.T[:, None])  # torch depthwise Conv1d (C, 1, W) <-> (W, C)
 
 
 def _ssm_tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
-    conv = one(lambda a: a[:, 0].T, lambda w: w.T[:, None])  # torch Conv1d (C, 1, W) <-> (W, C)
     rows = [(("embed", "embedding"), ["backbone.embeddings.weight"], *same),
             (("norm", "weight"), ["backbone.norm_f.weight"], *same)]
     if not cfg.tie_embeddings:
@@ -271,19 +270,13 @@ def _rwkv7_tensors(cfg: ModelConfig) -> list[tuple]:
     return rows
 
 
-def _fla_tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
-    conv = one(lambda a: a[:, 0].T, lambda w: w.T[:, None])  # torch Conv1d (C, 1, W) <-> (W, C)
+def _gla_tensors(cfg: ModelConfig) -> list[tuple]:
+    """fla's GLABlock names: attn_norm, attn (q/k/v/g/o projections, gk_proj's two matrices, the
+    output norm, the short convolutions), mlp_norm, mlp."""
     m = cfg.mixer
-    rows = [(("embed", "embedding"), ["model.embeddings.weight"], *same),
-            (("norm", "weight"), ["model.norm.weight"], *same)]
-    if cfg.norm == "layer":
-        rows.append((("norm", "bias"), ["model.norm.bias"], *same))
-    if not cfg.tie_embeddings:
-        rows.append((("head",), ["lm_head.weight"], *linear))
-    if ARCHITECTURES[arch] == "rwkv7":
-        return rows + _rwkv7_tensors(cfg)
     projections = ("q", "k", "v", "o") + (("g",) if m.use_output_gate else ())
     norm = "g_norm_swish_gate" if m.use_output_gate else "g_norm"  # fla's fused gate norm, or its plain one
+    rows = []
     for i in range(cfg.num_layers):
         z, p = ("blocks", i), f"model.layers.{i}."
         att = p + "attn."
@@ -299,6 +292,16 @@ def _fla_tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
         rows += [(z + ("ffn", w), [p + f"mlp.{n}_proj.weight"], *linear)
                  for w, n in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))]
     return rows
+
+
+def _fla_tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
+    rows = [(("embed", "embedding"), ["model.embeddings.weight"], *same),
+            (("norm", "weight"), ["model.norm.weight"], *same)]
+    if cfg.norm == "layer":
+        rows.append((("norm", "bias"), ["model.norm.bias"], *same))
+    if not cfg.tie_embeddings:
+        rows.append((("head",), ["lm_head.weight"], *linear))
+    return rows + (_rwkv7_tensors(cfg) if ARCHITECTURES[arch] == "rwkv7" else _gla_tensors(cfg))
 
 
 def _tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
@@ -468,7 +471,7 @@ def _rwkv7_hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     return out
 
 
-def _fla_hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
+def _gla_hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     m = cfg.mixer
     if (m.gate_low_rank_dim, m.gate_logit_normalizer, m.norm_eps) != (16, 16, cfg.norm_eps):
         raise ValueError("zoo.hf.save: fla's GLA has gate_low_rank_dim 16, gate_logit_normalizer 16 and one "
@@ -493,7 +496,7 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     if not cfg.layer_pattern and m.KIND in ("mamba", "mamba2") and f.KIND == "none":
         return _ssm_hf_config(cfg)
     if not cfg.layer_pattern and m.KIND == "gla" and f.KIND == "mlp":
-        return _fla_hf_config(cfg, param_shapes)
+        return _gla_hf_config(cfg, param_shapes)
     if not cfg.layer_pattern and m.KIND == "rwkv7" and f.KIND == "rwkv7_channel_mix":
         return _rwkv7_hf_config(cfg, param_shapes)
     if cfg.layer_pattern or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):

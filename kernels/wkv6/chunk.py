@@ -117,20 +117,19 @@ def decayed_scores(q: Float[Array, "... C K"], k: Float[Array, "... C K"], log_w
     split = lambda x: x.reshape(-1, n, c, K)
     qs, ks, lws = split(q), split(k), split(log_w)  # (Z, n, c, K)
     i = jnp.arange(c)
-    after = (i[:, None] > i[None, :])[:, :, None]  # (m, s, 1)
+    after = i[:, None] > i[None, :]  # (m, s)
+    keep = (i[:, None] >= i[None, :]) if inclusive else after  # (t, s)
     if factored:  # bounded decays: q_t e^{G_t'} . k_s e^{-G_s}, both exponents within the block
         G = jnp.cumsum(lws, axis=-2)
-        keep = (i[:, None] >= i[None, :]) if inclusive else after[..., 0]  # (t, s)
         diag = jnp.where(keep, jnp.einsum("zntk,znsk->znts", qs * jnp.exp(G if inclusive else cumsum_exclusive(lws)),
                                           ks * jnp.exp(-G)), 0.0)
     else:
         # Diagonal sub-blocks, pairwise: D[t, s] = sum_{s < m <= t'} log_w[m], a cumsum over m of the
         # log decays masked to m > s, read at t' (shifted by one token when exclusive).
-        D = jnp.cumsum(jnp.where(after, lws[:, :, :, None, :], 0.0), axis=2)  # (Z, n, t, s, K)
+        D = jnp.cumsum(jnp.where(after[:, :, None], lws[:, :, :, None, :], 0.0), axis=2)  # (Z, n, t, s, K)
         if not inclusive:
             D = jnp.pad(D[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0)))
-        keep = ((i[:, None] >= i[None, :]) if inclusive else after[..., 0])[:, :, None]  # (t, s, 1)
-        diag = jnp.einsum("zntk,znsk,zntsk->znts", qs, ks, jnp.where(keep, jnp.exp(D), 0.0))
+        diag = jnp.einsum("zntk,znsk,zntsk->znts", qs, ks, jnp.where(keep[:, :, None], jnp.exp(D), 0.0))
     out = jnp.einsum("znts,nm->zntms", diag, jnp.eye(n, dtype=diag.dtype))  # block diagonal
     if n > 1:
         # Key s in sub-chunk j, query t in sub-chunk i > j: the interval (s, t'] splits into the rest
