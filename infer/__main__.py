@@ -3,8 +3,11 @@
 A Hugging Face model folder (config.json + safetensors, zoo/hf.py) is read with its tokenizer.json,
 and generation stops at its end-of-text token; --dtype bfloat16 loads it in bfloat16.
 
-Early exit (a model trained with model.exits): --exit-threshold 0.9 --exit-measure margin [--show-exits],
-or self-speculative decoding: --speculative 4 [--draft-layers 2].
+Early exit (a model trained with model.exits): --exit-threshold 0.9 --exit-measure margin [--show-exits].
+Speculative decoding: --speculative 4 with --draft RUN2 (another model of the same vocabulary) or
+[--draft-layers 2] (the model's own first layers and their exit); --tree 2,2 checks a tree of drafts
+(greedy). Greedy speculation gives greedy's tokens; with --temperature > 0 it samples exactly as plain
+sampling does.
 """
 
 import argparse
@@ -36,46 +39,56 @@ def parser() -> argparse.ArgumentParser:
                    help="CALM's threshold decay along the output (default: %(default)s)")
     p.add_argument("--exit-level", default="token",
                    help="token (per token and row) or sequence (one depth) (default: %(default)s)")
-    p.add_argument("--speculative", type=int, default=None,
-                   help="self-speculative decoding: draft length k; forces greedy decoding (temperature 0)")
-    p.add_argument("--draft-layers", type=int, default=None, help="the exit layer that drafts (default: the first)")
+    p.add_argument("--speculative", type=int, default=None, help="speculative decoding: draft length k")
+    p.add_argument("--draft", default=None,
+                   help="the draft model: a run folder, Hugging Face folder or YAML config of the same vocabulary")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="self-speculation: the exit layer that drafts (default: the first)")
+    p.add_argument("--tree", default=None, help="a tree of drafts, branching factors per depth, e.g. 2,2 (greedy)")
     p.add_argument("--show-exits", action="store_true", help="print the layer each generated token used")
     return p
+
+
+def load(source: str, overrides, dtype: str):
+    """(model, tokenizer or None) from a Hugging Face folder, a run folder or a YAML config (random weights)."""
+    from flax import nnx
+
+    import zoo
+    from zoo.checkpoint import load_model
+
+    if (Path(source) / "config.json").is_file():
+        import zoo.hf
+
+        print(f"# {source}: Hugging Face {zoo.hf.read_config(source)['architectures'][0]}", file=sys.stderr)
+        return zoo.hf.load(source, dtype=dtype)
+    if Path(source).is_dir():
+        _, model, step = load_model(source)
+        print(f"# {source}, checkpoint step {step}", file=sys.stderr)
+        return model, None
+    cfg = zoo.load_config(source, overrides)
+    print(f"# {source}: random weights", file=sys.stderr)
+    return zoo.LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), None
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
     try:
-        from flax import nnx
 
         import infer
-        import zoo
-        from zoo.checkpoint import load_model
 
-        tokenizer = None
         if Path(args.source).is_dir() and args.overrides:
             raise ValueError(f"overrides {' '.join(args.overrides)}: a run folder is loaded with the config it was "
                              "trained with; overrides apply to a YAML config (random weights)")
-        if (Path(args.source) / "config.json").is_file():
-            import zoo.hf
-
-            model, tokenizer = zoo.hf.load(args.source, dtype=args.dtype)
-            print(f"# {args.source}: Hugging Face {zoo.hf.read_config(args.source)['architectures'][0]}",
-                  file=sys.stderr)
-        elif Path(args.source).is_dir():
-            _, model, step = load_model(args.source)
-            print(f"# {args.source}, checkpoint step {step}", file=sys.stderr)
-        else:
-            cfg = zoo.load_config(args.source, args.overrides)
-            model = zoo.LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
-            print(f"# {args.source}: random weights", file=sys.stderr)
+        model, tokenizer = load(args.source, args.overrides, args.dtype)
+        draft = load(args.draft, [], args.dtype)[0] if args.draft else None
+        tree = tuple(int(w) for w in args.tree.split(",")) if args.tree else None
         prompts = args.prompt or ["\n"]
-        temperature = 0.0 if args.speculative else args.temperature
         outs, info = infer.generate_text(
-            model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop, temperature=temperature,
+            model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, exit_threshold=args.exit_threshold,
             exit_measure=args.exit_measure, exit_decay=args.exit_decay, exit_level=args.exit_level,
-            speculative=args.speculative, draft_layers=args.draft_layers, tokenizer=tokenizer, return_info=True)
+            speculative=args.speculative, draft_layers=args.draft_layers, draft_model=draft, tree=tree,
+            tokenizer=tokenizer, return_info=True)
     except ValueError as e:
         sys.exit(f"error: {e}")
     for prompt, out, layers in zip(prompts, outs, info["exit_layers"]):
@@ -84,7 +97,7 @@ def main(argv=None):
             print(f"# layers used per token (mean {sum(layers) / max(len(layers), 1):.2f} of "
                   f"{len(model.blocks)}): {' '.join(map(str, layers))}")
     if "acceptance" in info:
-        print(f"# self-speculative: {info['acceptance']:.1%} of drafted tokens accepted in {info['rounds']} rounds",
+        print(f"# speculative: {info['acceptance']:.1%} of drafted tokens accepted in {info['rounds']} rounds",
               file=sys.stderr)
 
 

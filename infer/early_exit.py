@@ -1,5 +1,5 @@
-"""Early exit at decoding time, for every mixer: token-level exits (CALM), a depth per sequence, and
-self-speculative decoding (LayerSkip). Used by `infer.generate`; all functions run under its jit.
+"""Early exit at decoding time, for every mixer: token-level exits (CALM) and a depth per sequence.
+Used by `infer.generate`; all functions run under its jit.
 
 Confidence of exit j for a row, from its hidden state h_j (B, D) and exit logits z_j:
 
@@ -21,11 +21,7 @@ what this costs against the ideal of states from the full-depth hidden states. B
 runs, token-level exit here buys accuracy-per-layer figures, not wall time; a depth per sequence
 (`level="sequence"`) skips the layers past it for real, since no later token reads them.
 
-Self-speculative decoding: the first `draft` layers and that exit's head draft k tokens greedily; the full
-model verifies them in one pass over k + 1 tokens; the longest prefix on which every active row agrees
-is kept, plus the full model's next token, so the output is plain greedy decoding's. The state is then
-rolled back by rerunning the kept tokens from the state before the verify pass (one of k compiled
-lengths), which works for attention caches and recurrent states alike at a fixed shape.
+Self-speculative decoding, which drafts with the first layers and an exit, is infer/speculative.py.
 """
 
 import jax
@@ -113,35 +109,3 @@ def prompt_depth(model, tokens, segment_ids, measure: str, threshold):
         mean = jnp.sum(conf * mask, -1) / jnp.sum(mask, -1)
         depth = jnp.where((mean >= threshold) & (threshold < 1), model.exit_layers[j], depth)  # as `confident`
     return depth
-
-
-def draft_tokens(model, last, state, *, k: int, draft: int):
-    """k greedy tokens (B, k) from the first `draft` layers and their exit, starting by feeding `last` (B,)."""
-    j = model.exit_layers.index(draft)
-
-    def step(carry, _):
-        tok, states = carry
-        x, v_first, new = model.embed_tokens(tok[:, None]), None, []
-        for block, s in zip(model.blocks[:draft], states):
-            x, s, v_first = block.decode(x, s, v_first=v_first)
-            new.append(s)
-        nxt = jnp.argmax(model.exit_logits(j, x)[:, 0], -1).astype(jnp.int32)
-        return (nxt, tuple(new)), nxt
-
-    return jax.lax.scan(step, (last, tuple(state[:draft])), None, length=k)[1].T
-
-
-def speculative_round(model, last, state, active, *, k: int, draft: int):
-    """Draft k tokens, verify them with the full model, keep the agreed prefix.
-
-    Returns the n + 1 kept tokens padded to (B, k + 1) (the full model's greedy tokens), n (the number of
-    accepted drafts, the minimum over `active` rows), and the state after feeding `last` and the n
-    accepted drafts; the last kept token is the next one to feed."""
-    drafts = draft_tokens(model, last, state, k=k, draft=draft)  # (B, k)
-    seq = jnp.concatenate([last[:, None], drafts], axis=1)  # (B, k + 1)
-    logits, verified = model.decode(seq, state)
-    full = jnp.argmax(logits, -1).astype(jnp.int32)  # full[:, t]: greedy token after seq[:, :t + 1]
-    agree = jnp.sum(jnp.cumprod(drafts == full[:, :k], axis=1), axis=1)  # (B,)
-    n = jnp.min(jnp.where(active, agree, k))
-    rerun = [lambda m=m: model.decode(seq[:, :m + 1], state)[1] for m in range(k)]
-    return full, n, jax.lax.switch(n, rerun + [lambda: verified])

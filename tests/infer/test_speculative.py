@@ -1,0 +1,165 @@
+"""Speculative decoding (infer/speculative.py): greedy speculation is plain greedy decoding, token for
+token, for every drafter and a tree; a round's rollback leaves the state plain decoding reaches;
+sampled speculation draws from the target's own distribution (a chi-square test)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import infer
+from infer import speculative
+from tests.util import tiny_config
+from zoo import LanguageModel
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
+KINDS = {
+    "transformer": {"kind": "attention", "num_heads": 4},
+    "gqa": {"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
+    "mamba": {"kind": "mamba"},
+    "mamba2": {"kind": "mamba2", "head_dim": 16, "state_size": 8},
+    "gla": {"kind": "gla", "num_heads": 2, "conv_size": 4},
+    "gated_deltanet": {"kind": "gated_deltanet", "num_heads": 2},
+    "rwkv7": {"kind": "rwkv7", "head_dim": 16},
+}
+
+
+def target(mixer, vocab_size=256, scale_last=0.7):
+    """A 3-layer model with an exit after layer 1. The last block's parameters are scaled so the exit
+    agrees with the full model often but not always: both the accept and the reject paths run."""
+    model = LanguageModel(tiny_config(mixer, num_layers=3, vocab_size=vocab_size,
+                                      exits={"layers": [1], "weights": [1.0]}), rngs=nnx.Rngs(0))
+    last = nnx.state(model.blocks[2], nnx.Param)
+    nnx.update(model.blocks[2], jax.tree.map(lambda p: p * scale_last, last))
+    return model
+
+
+def drafter(vocab_size=256):
+    return LanguageModel(tiny_config({"kind": "mamba"}, num_layers=1, vocab_size=vocab_size), rngs=nnx.Rngs(1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculation_is_greedy(kind):
+    model = target(KINDS[kind])
+    greedy = infer.generate(model, PROMPTS, max_new_tokens=12)
+    for kwargs in ({"speculative": 3}, {"speculative": 2, "draft_model": drafter(), "tree": (2,)}):
+        out, info = infer.generate(model, PROMPTS, max_new_tokens=12, return_info=True, **kwargs)
+        assert out == greedy, kwargs
+        assert 0 < info["acceptance"] < 1, (kwargs, info)  # both the accept and the reject path ran
+
+
+def test_draft_model_chain_and_tree_on_a_batch_whose_rows_accept_differently():
+    model = target(KINDS["transformer"])
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41], [7]]
+    greedy = infer.generate(model, prompts, max_new_tokens=16)
+    for tree in (None, (2, 2)):
+        out = infer.generate(model, prompts, max_new_tokens=16, speculative=4, draft_model=drafter(), tree=tree)
+        assert out == greedy, tree
+    for p, row in zip(prompts, greedy):  # each row alone: rows advance independently
+        assert infer.generate(model, [p], max_new_tokens=16, speculative=4, draft_model=drafter()) == [row]
+
+
+def test_a_round_rolls_back_to_the_state_of_plain_decoding():
+    """After one round, each row's state is the state of decoding its kept tokens (hybrid model: a KV
+    cache and recurrent states, rows keeping different counts)."""
+    model = LanguageModel(tiny_config(layer_pattern=[{"kind": "attention", "num_heads": 4}, {"kind": "gla"}],
+                                      num_layers=2), rngs=nnx.Rngs(0))
+    draft = drafter()
+    B, k = 2, 4
+    prompt = jnp.asarray([[5, 6, 7], [9, 10, 11]])
+    _, state = model.decode(prompt, model.init_state(B, 16))
+    _, draft_state = draft.decode(prompt, draft.init_state(B, 16))
+    last = jnp.asarray([3, 4])
+    kept, n, state, draft_state = speculative.speculative_round(
+        model, speculative.model_drafter(draft, k), last, state, draft_state, jax.random.key(0), k=k, tree=(),
+        warp_fn=lambda x: x, greedy=True)
+    for b in range(B):
+        fed = jnp.concatenate([prompt[b], last[b:b + 1], kept[b, :n[b]]])[None]
+        for m, got in ((model, state), (draft, draft_state)):
+            want = m.decode(fed, m.init_state(1, 16))[1]
+            row = jax.tree.map(lambda a: a[b:b + 1], got)
+            for path, a, w in zip(*(jax.tree_util.tree_leaves_with_path(s) for s in (row, want)), strict=True):
+                a, w = np.asarray(a), np.asarray(w[1] if isinstance(w, tuple) else w)
+                if a.ndim == 4 and a.shape[2] == 16:  # KV cache (1, G, S, K): the slots written so far
+                    a, w = a[:, :, :fed.shape[1]], w[:, :, :fed.shape[1]]
+                np.testing.assert_allclose(a, w, atol=1e-5, err_msg=jax.tree_util.keystr(path[0]))
+
+
+def chi2_critical(df: int, alpha_z: float = 3.09) -> float:
+    """The chi-square quantile at significance 0.001 (z = 3.09), by Wilson and Hilferty's approximation."""
+    return df * (1 - 2 / (9 * df) + alpha_z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_sampled_speculation_follows_the_target_distribution():
+    """2,000 two-token continuations of one prompt, drawn with speculation (a random 1-layer Mamba
+    drafting, so most drafts are rejected and the residual distribution is exercised), against the
+    target's exact two-token distribution: chi-square at significance 0.001 over the cells expected at
+    least 5 times. The drafter's own distribution fails the same test, so the test can fail."""
+    V, N, T = 8, 2000, 1.5
+    model, draft = target(KINDS["transformer"], vocab_size=V, scale_last=1.0), drafter(V)
+    prompt = [1, 2, 3]
+
+    def exact(m):
+        first = jax.nn.softmax(m(jnp.asarray([prompt]))[0, -1] / T)
+        seconds = jax.nn.softmax(m(jnp.asarray([prompt + [t] for t in range(V)]))[:, -1] / T, -1)
+        return np.asarray(first[:, None] * seconds).ravel()  # (V * V,): p(t1, t2)
+
+    p = exact(model)
+    out = infer.generate(model, [prompt] * N, max_new_tokens=2, temperature=T, speculative=3, draft_model=draft,
+                         seed=0)
+    counts = np.bincount([a * V + b for a, b in out], minlength=V * V)
+
+    def chi2(probs):
+        e = probs * N
+        big = e >= 5
+        return np.sum((counts[big] - e[big]) ** 2 / e[big]) + (counts[~big].sum() - e[~big].sum()) ** 2 / max(
+            e[~big].sum(), 1e-9), int(big.sum())
+
+    stat, cells = chi2(p)
+    assert stat < chi2_critical(cells), (stat, chi2_critical(cells))
+    wrong, _ = chi2(exact(draft))
+    assert wrong > chi2_critical(cells), wrong
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"speculative": 0}, "k >= 1"),
+    ({"speculative": 2, "draft_layers": 2}, "not an exit"),
+    ({"speculative": 2, "tree": (2,), "temperature": 0.7}, "greedy"),
+    ({"speculative": 2, "tree": (2, 2, 2)}, "at most k"),
+    ({"speculative": 2, "draft_model": "other vocabulary"}, "vocabulary"),
+    ({"speculative": 2, "draft_model": "draft", "draft_layers": 1}, "not both"),
+    ({"draft_model": "draft"}, "need speculative"),
+    ({"speculative": 2, "exit_threshold": 0.5}, "not both"),
+])
+def test_bad_speculation_arguments_are_refused(kwargs, message):
+    model = target(KINDS["transformer"])
+    if "draft_model" in kwargs:
+        kwargs["draft_model"] = drafter(128 if kwargs["draft_model"] == "other vocabulary" else 256)
+    with pytest.raises(ValueError, match=message):
+        infer.generate(model, PROMPTS, max_new_tokens=2, **kwargs)
+    plain = LanguageModel(tiny_config(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="needs a draft_model"):
+        infer.generate(plain, PROMPTS, max_new_tokens=2, speculative=2)
+
+
+def test_command_line_drafts_with_another_model(tmp_path, capsys):
+    from infer.__main__ import main
+
+    target_yaml, draft_yaml = tmp_path / "target.yaml", tmp_path / "draft.yaml"
+    target_yaml.write_text("model: {d_model: 32, num_layers: 2, mixer: {kind: attention, num_heads: 4}}\n")
+    draft_yaml.write_text("model: {d_model: 32, num_layers: 1, mixer: {kind: mamba}}\n")
+    main([str(target_yaml), "--prompt", "ab", "--max-new-tokens", "6", "--temperature", "0"])
+    greedy = capsys.readouterr().out
+    main([str(target_yaml), "--prompt", "ab", "--max-new-tokens", "6", "--temperature", "0", "--speculative", "3",
+          "--draft", str(draft_yaml), "--tree", "2"])
+    captured = capsys.readouterr()
+    assert captured.out == greedy and "accepted in" in captured.err
+
+
+def test_tree_digits_enumerate_every_path():
+    digits = np.asarray(speculative.tree_digits((2, 3), 4))
+    assert digits.shape == (6, 4) and {tuple(r[:2]) for r in digits} == set(itertools.product(range(2), range(3)))
+    assert not digits[:, 2:].any()
