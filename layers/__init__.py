@@ -5,9 +5,13 @@ Every sequence mixer follows one protocol:
     y = mixer(x, segment_ids=None)                 # (B, T, D) -> (B, T, D), the training path
     state = mixer.init_state(batch_size, max_len)  # a fixed-shape pytree (flax.struct dataclass)
     y, state = mixer.decode(x, state, segment_ids=None)   # prefill (T tokens) or a step (T = 1)
+    y, stepped = mixer.decode(x, state, steps=True)       # the same y; the state after each token
+    state = mixer.rollback(stepped, drop)                 # row b without its last drop[b] tokens
 
 `decode` continues from `state`; inside one call, a change of segment id starts a new document
-(see kernels/segments.py). A recurrent mixer's state does not grow with max_len; a mixer whose
+(see kernels/segments.py). `steps` and `rollback` serve speculative decoding, which verifies draft
+tokens in one call and keeps a different number per row (layers/state.py); a stateful FFN (RWKV's
+channel mix) has them too. A recurrent mixer's state does not grow with max_len; a mixer whose
 state does (attention's KV cache) says so with `grows_with_context = True`. A mixer keeps `impl`
 (and `mode`, where it has several exact forms) as attributes read at call time. States are
 `layers.state.state` dataclasses; shape annotations use the one letter legend of kernels/__init__.py.

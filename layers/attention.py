@@ -27,33 +27,34 @@ Parameters carry their logical sharding axes (layers/sharding.py): the query hea
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from kernels import check_impl
-from kernels.attention import attention, attention_cached
+from kernels.attention import attention, attention_cached, write_rows
 from kernels.segments import document_starts, positions_in_document
 from layers.linear import project
 from layers.norm import RMSNorm
 from layers.rotary import RopeScaling, apply_rotary
 from layers.shapes import check_input
 from layers.sharding import axes, constrain
-from layers.state import state
+from layers.state import check_steps, rollback, state
 
 
-@state
+@state(final=("k", "v", "doc"))  # a stepped cache keeps its slots once: a row never reads past its index
 class KVCache:
     k: Float[Array, "B G S K"]  # (B, G, S, K): heads first, the layout a decode step reads without a copy
     v: Float[Array, "B G S K"]  # (B, G, S, K)
     doc: Int[Array, "B S"]  # (B, S) int32: document number of the token in each slot
     cur_doc: Int[Array, " B"]  # (B,) int32: document number of the last token written
     pos: Int[Array, " B"]  # (B,) int32: position in its document of the next token
-    index: Int[Array, ""]  # () int32: next slot to write; it counts on past S, so index > S flags an overflow
+    index: Int[Array, " B"]  # (B,) int32: each row's next slot to write; past S it flags an overflow
 
     def overflowed(self) -> Bool[Array, ""]:
-        """True once more tokens were decoded than the cache has slots (later ones overwrote the last
+        """True once a row decoded more tokens than the cache has slots (later ones overwrote the last
         slot): eager decode raises instead, but under jit nothing can, so callers check this."""
-        return self.index > self.k.shape[2]
+        return jnp.any(self.index > self.k.shape[2])
 
 
 def _documents(segment_ids, B, T, start):
@@ -137,24 +138,33 @@ class Attention(nnx.Module):
         zeros = jnp.zeros((batch_size,), jnp.int32)
         return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
                        doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros,
-                       index=jnp.zeros((), jnp.int32))
+                       index=zeros)
 
-    def decode(self, x: Float[Array, "B T D"], cache: KVCache, *,
-               segment_ids: Int[Array, "B T"] | None = None):
+    def decode(self, x: Float[Array, "B T D"], cache: KVCache, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False):
+        """steps=True returns the cache after every token, for `rollback` (layers/state.py): index, pos
+        and cur_doc per step, (T, B); the slots as written, since a rolled-back row masks the slots
+        past its index as unwritten and its next decode overwrites them."""
         check_input(x, self.d_model, segment_ids, "Attention.decode")
+        check_steps(steps, segment_ids, "Attention.decode")
         B, T, _ = x.shape
         S = cache.k.shape[2]
-        if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + T > S:
-            raise ValueError(f"decode: {int(cache.index)} cached + {T} new tokens exceed max_len={S}")
+        if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > S:
+            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v = self._qkv(x, positions)
         o = attention_cached(q, k, v, cache.k.astype(self.dtype), cache.v.astype(self.dtype), cache_length=cache.index,
                              segment_ids=doc, cache_segment_ids=cache.doc, window=self.window, impl=self.impl)
-        at = (0, 0, cache.index, 0)  # written after the read: XLA then updates the cache in place
-        write = lambda c, x: jax.lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3).astype(c.dtype), at)
-        cache = KVCache(
-            k=write(cache.k, k), v=write(cache.v, v),
-            doc=jax.lax.dynamic_update_slice(cache.doc, doc, (0, cache.index)),
-            cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
-        return self._out(o), cache
+        # Written after the read: XLA then updates the cache in place.
+        k, v = (write_rows(c, a.transpose(0, 2, 1, 3), cache.index, 2) for c, a in ((cache.k, k), (cache.v, v)))
+        written = write_rows(cache.doc, doc, cache.index, 1)
+        if steps:
+            after = jnp.arange(1, T + 1, dtype=jnp.int32)[:, None]  # (T, 1)
+            return self._out(o), KVCache.stepped(k, v, written, cur_doc=doc.T, pos=(positions + 1).T,
+                                                 index=cache.index + after)  # (T, B) each
+        return self._out(o), KVCache(k, v, written, cur_doc=doc[:, -1], pos=positions[:, -1] + 1,
+                                     index=cache.index + T)
+
+    def rollback(self, stepped: KVCache, drop: Int[Array, " B"]) -> KVCache:
+        return rollback(stepped, drop)

@@ -35,7 +35,8 @@ class ShortConvolution(nnx.Module):
         return self.decode(x, self.init_state(x.shape[0], x.dtype), segment_ids=segment_ids)[0]
 
     def decode(self, x: Float[Array, "B T D"], state: Float[Array, "B W D"], *,
-               segment_ids: Int[Array, "B T"] | None = None):
+               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
+        """With `steps` (segment_ids None), the window after every token, (T, B, W, D) (layers/state.py)."""
         W, T = self.kernel_size, x.shape[1]
         xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # (B, W-1+T, D)
         if segment_ids is not None:
@@ -53,6 +54,9 @@ class ShortConvolution(nnx.Module):
             y = y + self.bias[...]
         if self.activation:
             y = jax.nn.silu(y)
+        if steps:
+            after = jnp.arange(T)[:, None] + 1 + jnp.arange(W - 1)[None]  # (T, W): token t's window in xp
+            return y.astype(x.dtype), jnp.swapaxes(xp[:, after], 0, 1).astype(state.dtype)  # (T, B, W, D)
         window = xp[:, T:]
         if segment_ids is not None:  # inputs of a document that ended inside this call are not carried
             window = jnp.where((doc[:, T:] == doc[:, -1:])[..., None], window, 0)

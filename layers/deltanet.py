@@ -42,7 +42,7 @@ from layers.linear import Linear
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import state
+from layers.state import check_steps, rollback, state, stepwise
 
 
 @state
@@ -114,21 +114,26 @@ class _DeltaRuleMixer(nnx.Module):
                  ) -> Float[Array, "B T D"]:
         return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
 
-    def decode(self, x: Float[Array, "B T D"], state: DeltaNetState, *,
-               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], DeltaNetState]:
-        """Prefill (T > 1, chunk form) or one step (T = 1, the recurrence), continuing from `state`."""
-        return self._mix(x, state, segment_ids, "chunk" if x.shape[1] > 1 else "recurrent")
+    def decode(self, x: Float[Array, "B T D"], state: DeltaNetState, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False) -> tuple[Float[Array, "B T D"], DeltaNetState]:
+        """Prefill (T > 1, chunk form) or one step (T = 1, the recurrence), continuing from `state`;
+        steps=True returns the state after every token, for `rollback` (layers/state.py)."""
+        check_steps(steps, segment_ids, type(self).__name__)
+        return self._mix(x, state, segment_ids, "chunk" if x.shape[1] > 1 and not steps else "recurrent", steps)
 
-    def _mix(self, x, state: DeltaNetState, segment_ids, mode):
+    def rollback(self, stepped: DeltaNetState, drop: Int[Array, " B"]) -> DeltaNetState:
+        return rollback(stepped, drop)
+
+    def _mix(self, x, state: DeltaNetState, segment_ids, mode, steps: bool = False):
         check_input(x, self.d_model, segment_ids, type(self).__name__)
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.value_dim
         x = x.astype(self.dtype)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.conv_size:
-            q, conv_q = self.q_conv.decode(q, state.conv_q, segment_ids=segment_ids)
-            k, conv_k = self.k_conv.decode(k, state.conv_k, segment_ids=segment_ids)
-            v, conv_v = self.v_conv.decode(v, state.conv_v, segment_ids=segment_ids)
+            q, conv_q = self.q_conv.decode(q, state.conv_q, segment_ids=segment_ids, steps=steps)
+            k, conv_k = self.k_conv.decode(k, state.conv_k, segment_ids=segment_ids, steps=steps)
+            v, conv_v = self.v_conv.decode(v, state.conv_v, segment_ids=segment_ids, steps=steps)
         else:
             q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
             conv_q = conv_k = conv_v = None
@@ -136,15 +141,17 @@ class _DeltaRuleMixer(nnx.Module):
         k = _normalize(k.reshape(B, T, H, K), self.qk_norm)
         v = v.reshape(B, T, H, V)  # (B, T, H, V)
         beta, g = self._gates(x)  # (B, T, H) float32, g None for plain DeltaNet
-        o, recurrent = delta_rule(q, k, v, beta, g, segment_ids=segment_ids, initial_state=state.recurrent,
-                                  output_final_state=True, mode=mode, chunk_size=self.chunk_size,
-                                  impl=self.impl)
+        op = lambda S, q, k, v, beta, g: delta_rule(q, k, v, beta, g, segment_ids=segment_ids, initial_state=S,
+                                                    output_final_state=True, mode=mode, chunk_size=self.chunk_size,
+                                                    impl=self.impl)
+        args = (state.recurrent, q, k, v, beta, g)
+        o, recurrent = stepwise(op, *args) if steps else op(*args)
         if self.g_proj is not None:
             o = self.o_norm(o, self.g_proj(x).reshape(B, T, H, V))
         else:
             o = self.o_norm(o)
         y = self.o_proj(o.reshape(B, T, H * V))  # (B, T, D)
-        return y, DeltaNetState(recurrent, conv_q, conv_k, conv_v)
+        return y, (DeltaNetState.stepped if steps else DeltaNetState)(recurrent, conv_q, conv_k, conv_v)
 
 
 class DeltaNet(_DeltaRuleMixer):

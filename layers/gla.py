@@ -38,7 +38,7 @@ from layers.linear import Linear
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import state
+from layers.state import check_steps, rollback, state, stepwise
 
 
 @state
@@ -105,10 +105,16 @@ class GatedLinearAttention(nnx.Module):
                  ) -> Float[Array, "B T D"]:
         return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
 
-    def decode(self, x: Float[Array, "B T D"], state: GLAState, *, segment_ids: Int[Array, "B T"] | None = None):
-        return self._mix(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
+    def decode(self, x: Float[Array, "B T D"], state: GLAState, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False):
+        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
+        check_steps(steps, segment_ids, "GatedLinearAttention")
+        return self._mix(x, state, segment_ids, "recurrent" if steps or x.shape[1] == 1 else "chunk", steps)
 
-    def _mix(self, x, state: GLAState, segment_ids, mode: str):
+    def rollback(self, stepped: GLAState, drop: Int[Array, " B"]) -> GLAState:
+        return rollback(stepped, drop)
+
+    def _mix(self, x, state: GLAState, segment_ids, mode: str, steps: bool = False):
         check_input(x, self.d_model, segment_ids, "GatedLinearAttention")
         B, T, _ = x.shape
         H = self.num_heads
@@ -116,15 +122,16 @@ class GatedLinearAttention(nnx.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, key_dim / value_dim)
         windows = (None, None, None)
         if self.conv_size:
-            (q, wq), (k, wk), (v, wv) = (conv.decode(a, w, segment_ids=segment_ids) for conv, a, w in
+            (q, wq), (k, wk), (v, wv) = (conv.decode(a, w, segment_ids=segment_ids, steps=steps) for conv, a, w in
                                          ((self.conv_q, q, state.conv_q), (self.conv_k, k, state.conv_k),
                                           (self.conv_v, v, state.conv_v)))
             windows = (wq, wk, wv)
         logits = self.gk_up(self.gk_down(x)).astype(jnp.float32)
         g = (jax.nn.log_sigmoid(logits) / self.gate_logit_normalizer).reshape(B, T, H, -1)  # (B, T, H, K)
         q, k, v = q.reshape(B, T, H, -1), k.reshape(B, T, H, -1), v.reshape(B, T, H, -1)
-        o, S = gla(q, k, v, g, segment_ids=segment_ids, initial_state=state.S, output_final_state=True,
-                   mode=mode, chunk_size=self.chunk_size, impl=self.impl)  # o: (B, T, H, V)
+        op = lambda S, q, k, v, g: gla(q, k, v, g, segment_ids=segment_ids, initial_state=S, output_final_state=True,
+                                       mode=mode, chunk_size=self.chunk_size, impl=self.impl)
+        o, S = stepwise(op, state.S, q, k, v, g) if steps else op(state.S, q, k, v, g)  # o: (B, T, H, V)
         o = self.norm(o, self.g_proj(x).reshape(B, T, H, -1)) if self.use_output_gate else self.norm(o)
         y = self.o_proj(o.reshape(B, T, self.value_dim))
-        return y, GLAState(S, *windows)
+        return y, (GLAState.stepped if steps else GLAState)(S, *windows)

@@ -55,7 +55,7 @@ from kernels.segments import positions_in_document
 from layers.linear import Linear
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import state
+from layers.state import check_steps, rollback, state, stepwise
 
 FEATURE_MAPS = ("identity", "elu", "relu", "performer", "cosformer", "hedgehog")
 
@@ -169,10 +169,15 @@ class LinearAttention(nnx.Module):
         return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
 
     def decode(self, x: Float[Array, "B T D"], state: LinearAttentionState, *,
-               segment_ids: Int[Array, "B T"] | None = None):
-        return self._mix(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
+               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
+        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
+        check_steps(steps, segment_ids, "LinearAttention")
+        return self._mix(x, state, segment_ids, "recurrent" if steps or x.shape[1] == 1 else "chunk", steps)
 
-    def _mix(self, x, state: LinearAttentionState, segment_ids, mode: str):
+    def rollback(self, stepped: LinearAttentionState, drop: Int[Array, " B"]) -> LinearAttentionState:
+        return rollback(stepped, drop)
+
+    def _mix(self, x, state: LinearAttentionState, segment_ids, mode: str, steps: bool = False):
         check_input(x, self.d_model, segment_ids, "LinearAttention")
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
@@ -182,10 +187,14 @@ class LinearAttention(nnx.Module):
         phi_q, phi_k = (self._phi(a, pos, is_query).astype(self.dtype) for a, is_query in ((q, True), (k, False)))
         if self.normalize:
             v = jnp.concatenate([v, jnp.ones((B, T, H, 1), v.dtype)], axis=-1)  # (B, T, H, K + 1)
-        o, S = linear_attention(phi_q, phi_k, v, segment_ids=segment_ids, initial_state=state.S,
-                                output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
+        op = lambda S, q, k, v: linear_attention(q, k, v, segment_ids=segment_ids, initial_state=S,
+                                                 output_final_state=True, mode=mode, chunk_size=self.chunk_size,
+                                                 impl=self.impl)
+        o, S = stepwise(op, state.S, phi_q, phi_k, v) if steps else op(state.S, phi_q, phi_k, v)
         o = o.astype(jnp.float32)
         if self.normalize:
             o = o[..., :K] / (o[..., K:] + self.eps)
         y = self.o_proj(o.reshape(B, T, H * K).astype(self.dtype))
+        if steps:
+            return y, LinearAttentionState.stepped(S=S, pos=(pos + 1).T)  # pos: (T, B)
         return y, LinearAttentionState(S=S, pos=pos[:, -1] + 1)

@@ -45,7 +45,7 @@ from layers.conv import ShortConvolution
 from layers.linear import Linear
 from layers.shapes import check_input
 from layers.sharding import ROWS, axes
-from layers.state import state
+from layers.state import check_steps, rollback, state, stepwise
 
 
 @state
@@ -109,10 +109,15 @@ class Mamba(nnx.Module):
                  ) -> Float[Array, "B T D"]:
         return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
 
-    def decode(self, x: Float[Array, "B T D"], state: MambaState, *,
-               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], MambaState]:
-        """Prefill (T > 1) or one step (T = 1, `step`), continuing from `state`."""
-        return self._mix(x, state, segment_ids, "step" if x.shape[1] == 1 else "auto")
+    def decode(self, x: Float[Array, "B T D"], state: MambaState, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False) -> tuple[Float[Array, "B T D"], MambaState]:
+        """Prefill (T > 1) or one step (T = 1, `step`), continuing from `state`; steps=True runs `step`
+        token by token and returns the state after every token, for `rollback` (layers/state.py)."""
+        check_steps(steps, segment_ids, "Mamba")
+        return self._mix(x, state, segment_ids, "steps" if steps else "step" if x.shape[1] == 1 else "auto")
+
+    def rollback(self, stepped: MambaState, drop: Int[Array, " B"]) -> MambaState:
+        return rollback(stepped, drop)
 
     def _mix(self, x, state: MambaState, segment_ids, mode):
         check_input(x, self.d_model, segment_ids, "Mamba")
@@ -120,21 +125,25 @@ class Mamba(nnx.Module):
         x = x.astype(self.dtype)
         u, z = jnp.split(self.in_proj(x), 2, axis=-1)  # (B, T, Di) each
         if self.conv is not None:
-            u, conv = self.conv.decode(u, state.conv, segment_ids=segment_ids)
+            u, conv = self.conv.decode(u, state.conv, segment_ids=segment_ids, steps=mode == "steps")
         else:
             u, conv = jax.nn.silu(u), None
         dt_low, B, C = jnp.split(self.x_proj(u), [R, R + N], axis=-1)  # (B, T, R), (B, T, N), (B, T, N)
         delta = jax.nn.softplus(self.dt_proj(dt_low).astype(jnp.float32) + self.dt_bias[...])  # (B, T, Di)
         A = -jnp.exp(self.A_log[...])  # (Di, N)
-        if mode == "step":
-            ssm, y = self.step(state.ssm, u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0])
-            y = y[:, None].astype(u.dtype)  # (B, 1, Di)
+        if mode in ("step", "steps"):
+            def step(h, u, delta, B, C):  # on 1-token slices (B, 1, ...)
+                h, y = self.step(h, u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0])
+                return y[:, None].astype(u.dtype), h  # (B, 1, Di)
+
+            args = (state.ssm, u, delta, B, C)
+            y, ssm = stepwise(step, *args) if mode == "steps" else step(*args)
         else:
             y, ssm = selective_scan(u, delta, A, B, C, self.D[...], segment_ids=segment_ids,
                                     initial_state=state.ssm, output_final_state=True, mode=mode,
                                     chunk_size=self.chunk_size, impl=self.impl)
         y = y * jax.nn.silu(z)
-        return self.out_proj(y), MambaState(ssm, conv)
+        return self.out_proj(y), (MambaState.stepped if mode == "steps" else MambaState)(ssm, conv)
 
     def step(self, h: Float[Array, "B Dm N"], u: Float[Array, "B Dm"], delta: Float[Array, "B Dm"],
              A: Float[Array, "Dm N"], B: Float[Array, "B N"], C: Float[Array, "B N"]):

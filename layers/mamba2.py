@@ -47,7 +47,7 @@ from layers.mamba import inverse_softplus_dt
 from layers.norm import GatedRMSNorm
 from layers.shapes import check_input
 from layers.sharding import ROWS, axes
-from layers.state import state
+from layers.state import check_steps, rollback, state, stepwise
 
 
 @state
@@ -111,10 +111,15 @@ class Mamba2(nnx.Module):
                  ) -> Float[Array, "B T D"]:
         return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
 
-    def decode(self, x: Float[Array, "B T D"], state: Mamba2State, *,
-               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], Mamba2State]:
-        """Prefill (T > 1, chunked SSD) or one step (T = 1, `step`), continuing from `state`."""
-        return self._mix(x, state, segment_ids, "step" if x.shape[1] == 1 else "chunk")
+    def decode(self, x: Float[Array, "B T D"], state: Mamba2State, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False) -> tuple[Float[Array, "B T D"], Mamba2State]:
+        """Prefill (T > 1, chunked SSD) or one step (T = 1, `step`), continuing from `state`; steps=True runs
+        `step` token by token and returns the state after every token, for `rollback` (layers/state.py)."""
+        check_steps(steps, segment_ids, "Mamba2")
+        return self._mix(x, state, segment_ids, "steps" if steps else "step" if x.shape[1] == 1 else "chunk")
+
+    def rollback(self, stepped: Mamba2State, drop: Int[Array, " B"]) -> Mamba2State:
+        return rollback(stepped, drop)
 
     def _mix(self, x, state: Mamba2State, segment_ids, mode):
         check_input(x, self.d_model, segment_ids, "Mamba2")
@@ -123,7 +128,7 @@ class Mamba2(nnx.Module):
         x = x.astype(self.dtype)
         z, xBC, dt = jnp.split(self.in_proj(x), [Di, 2 * Di + 2 * G * N], axis=-1)  # (B, T, Di), (B, T, E), (B, T, H)
         if self.conv is not None:
-            xBC, conv = self.conv.decode(xBC, state.conv, segment_ids=segment_ids)
+            xBC, conv = self.conv.decode(xBC, state.conv, segment_ids=segment_ids, steps=mode == "steps")
         else:
             xBC, conv = jax.nn.silu(xBC), None
         xs, B, C = jnp.split(xBC, [Di, Di + G * N], axis=-1)
@@ -131,14 +136,18 @@ class Mamba2(nnx.Module):
         B, C = B.reshape(Bsz, T, G, N), C.reshape(Bsz, T, G, N)  # (B, T, G, N)
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])  # (B, T, H)
         A = -jnp.exp(self.A_log[...])  # (H,)
-        if mode == "step":
-            ssm, y = self.step(state.ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
-            y = y[:, None].astype(xs.dtype)  # (B, 1, H, P)
+        if mode in ("step", "steps"):
+            def step(h, xs, dt, B, C):  # on 1-token slices (B, 1, ...)
+                h, y = self.step(h, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
+                return y[:, None].astype(xs.dtype), h  # (B, 1, H, P)
+
+            args = (state.ssm, xs, dt, B, C)
+            y, ssm = stepwise(step, *args) if mode == "steps" else step(*args)
         else:
             y, ssm = ssd(xs, dt, A, B, C, self.D[...], segment_ids=segment_ids, initial_state=state.ssm,
                          output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
         y = self.norm(y.reshape(Bsz, T, Di), z)
-        return self.out_proj(y), Mamba2State(ssm, conv)
+        return self.out_proj(y), (Mamba2State.stepped if mode == "steps" else Mamba2State)(ssm, conv)
 
     def step(self, h: Float[Array, "B H P N"], x: Float[Array, "B H P"], dt: Float[Array, "B H"],
              A: Float[Array, " H"], B: Float[Array, "B G N"], C: Float[Array, "B G N"]):

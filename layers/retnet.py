@@ -42,7 +42,7 @@ from layers.norm import GatedRMSNorm
 from layers.rotary import apply_rotary
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import state
+from layers.state import check_steps, rollback, state, stepwise
 
 
 @state
@@ -98,10 +98,15 @@ class MultiScaleRetention(nnx.Module):
         return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
 
     def decode(self, x: Float[Array, "B T D"], state: RetentionState, *,
-               segment_ids: Int[Array, "B T"] | None = None):
-        return self._mix(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
+               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
+        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
+        check_steps(steps, segment_ids, "MultiScaleRetention")
+        return self._mix(x, state, segment_ids, "recurrent" if steps or x.shape[1] == 1 else "chunk", steps)
 
-    def _mix(self, x, state: RetentionState, segment_ids, mode: str):
+    def rollback(self, stepped: RetentionState, drop: Int[Array, " B"]) -> RetentionState:
+        return rollback(stepped, drop)
+
+    def _mix(self, x, state: RetentionState, segment_ids, mode: str, steps: bool = False):
         check_input(x, self.d_model, segment_ids, "MultiScaleRetention")
         B, T, _ = x.shape
         H = self.num_heads
@@ -110,9 +115,12 @@ class MultiScaleRetention(nnx.Module):
         q = apply_rotary(self.q_proj(x).reshape(B, T, H, -1), pos, self.rotary_base)  # (B, T, H, K)
         k = apply_rotary(self.k_proj(x).reshape(B, T, H, -1), pos, self.rotary_base)
         v = self.v_proj(x).reshape(B, T, H, -1)  # (B, T, H, V)
-        o, S = retention(q, k, v, jnp.asarray(self.gamma, jnp.float32), segment_ids=segment_ids,
-                         initial_state=state.S, output_final_state=True, mode=mode, chunk_size=self.chunk_size,
-                         impl=self.impl)
+        op = lambda S, q, k, v: retention(q, k, v, jnp.asarray(self.gamma, jnp.float32), segment_ids=segment_ids,
+                                          initial_state=S, output_final_state=True, mode=mode,
+                                          chunk_size=self.chunk_size, impl=self.impl)
+        o, S = stepwise(op, state.S, q, k, v) if steps else op(state.S, q, k, v)
         o = self.norm(o, self.g_proj(x).reshape(B, T, H, -1))  # RMSNorm per head, times swish(gate)
         y = self.o_proj(o.reshape(B, T, self.value_dim))
+        if steps:
+            return y, RetentionState.stepped(S=S, pos=(pos + 1).T)  # pos: (T, B)
         return y, RetentionState(S=S, pos=pos[:, -1] + 1)

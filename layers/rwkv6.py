@@ -44,7 +44,7 @@ from kernels.segments import document_starts
 from kernels.wkv6 import wkv6
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import state
+from layers.state import check_steps, rollback, state, stepwise
 
 
 @state
@@ -65,12 +65,14 @@ def depth_ratios(layer_id: int, num_layers: int) -> tuple[float, float]:
     return (layer_id / (num_layers - 1) if num_layers > 1 else 0.0), 1.0 - layer_id / num_layers
 
 
-def token_shift(x: Float[Array, "B T D"], last: Float[Array, "B D"], segment_ids: Int[Array, "B T"] | None):
-    """(x_{t-1} for every t, the new last token). x_{-1} is `last`; at a document start it is zero."""
+def token_shift(x: Float[Array, "B T D"], last: Float[Array, "B D"], segment_ids: Int[Array, "B T"] | None,
+                steps: bool = False):
+    """(x_{t-1} for every t, the new last token). x_{-1} is `last`; at a document start it is zero.
+    With `steps`, the last token after every token: (T, B, D) (layers/state.py)."""
     prev = jnp.concatenate([last[:, None].astype(x.dtype), x[:, :-1]], axis=1)  # (B, T, D)
     if segment_ids is not None:
         prev = jnp.where(document_starts(segment_ids)[..., None], 0, prev)
-    return prev, x[:, -1].astype(jnp.float32)
+    return prev, (jnp.swapaxes(x, 0, 1) if steps else x[:, -1]).astype(jnp.float32)
 
 
 def head_group_norm(o: Float[Array, "B T H V"], weight, bias, eps: float) -> Float[Array, "B T D"]:
@@ -147,17 +149,22 @@ class RWKV6TimeMix(nnx.Module):
                  ) -> Float[Array, "B T D"]:
         return self._forward(x, self.init_state(x.shape[0], x.shape[1]), segment_ids, self.mode)[0]
 
-    def decode(self, x: Float[Array, "B T D"], state: RWKVTimeMixState, *,
-               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], RWKVTimeMixState]:
-        return self._forward(x, state, segment_ids, "recurrent" if x.shape[1] == 1 else "chunk")
+    def decode(self, x: Float[Array, "B T D"], state: RWKVTimeMixState, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False) -> tuple[Float[Array, "B T D"], RWKVTimeMixState]:
+        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
+        check_steps(steps, segment_ids, "RWKV6TimeMix")
+        return self._forward(x, state, segment_ids, "recurrent" if steps or x.shape[1] == 1 else "chunk", steps)
 
-    def _forward(self, x, state, segment_ids, mode):
+    def rollback(self, stepped: RWKVTimeMixState, drop: Int[Array, " B"]) -> RWKVTimeMixState:
+        return rollback(stepped, drop)
+
+    def _forward(self, x, state, segment_ids, mode, steps=False):
         check_input(x, self.num_heads * self.head_dim, segment_ids, "RWKV6TimeMix")
         B, T, D = x.shape
         H, K, dt = self.num_heads, self.head_dim, self.dtype
         p = lambda w: w[...].astype(dt)
         x = x.astype(dt)
-        prev, last = token_shift(x, state.shift, segment_ids)
+        prev, last = token_shift(x, state.shift, segment_ids, steps)
         xx = prev - x  # (B, T, D)
         m = jnp.tanh((x + xx * p(self.mu_x)) @ p(self.mix_a)).reshape(B, T, 5, -1)
         m = jnp.einsum("BTFR,FRD->FBTD", m, p(self.mix_b)) + p(self.mu)[:, None, None]  # (5, B, T, D)
@@ -166,11 +173,12 @@ class RWKV6TimeMix(nnx.Module):
         r, k, v = heads(xr @ p(self.w_r)), heads(xk @ p(self.w_k)), heads(xv @ p(self.w_v))
         g = jax.nn.silu(xg @ p(self.w_g))
         d = self.decay_base[...] + (jnp.tanh(xw @ p(self.decay_a)) @ p(self.decay_b)).astype(jnp.float32)
-        o, wkv = wkv6(r, k, v, heads(-jnp.exp(d)), self.bonus[...], segment_ids=segment_ids,
-                      initial_state=state.wkv, output_final_state=True, mode=mode, chunk_size=self.chunk_size,
-                      impl=self.impl)
+        op = lambda S, r, k, v, w: wkv6(r, k, v, w, self.bonus[...], segment_ids=segment_ids, initial_state=S,
+                                        output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
+        args = (state.wkv, r, k, v, heads(-jnp.exp(d)))
+        o, wkv = stepwise(op, *args) if steps else op(*args)
         o = head_group_norm(o, self.ln_weight[...], self.ln_bias[...], self.eps).astype(dt)
-        return (o * g) @ p(self.w_o), RWKVTimeMixState(shift=last, wkv=wkv)
+        return (o * g) @ p(self.w_o), (RWKVTimeMixState.stepped if steps else RWKVTimeMixState)(last, wkv)
 
 
 class RWKV6ChannelMix(nnx.Module):
@@ -200,12 +208,18 @@ class RWKV6ChannelMix(nnx.Module):
         return self.decode(x, self.init_state(x.shape[0], x.shape[1]), segment_ids=segment_ids)[0]
 
     def decode(self, x: Float[Array, "B T D"], state: RWKVChannelMixState, *,
-               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], RWKVChannelMixState]:
+               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False
+               ) -> tuple[Float[Array, "B T D"], RWKVChannelMixState]:
+        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
         check_input(x, self.mu_k.shape[0], segment_ids, "RWKV6ChannelMix")
+        check_steps(steps, segment_ids, "RWKV6ChannelMix")
         p = lambda w: w[...].astype(self.dtype)
         x = x.astype(self.dtype)
-        prev, last = token_shift(x, state.shift, segment_ids)
+        prev, last = token_shift(x, state.shift, segment_ids, steps)
         xx = prev - x
         k = jnp.square(jax.nn.relu((x + xx * p(self.mu_k)) @ p(self.w_k)))  # (B, T, F)
         y = jax.nn.sigmoid((x + xx * p(self.mu_r)) @ p(self.w_r)) * (k @ p(self.w_v))
-        return y, RWKVChannelMixState(shift=last)
+        return y, (RWKVChannelMixState.stepped if steps else RWKVChannelMixState)(last)
+
+    def rollback(self, stepped: RWKVChannelMixState, drop: Int[Array, " B"]) -> RWKVChannelMixState:
+        return rollback(stepped, drop)

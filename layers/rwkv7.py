@@ -67,6 +67,7 @@ from layers.rwkv6 import (
 )
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS
+from layers.state import check_steps, rollback, stepwise
 
 
 def lora_rank(d_model: int, factor: float) -> int:
@@ -146,11 +147,17 @@ class RWKV7TimeMix(nnx.Module):
         return y, v_first
 
     def decode(self, x: Float[Array, "B T D"], state: RWKVTimeMixState, *,
-               segment_ids: Int[Array, "B T"] | None = None, v_first: Float[Array, "B T D"] | None = None
-               ) -> tuple[Float[Array, "B T D"], RWKVTimeMixState, Float[Array, "B T D"]]:
-        return self._forward(x, state, segment_ids, v_first, "recurrent" if x.shape[1] == 1 else "chunk")
+               segment_ids: Int[Array, "B T"] | None = None, v_first: Float[Array, "B T D"] | None = None,
+               steps: bool = False) -> tuple[Float[Array, "B T D"], RWKVTimeMixState, Float[Array, "B T D"]]:
+        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
+        check_steps(steps, segment_ids, "RWKV7TimeMix")
+        mode = "recurrent" if steps or x.shape[1] == 1 else "chunk"
+        return self._forward(x, state, segment_ids, v_first, mode, steps)
 
-    def _forward(self, x, state, segment_ids, v_first, mode):
+    def rollback(self, stepped: RWKVTimeMixState, drop: Int[Array, " B"]) -> RWKVTimeMixState:
+        return rollback(stepped, drop)
+
+    def _forward(self, x, state, segment_ids, v_first, mode, steps=False):
         check_input(x, self.num_heads * self.head_dim, segment_ids, "RWKV7TimeMix")
         if self.layer_id > 0 and v_first is None:
             raise ValueError(f"RWKV7TimeMix(layer_id={self.layer_id}) needs v_first, the v returned by layer 0")
@@ -159,7 +166,7 @@ class RWKV7TimeMix(nnx.Module):
         p = lambda w: w[...].astype(dt)
         f32 = lambda y: y.astype(jnp.float32)
         x = x.astype(dt)
-        prev, last = token_shift(x, state.shift, segment_ids)
+        prev, last = token_shift(x, state.shift, segment_ids, steps)
         xr, xw, xk, xv, xa, xg = x + (prev - x) * p(self.mu)[:, None, None]  # 6 x (B, T, D)
         r, k, v = xr @ p(self.w_r), xk @ p(self.w_k), xv @ p(self.w_v)
         d = self.decay_base[...] + f32(jnp.tanh(xw @ p(self.decay_a)) @ p(self.decay_b))
@@ -176,13 +183,15 @@ class RWKV7TimeMix(nnx.Module):
         kappa = kappa * jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.square(kappa), axis=-1, keepdims=True), 1e-24))
         k = f32(k) * (1.0 + (a - 1.0) * self.replace_rate[...])
         r, k, v, a = heads(r), heads(k), heads(v), heads(a)
-        o, wkv = wkv7(r, heads(w_log), k, v, -kappa, kappa * a, segment_ids=segment_ids, initial_state=state.wkv,
-                      output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl,
-                      max_decay=math.exp(-0.5))
+        op = lambda S, r, w, k, v, a, b: wkv7(r, w, k, v, a, b, segment_ids=segment_ids, initial_state=S,
+                                              output_final_state=True, mode=mode, chunk_size=self.chunk_size,
+                                              impl=self.impl, max_decay=math.exp(-0.5))
+        args = (state.wkv, r, heads(w_log), k, v, -kappa, kappa * a)
+        o, wkv = stepwise(op, *args) if steps else op(*args)
         o = head_group_norm(o, self.ln_weight[...], self.ln_bias[...], self.eps)  # (B, T, D) float32
         o = o + (jnp.sum(f32(r) * k * self.bonus[...], axis=-1, keepdims=True) * f32(v)).reshape(B, T, D)
         y = (o.astype(dt) * g) @ p(self.w_o)
-        return y, RWKVTimeMixState(shift=last, wkv=wkv), v_first
+        return y, (RWKVTimeMixState.stepped if steps else RWKVTimeMixState)(last, wkv), v_first
 
 
 class RWKV7ChannelMix(nnx.Module):
@@ -208,10 +217,16 @@ class RWKV7ChannelMix(nnx.Module):
         return self.decode(x, self.init_state(x.shape[0], x.shape[1]), segment_ids=segment_ids)[0]
 
     def decode(self, x: Float[Array, "B T D"], state: RWKVChannelMixState, *,
-               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], RWKVChannelMixState]:
+               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False
+               ) -> tuple[Float[Array, "B T D"], RWKVChannelMixState]:
+        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
         check_input(x, self.mu_k.shape[0], segment_ids, "RWKV7ChannelMix")
+        check_steps(steps, segment_ids, "RWKV7ChannelMix")
         p = lambda w: w[...].astype(self.dtype)
         x = x.astype(self.dtype)
-        prev, last = token_shift(x, state.shift, segment_ids)
+        prev, last = token_shift(x, state.shift, segment_ids, steps)
         k = jnp.square(jax.nn.relu((x + (prev - x) * p(self.mu_k)) @ p(self.w_k)))  # (B, T, F)
-        return k @ p(self.w_v), RWKVChannelMixState(shift=last)
+        return k @ p(self.w_v), (RWKVChannelMixState.stepped if steps else RWKVChannelMixState)(last)
+
+    def rollback(self, stepped: RWKVChannelMixState, drop: Int[Array, " B"]) -> RWKVChannelMixState:
+        return rollback(stepped, drop)

@@ -8,25 +8,83 @@ Like `flax.struct.dataclass`, except that JAX rebuilds a state without calling i
 equinox does). The suite checks every annotation at run time (jaxtyping's import hook), and that
 check belongs on the states a layer builds, not on the ShapeDtypeStructs, tracers, shapes or
 shardings that `jax.eval_shape`, `jit` and `jax.tree.map` put in the fields of the copies they make.
+
+Rolling back without rerunning tokens (speculative decoding): `decode(x, state, steps=True)` returns
+a *stepped* state, in which each field holds its value after each of the call's T tokens, a leading
+axis T: (T, B, ...). `rollback(stepped, drop)` then picks, for row b, its value after token
+T - 1 - drop[b]. A field that a layer cannot afford to keep per step (a KV cache's slots) is declared
+`final`, `@state(final=("k", "v"))`: it is kept as the call left it, and the layer must make the
+rolled-back state read it correctly (slots past a row's index are never read). `stepwise` runs a
+recurrent op token by token to collect those steps: T is a handful of draft tokens, and the
+projections around the op still run as one parallel pass.
 """
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
 
 
-def state(cls):
+def state(cls=None, *, final: tuple[str, ...] = ()):
+    """`@state` or `@state(final=names)`: the fields a stepped state keeps once, as the call left them."""
+    if cls is None:
+        return lambda cls: state(cls, final=final)
     cls = dataclasses.dataclass(frozen=True)(cls)
     names = tuple(f.name for f in dataclasses.fields(cls))
+    if set(final) - set(names):
+        raise ValueError(f"{cls.__name__}: final={final} names no field of {names}")
+    cls.final_fields = frozenset(final)
 
-    def flatten(s):
-        return [(jax.tree_util.GetAttrKey(n), getattr(s, n)) for n in names], None
-
-    def unflatten(_, children):
+    def stepped(cls, *values, **fields):
+        """A stepped state (fields in order, as for __init__), built without __init__ and so without its
+        annotation check: the leading T of its fields is not in the annotations."""
         s = object.__new__(cls)
-        for name, child in zip(names, children, strict=True):
-            object.__setattr__(s, name, child)
+        for name, value in {**dict(zip(names, values)), **fields}.items():
+            object.__setattr__(s, name, value)
         return s
 
-    jax.tree_util.register_pytree_with_keys(cls, flatten, unflatten)
+    cls.stepped = classmethod(stepped)
+    jax.tree_util.register_pytree_with_keys(
+        cls, lambda s: ([(jax.tree_util.GetAttrKey(n), getattr(s, n)) for n in names], None),
+        lambda _, children: cls.stepped(*children))
     return cls
+
+
+def is_state(x) -> bool:
+    return hasattr(type(x), "final_fields")
+
+
+def check_steps(steps: bool, segment_ids, where: str):
+    if steps and segment_ids is not None:
+        raise ValueError(f"{where}: decode with steps=True needs segment_ids=None (a verify pass continues one "
+                         "document per row)")
+
+
+def stepwise(op, initial_state, *sequences):
+    """Run `op(state, *slices) -> (out, state)` on the 1-token slices (B, 1, ...) of `sequences`
+    (B, T, ...; None passes through), one token after another: returns the outputs (B, T, ...) and
+    the state after every token, stacked (T, B, ...)."""
+    def body(carry, xs):
+        out, carry = op(carry, *(None if x is None else x[:, None] for x in xs))
+        return carry, (out, carry)
+
+    time_major = tuple(None if x is None else jnp.swapaxes(x, 0, 1) for x in sequences)  # (T, B, ...)
+    _, (out, states) = jax.lax.scan(body, initial_state, time_major)
+    return jax.tree.map(lambda y: jnp.swapaxes(y[:, :, 0], 0, 1), out), states  # out: (T, B, 1, ...) -> (B, T, ...)
+
+
+def rollback(stepped, drop: Int[Array, " B"]):
+    """The ordinary state after token T - 1 - drop[b] of the last decode(steps=True) call, for each
+    row b: every state in the pytree `stepped` takes that step of each field but its final ones (and
+    None); an array outside a state is taken as stepped too. drop (B,) int32 in [0, T - 1]."""
+    def take(a):  # (T, B, ...) -> (B, ...)
+        return a[a.shape[0] - 1 - drop, jnp.arange(a.shape[1])]
+
+    def one(s):
+        if not is_state(s):
+            return take(s)
+        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
+        return type(s)(**{n: a if a is None or n in s.final_fields else take(a) for n, a in fields.items()})
+
+    return jax.tree.map(one, stepped, is_leaf=is_state)

@@ -6,6 +6,8 @@ Every mixer kind plugs in through the registry; the model never looks at which k
 stateful FFN (one with `init_state`, e.g. RWKV's channel mix with its token shift) gets a decode
 state beside its mixer's. A mixer with `carries_v_first` (RWKV-7's value residual) receives the
 first layer's values and passes them on: the one place a layer sees another layer.
+`decode(..., steps=True)` and `rollback` pass through to every mixer and stateful FFN: speculative
+decoding rolls each row's state back to the draft tokens it keeps (layers/state.py).
 
 Early exits (`model.exits`): after block l of each configured layer count, an exit norm and the LM
 head (shared, or its own) give next-token logits from the hidden state there; `__call__(...,
@@ -63,19 +65,24 @@ class Block(nnx.Module):
         ffn = self.ffn.init_state(batch_size, max_len) if self.stateful_ffn else None
         return self.mixer.init_state(batch_size, max_len), ffn
 
-    def decode(self, x, state, segment_ids=None, v_first=None):
+    def decode(self, x, state, segment_ids=None, v_first=None, steps=False):
+        steps = {"steps": True} if steps else {}  # asked for only when used: a mixer without it still decodes
         if getattr(self.mixer, "carries_v_first", False):
             y, mixer_state, v_first = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids,
-                                                        v_first=v_first)
+                                                        v_first=v_first, **steps)
         else:
-            y, mixer_state = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids)
+            y, mixer_state = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids, **steps)
         x = x + y
         if self.ffn_norm is None:
             return x, (mixer_state, None), v_first
         if not self.stateful_ffn:
             return x + self.ffn(self.ffn_norm(x)), (mixer_state, None), v_first
-        y, ffn_state = self.ffn.decode(self.ffn_norm(x), state[1], segment_ids=segment_ids)
+        y, ffn_state = self.ffn.decode(self.ffn_norm(x), state[1], segment_ids=segment_ids, **steps)
         return x + y, (mixer_state, ffn_state), v_first
+
+    def rollback(self, stepped, drop):
+        ffn = None if stepped[1] is None else self.ffn.rollback(stepped[1], drop)
+        return self.mixer.rollback(stepped[0], drop), ffn
 
 
 class LanguageModel(nnx.Module):
@@ -200,9 +207,13 @@ class LanguageModel(nnx.Module):
                  if hasattr(s, "overflowed")]
         return jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
 
-    def decode(self, tokens: Int[Array, "B T"], state: tuple, *,
-               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T V"], tuple]:
-        """Run T >= 1 tokens from `state` (prefill or one step); returns logits and the new state."""
+    def decode(self, tokens: Int[Array, "B T"], state: tuple, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False) -> tuple[Float[Array, "B T V"], tuple]:
+        """Run T >= 1 tokens from `state` (prefill or one step); returns logits and the new state.
+
+        steps=True (segment_ids None) returns instead a stepped state, every layer's state after each
+        of the T tokens, for `rollback`: speculative decoding verifies T draft tokens in one call and
+        rolls each row back to the tokens it keeps without running them again (layers/state.py)."""
         if self.cfg.head != "lm":
             raise ValueError(f"LanguageModel.decode: model.head={self.cfg.head!r} is not a language model; "
                              "only model.head=lm decodes")
@@ -210,7 +221,12 @@ class LanguageModel(nnx.Module):
         x, v_first = constrain(self.embed_tokens(tokens), RESIDUAL), None
         new_state = []
         for block, s in zip(self.blocks, state):
-            x, s, v_first = block.decode(x, s, segment_ids=segment_ids, v_first=v_first)
+            x, s, v_first = block.decode(x, s, segment_ids=segment_ids, v_first=v_first, steps=steps)
             x = constrain(x, RESIDUAL)
             new_state.append(s)
         return self.logits(x), tuple(new_state)
+
+    def rollback(self, stepped: tuple, drop: Int[Array, " B"]) -> tuple:
+        """The state after token T - 1 - drop[b] of the last decode(..., steps=True) for each row b,
+        drop (B,) int32 in [0, T - 1]: what decoding only those tokens would have left."""
+        return tuple(block.rollback(s, drop) for block, s in zip(self.blocks, stepped))

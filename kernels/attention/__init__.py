@@ -19,7 +19,7 @@ from kernels.attention.reference import attention_reference, visible
 from kernels.attention.xla import DENSE_MAX, attention_dense_parts, attention_xla
 
 __all__ = ["attention", "attention_cached", "attention_reference", "attention_xla", "flash_attention",
-           "flash_attention_tpu", "BlockSizes", "default_block_sizes"]
+           "flash_attention_tpu", "write_rows", "BlockSizes", "default_block_sizes"]
 
 
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,
@@ -49,8 +49,10 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
 def attention_cached(q, k, v, cache_k, cache_v, *, cache_length, segment_ids=None, cache_segment_ids=None,
                      window=None, scale=None, impl="auto"):
     """A decode step's causal attention: T new queries q (B, T, H, K) with their own keys and values
-    k, v (B, T, G, K|V), against a KV cache (B, G, S, K|V), heads first, whose slots [0, cache_length)
-    hold the earlier tokens (slot s at position s); the new tokens are at positions cache_length + [0, T).
+    k, v (B, T, G, K|V), against a KV cache (B, G, S, K|V), heads first, whose slots [0, cache_length[b])
+    hold the earlier tokens of row b (slot s at position s); its new tokens are at positions
+    cache_length[b] + [0, T). cache_length is (B,) int32 (a scalar broadcasts): rows may hold
+    different numbers of tokens, as after a speculative round that kept more drafts in one row.
     segment_ids (B, T) and cache_segment_ids (B, S) mask across documents.
 
     The same as writing k, v into the cache at cache_length and calling `attention` with those query
@@ -61,19 +63,34 @@ def attention_cached(q, k, v, cache_k, cache_v, *, cache_length, segment_ids=Non
     DECODE_OPTIONS)."""
     B, T = q.shape[:2]
     S = cache_k.shape[2]
-    slots = cache_length + jnp.arange(T, dtype=jnp.int32)[None]  # (1, T)
+    length = jnp.broadcast_to(cache_length, (B,))  # (B,)
+    slots = length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # (B, T)
     if segment_ids is None:
         segment_ids, cache_segment_ids = jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32)
     if impl in ("xla", "auto") and T * S <= DENSE_MAX:  # decode-sized: the dense form
         written = jnp.arange(S, dtype=jnp.int32)[None]
-        cache_pos = jnp.where(written < cache_length, written, jnp.iinfo(jnp.int32).max)  # unwritten: never seen
+        cache_pos = jnp.where(written < length[:, None], written, jnp.iinfo(jnp.int32).max)  # (B, S): unwritten, unseen
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         own = visible(slots, slots, segment_ids, None, True, window)
         parts = [(cache_k, cache_v, visible(slots, cache_pos, segment_ids, cache_segment_ids, True, window)),
                  (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), own)]
         return attention_dense_parts(q, parts, scale)
-    kc, vc = (lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3).astype(c.dtype), (0, 0, cache_length, 0))
-              for c, x in ((cache_k, k), (cache_v, v)))
-    seg = lax.dynamic_update_slice(cache_segment_ids, segment_ids, (0, cache_length))
+    kc, vc = (write_rows(c, x.transpose(0, 2, 1, 3), length, 2) for c, x in ((cache_k, k), (cache_v, v)))
+    seg = write_rows(cache_segment_ids, segment_ids, length, 1)
     return attention(q, kc, vc, segment_ids=segment_ids, kv_segment_ids=seg, window=window, scale=scale, impl=impl,
-                     q_positions=jnp.broadcast_to(slots, (B, T)), kv_heads_first=True)
+                     q_positions=slots, kv_heads_first=True)
+
+
+def write_rows(cache, new, index, axis: int):
+    """`new` written into `cache` along `axis` from slot index[b] in row b (axis 0 is the batch of
+    both; index (B,) int32): a KV cache whose rows hold different numbers of tokens.
+
+    One dynamic_update_slice per row, unrolled: XLA updates each in place inside a decode loop,
+    where the per-row offsets of a vmapped one become a scatter that XLA on CPU copies the whole
+    cache for (7 copies per step in generate's loop at batch 2)."""
+    new = new.astype(cache.dtype)
+    for b in range(cache.shape[0]):
+        start = [b] + [0] * (cache.ndim - 1)
+        start[axis] = index[b]
+        cache = lax.dynamic_update_slice(cache, new[b:b + 1], start)
+    return cache

@@ -96,26 +96,27 @@ def test_keys_heads_first_are_the_same_call():
 def test_attention_cached_reads_the_cache_before_the_step(T, window, monkeypatch):
     """attention_cached (the cache before the step beside the step's own keys) equals writing the
     step's keys into the cache and attending with the reference: outputs and gradients, packed
-    documents, stale keys in unwritten slots (they must stay unseen), T = 12 through the
-    write-then-attend path (DENSE_MAX lowered below T * S)."""
+    documents, stale keys in unwritten slots (they must stay unseen), rows holding different numbers
+    of tokens, T = 12 through the write-then-attend path (DENSE_MAX lowered below T * S)."""
     from kernels.attention import attention_cached
     if T == 12:
         monkeypatch.setattr("kernels.attention.DENSE_MAX", 0)
-    B, S, H, G, K, index = 2, 40, 4, 2, 16, 17
+    B, S, H, G, K, index = 2, 40, 4, 2, 16, jnp.array([17, 11], jnp.int32)
     q, k, v, ct = _inputs(B, T, T, H, G, K, K, seed=3)
     ck, cv = (jax.random.normal(jax.random.key(i), (B, G, S, K)) for i in (4, 5))  # stale past `index` too
     cache_doc = jnp.broadcast_to(jnp.array([[0], [1]], jnp.int32), (B, S)).at[1, 3:8].set(0)  # stale slots too
     doc = jnp.array([[0] * T, [1] * (T - 1) + [2]], jnp.int32)
 
     def reference(q, k, v):
-        write = lambda c, x: jax.lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3), (0, 0, index, 0))
-        seg = jax.lax.dynamic_update_slice(cache_doc, doc, (0, index))
+        rows = lambda axis: jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, axis))
+        write = lambda c, x: rows(1)(c, x.transpose(0, 2, 1, 3), index)  # row b's slots from index[b]
+        seg = rows(0)(cache_doc, doc, index)
         return attention_reference(q, write(ck, k).transpose(0, 2, 1, 3), write(cv, v).transpose(0, 2, 1, 3),
                                    segment_ids=doc, kv_segment_ids=seg, window=window,
-                                   q_positions=index + jnp.arange(T)[None])
+                                   q_positions=index[:, None] + jnp.arange(T)[None])
 
     def cached(q, k, v, impl):
-        return attention_cached(q, k, v, ck, cv, cache_length=jnp.int32(index), segment_ids=doc,
+        return attention_cached(q, k, v, ck, cv, cache_length=index, segment_ids=doc,
                                 cache_segment_ids=cache_doc, window=window, impl=impl)
 
     want = _out_and_grads(lambda q, k, v: reference(q, k, v), q, k, v, ct, kw={})

@@ -5,6 +5,9 @@ tests/layers/test_conformance.py, and a kind's own variants in its test file):
   training mode its gradients w.r.t. the input and every parameter (every form's gradients are
   compared with the reference's op by op in tests/kernels);
 - prefill (with a document start inside it) + token-by-token decode equals the full pass;
+- speculative rollback: decode(steps=True) of a chunk gives decode's outputs, and `rollback` gives
+  each row the state of decoding only the tokens it keeps (rows keeping different numbers), from
+  which decoding goes on as from that state;
 - a packed row equals its documents run alone;
 - gradients are finite and reach every parameter;
 - the decode state has fixed shapes: it does not grow with max_len (unless the layer says
@@ -13,13 +16,14 @@ tests/layers/test_conformance.py, and a kind's own variants in its test file):
 - shape annotations are checked (the suite runs under jaxtyping's import hook): a wrong input shape
   fails at the layer's edge; and without the checker (as users run) the layer's own ValueError names
   the expected and the given shape, for x of the wrong rank or width and segment_ids of the wrong
-  shape, in __call__ and in decode.
+  shape, in __call__ and in decode; and decode(steps=True) refuses segment_ids.
 
 A layer keeps `impl` (and, where it has modes, `mode`) as attributes read at call time, so one set of
 parameters runs in every mode. A layer with `carries_v_first` (RWKV-7 after layer 0) gets a v_first
 input treated like x. All outputs come from one jitted function: compiles dominate the suite.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -31,6 +35,7 @@ from flax import nnx
 from tests.util import assert_close, assert_tree_close
 
 B, T, P, CUT = 2, 20, 12, 5  # batch, length, prefill length, document start inside row 0's prefill
+K, DROP = 5, (0, 3)  # a speculative chunk after the prefill, and the tokens of it each row drops
 SEG = jnp.zeros((B, T), jnp.int32).at[0, CUT:].set(1)
 
 
@@ -56,11 +61,26 @@ def _call(m, x, seg, vf):
     return m(x, segment_ids=seg)
 
 
-def _decode(m, x, state, seg, vf):
+def _decode(m, x, state, seg, vf, **steps):
     if getattr(m, "carries_v_first", False):
-        y, state, _ = m.decode(x, state, segment_ids=seg, v_first=vf)
+        y, state, _ = m.decode(x, state, segment_ids=seg, v_first=vf, **steps)
         return y, state
-    return m.decode(x, state, segment_ids=seg)
+    return m.decode(x, state, segment_ids=seg, **steps)
+
+
+def rollback_outputs(m, x, vf, state):
+    """From the prefill's `state`: a chunk of K tokens decoded plainly and with steps=True, the
+    stepped state rolled back by DROP, the state of decoding only each row's kept tokens, and the
+    outputs of 3 more tokens from either."""
+    part = lambda a, lo, hi: None if a is None else a[:, lo:hi]
+    dec = lambda lo, hi, s, **kw: _decode(m, x[:, lo:hi], s, None, part(vf, lo, hi), **kw)
+    y, full = dec(P, P + K, state)
+    y_steps, stepped = dec(P, P + K, state, steps=True)
+    rolled = m.rollback(stepped, jnp.asarray(DROP, jnp.int32))
+    _, short = dec(P, P + K - DROP[1], state)
+    kept = jax.tree.map(lambda a, b: jnp.concatenate([a[:1], b[1:]]), full, short)  # DROP[0] = 0: row 0 all K
+    after = lambda s: dec(P + K, P + K + 3, s)[0]
+    return dict(plain=y, steps=y_steps, rolled=rolled, kept=kept, after_rolled=after(rolled), after_kept=after(kept))
 
 
 def _alone(a):
@@ -104,6 +124,7 @@ def protocol_outputs(layer, modes, x, vf, grad_mode):
         out["decode"] = jnp.concatenate([y_prefill, jnp.swapaxes(y_steps, 0, 1)], axis=1)
         out["alone"] = _call(m, alone[0], None, alone[1])
         out["unpacked"] = _call(m, x, None, vf)
+        out["rollback"] = rollback_outputs(m, x, vf, state)
         return out, grads
 
     return run(params, rest, x, vf, alone)
@@ -133,10 +154,35 @@ def check_mixer(make, D, modes=(), *, tol=1e-4, grad_tol=1e-4):
     for path, g in jax.tree_util.tree_leaves_with_path(grads["reference"][0]):
         g = np.asarray(g)
         assert np.isfinite(g).all() and np.abs(g).max() > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
+    check_rollback(out["rollback"], tol)
     check_state(layer, D)
     check_bfloat16(make, D)
     check_annotations(layer, D)
     check_input_errors(layer, D)
+
+
+def check_rollback(r, tol):
+    """Field by field: a KV cache's slots only below each row's index (the ones it reads)."""
+    from layers import KVCache
+    from layers.state import is_state
+
+    assert_close(r["steps"], r["plain"], tol, "decode: steps=True vs steps=False")
+    for got, want in zip(*(jax.tree.leaves(r[k], is_leaf=is_state) for k in ("rolled", "kept")), strict=True):
+        for f in dataclasses.fields(got):
+            a, b = getattr(got, f.name), getattr(want, f.name)
+            what = f"rollback {type(got).__name__}.{f.name}"
+            if a is None:
+                assert b is None, what
+                continue
+            a, b = np.asarray(a), np.asarray(b)
+            if isinstance(got, KVCache) and f.name in got.final_fields:
+                seen = np.arange(a.shape[-1 if a.ndim == 2 else 2])[None] < np.asarray(got.index)[:, None]  # (B, S)
+                a, b = ((c if c.ndim == 2 else np.swapaxes(c, 1, 2))[seen] for c in (a, b))  # slots first
+            if np.issubdtype(a.dtype, np.integer):
+                np.testing.assert_array_equal(a, b, what)
+            else:
+                assert_close(a, b, tol, what)
+    assert_close(r["after_rolled"], r["after_kept"], tol, "decoding on from the rolled-back state")
 
 
 def check_state(layer, D):
@@ -189,3 +235,6 @@ def check_input_errors(layer, D):
                               ((B, T, D), seg, "expected segment_ids of shape")):
             with unchecked(), pytest.raises(ValueError, match=message):
                 jax.eval_shape(call, jax.ShapeDtypeStruct(x, jnp.float32), s)
+    with pytest.raises(ValueError, match="steps=True needs segment_ids=None"):  # a verify pass has no packing
+        jax.eval_shape(lambda x: _decode(layer, x, layer.init_state(B, 64), SEG, x, steps=True),
+                       jax.ShapeDtypeStruct((B, T, D), jnp.float32))

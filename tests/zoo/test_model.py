@@ -1,12 +1,15 @@
-"""LanguageModel itself: causality, prompts of different lengths in one batch, an untied head and
-bfloat16 compute. Decoding and packing of every shipped config: test_kinds.py; every mixer's own
-protocol: tests/layers/test_conformance.py."""
+"""LanguageModel itself: causality, prompts of different lengths in one batch, an untied head,
+bfloat16 compute, and rolling a decode state back per row (speculative decoding). Decoding and
+packing of every shipped config: test_kinds.py; every mixer's own protocol:
+tests/layers/test_conformance.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from tests.layers.conformance import perturbed
 from tests.util import assert_close, decode_in_pieces, forward, tiny_model
 
 ATTENTION_VARIANTS = {
@@ -55,3 +58,32 @@ def test_untied_head_and_bfloat16_compute():
     logits = forward(bf16, tokens)
     assert logits.dtype == jnp.float32 and bf16.embed.embedding[...].dtype == jnp.float32
     assert_close(logits, forward(tiny_model(), tokens), 5e-2, "bf16 vs f32")
+
+
+@pytest.mark.parametrize("model_kw", [
+    {"layer_pattern": [{"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
+                       {"kind": "gated_deltanet", "num_heads": 2, "head_dim": 8}]},
+    {"mixer": {"kind": "rwkv7", "head_dim": 16}, "ffn": {"kind": "rwkv7_channel_mix"}},  # v_first, a stateful FFN
+], ids=["attention+gated_deltanet", "rwkv7"])
+def test_rollback_continues_as_the_kept_tokens(model_kw):
+    """A verify chunk of K tokens decoded with steps=True (the logits of a plain decode), rolled back
+    by a different number of tokens per row, goes on as if each row had decoded only the tokens it
+    keeps: the next tokens of each row give the full pass's logits at their positions."""
+    P, K, drop = 6, 4, np.array([1, 3], np.int32)
+    model = perturbed(tiny_model(**model_kw))
+    tokens = jax.random.randint(jax.random.key(3), (2, P + K + 2), 0, 256)
+    kept = P + K - drop  # (B,) tokens each row keeps
+    after = jnp.asarray(np.asarray(tokens)[np.arange(2)[:, None], kept[:, None] + np.arange(2)])  # (B, 2)
+
+    @nnx.jit
+    def run(model, tokens, after, drop):
+        _, state = model.decode(tokens[:, :P], model.init_state(2, P + K + 2))
+        plain, _ = model.decode(tokens[:, P:P + K], state)
+        logits, stepped = model.decode(tokens[:, P:P + K], state, steps=True)
+        return plain, logits, model.decode(after, model.rollback(stepped, drop))[0]
+
+    plain, logits, then = run(model, tokens, after, jnp.asarray(drop))
+    full = np.asarray(forward(model, tokens))
+    assert_close(logits, plain, 1e-4, "steps=True vs plain decode")
+    assert_close(logits, full[:, P:P + K], 1e-4, "steps=True vs full pass")
+    assert_close(then, full[np.arange(2)[:, None], kept[:, None] + np.arange(2)], 1e-4, "after rollback")
