@@ -39,7 +39,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from layers.state import join_steps, take_rows
+from layers.state import join_steps, take_rows, without_final
 
 
 def warp(logits, temperature, top_k: int | None, top_p):
@@ -89,7 +89,7 @@ def model_drafter(model, k: int) -> Drafter:
     """Another model with the same vocabulary, fed last, d_1, .., d_k so that any n is a rollback away."""
     def step(tok, state):
         logits, stepped = model.decode(tok[:, None], state, steps=True)
-        return logits[:, 0], model.rollback(stepped, jnp.zeros(tok.shape, jnp.int32)), stepped
+        return logits[:, 0], model.rollback(stepped, jnp.zeros(tok.shape, jnp.int32)), without_final(stepped)
 
     return Drafter(step, lambda _, draft_state: draft_state, model.rollback, k + 1)
 

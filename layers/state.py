@@ -23,7 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 
 def state(cls=None, *, final: tuple[str, ...] = ()):
@@ -74,17 +74,51 @@ def stepwise(op, initial_state, *sequences):
     return jax.tree.map(lambda y: jnp.swapaxes(y[:, :, 0], 0, 1), out), states  # out: (T, B, 1, ...) -> (B, T, ...)
 
 
+def map_fields(fn, *trees, build: bool = False):
+    """fn(final, *values) on each field of every state in the pytrees (which share one structure), final
+    telling whether the field is one of its state's final fields; None fields stay None, an array
+    outside a state counts as a field that is not final. build=True makes ordinary states (through
+    __init__, so their annotations are checked), else states built as `stepped` ones."""
+    def one(*ss):
+        s = ss[0]
+        if not is_state(s):
+            return fn(False, *ss)
+        values = {f.name: None if getattr(s, f.name) is None else fn(f.name in s.final_fields,
+                                                                      *(getattr(x, f.name) for x in ss))
+                  for f in dataclasses.fields(s)}
+        return type(s)(**values) if build else type(s).stepped(**values)
+
+    return jax.tree.map(one, *trees, is_leaf=is_state)
+
+
 def rollback(stepped, drop: Int[Array, " B"]):
     """The ordinary state after token T - 1 - drop[b] of the last decode(steps=True) call, for each
     row b: every state in the pytree `stepped` takes that step of each field but its final ones (and
     None); an array outside a state is taken as stepped too. drop (B,) int32 in [0, T - 1]."""
-    def take(a):  # (T, B, ...) -> (B, ...)
-        return a[a.shape[0] - 1 - drop, jnp.arange(a.shape[1])]
+    take = lambda a: a[a.shape[0] - 1 - drop, jnp.arange(a.shape[1])]  # (T, B, ...) -> (B, ...)
+    return map_fields(lambda final, a: a if final else take(a), stepped, build=True)
 
-    def one(s):
-        if not is_state(s):
-            return take(s)
-        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
-        return type(s)(**{n: a if a is None or n in s.final_fields else take(a) for n, a in fields.items()})
 
-    return jax.tree.map(one, stepped, is_leaf=is_state)
+def take_rows(stepped, rows: Int[Array, " R"]):
+    """Rows `rows` of a stepped state: axis 1 of its stepped fields (T, B, ...), axis 0 of final ones."""
+    return map_fields(lambda final, a: a[rows] if final else a[:, rows], stepped)
+
+
+def hold(keep: Bool[Array, " B"], old, new):
+    """Ordinary states: `new` in the rows where keep (B,) is True, `old` in the others; final fields from
+    `new` (a held row's index did not move, so it never reads what the call wrote past it)."""
+    where = lambda n, o: jnp.where(keep.reshape(-1, *(1,) * (n.ndim - 1)), n, o)
+    return map_fields(lambda final, n, o: n if final else where(n, o), new, old)
+
+
+def without_final(stepped):
+    """A stepped state without its final fields (None): what a scan of 1-token decode(steps=True) calls
+    keeps per step, instead of a copy of a KV cache per step."""
+    return map_fields(lambda final, a: None if final else a, stepped)
+
+
+def join_steps(after, steps):
+    """One stepped state from S consecutive 1-token decode(steps=True) calls: `steps` their
+    `without_final` states stacked by a scan, (S, 1, B, ...), `after` the ordinary state after the
+    last call, which holds the final fields."""
+    return map_fields(lambda final, a, s: a if final else s.reshape(s.shape[0], *s.shape[2:]), after, steps)
