@@ -14,12 +14,20 @@ exit; 1: never). With a decay τ > 0 the threshold falls along the output as CAL
 λ_t = clip((9 λ + exp(-τ t / N)) / 10, 0, 1), t the index of the token and N = max_new_tokens.
 
 State of the layers a token skips (the choice made here): a row that stops at layer l keeps its hidden
-state h_l, and every later block still runs on h_l for that row; its output is discarded, but an
-attention layer writes K/V computed from h_l (CALM's propagation) and a recurrent layer advances its
-state from h_l, so later tokens see a complete state of every layer. benchmarks/early_exit.py measures
-what this costs against the ideal of states from the full-depth hidden states. Because every block still
-runs, token-level exit here buys accuracy-per-layer figures, not wall time; a depth per sequence
-(`level="sequence"`) skips the layers past it for real, since no later token reads them.
+state h_l, and every later layer still advances on h_l for that row (CALM's propagation): an attention
+layer writes K/V computed from h_l and a recurrent layer advances its state from h_l, so later tokens see
+a complete state of every layer. benchmarks/early_exit.py measures what this costs against the ideal of
+states from the full-depth hidden states.
+
+What that costs in time: once every row of the batch has stopped, a later block only advances its state
+(`jax.lax.cond` on all rows, so per batch, not per row: a batch of one always saves; in a batch of B the
+work past layer l is skipped only at tokens where every row stopped at or before l). The branch calls the
+block's decode and drops its output, and XLA removes what only that output reads: attention keeps its
+K/V projections and cache write (no query, attention or output projection), a recurrent layer its state
+update (no output path), and the FFN goes, except a stateful one (RWKV's channel mix), whose token shift
+needs the mixer's output, so there the mixer runs whole and only the FFN's output projection goes. The
+exit heads and the final head are skipped too. The states and tokens are those of running every block
+in full (`full_blocks=True`, the reference, kept for tests and the benchmark).
 
 Self-speculative decoding: the first `draft` layers and that exit's head draft k tokens greedily; the full
 model verifies them in one pass over k + 1 tokens; the longest prefix on which every active row agrees
@@ -63,38 +71,47 @@ def threshold_at(threshold, decay: float, t, n: int):
     return jnp.where(threshold < 1, jnp.clip((9 * threshold + jnp.exp(-decay * t / n)) / 10, 0, 1), threshold)
 
 
-def exit_pass(model, tokens, state, *, stop_rule, segment_ids=None, freeze: bool = True, skip: bool = False):
+def exit_pass(model, tokens, state, *, stop_rule, segment_ids=None, freeze: bool = True, skip: bool = False,
+              full_blocks: bool = False):
     """Run `tokens` (B, T) through the blocks from `state`, deciding exits at the last position.
 
     stop_rule(j, h, h_prev, logits) -> (B,) bool says which rows stop at exit j. With `freeze`, a stopped
-    row's hidden state is held for the later blocks (T must be 1); with `skip`, blocks that every row
-    has passed are not run at all (their state is left as it was). Returns the chosen next-token logits
-    (B, V), the layer count each row used (B,), and the new state."""
+    row's hidden state is held for the later blocks (T must be 1); once every row has stopped, a later
+    block only advances its state from it (the module docstring), unless `full_blocks` (every block runs in
+    full: the reference, same result). With `skip`, blocks that every row has passed are not run at all
+    (their state is left as it was). Returns the chosen next-token logits (B, V), the layer count each row
+    used (B,), and the new state."""
     B = tokens.shape[0]
     L = len(model.blocks)
     where = {layer: j for j, layer in enumerate(model.exit_layers)}
+    lean = skip or (freeze and not full_blocks)  # work past the exits is cut once every row has stopped
     x, v_first = model.embed_tokens(tokens), None
     done, used = jnp.zeros((B,), bool), jnp.full((B,), L, jnp.int32)
     chosen = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
     h_prev, new_state = x[:, -1], []
     for i, (block, s) in enumerate(zip(model.blocks, state)):
-        if skip and i >= model.exit_layers[0]:  # v_first is set by now: both branches return one pytree
-            y, s, v_first = jax.lax.cond(jnp.all(done), lambda x, s, v: (x, s, v),
-                                         lambda x, s, v: block.decode(x, s, segment_ids=segment_ids, v_first=v),
-                                         x, s, v_first)
+        run = lambda x, s, v, block=block: block.decode(x, s, segment_ids=segment_ids, v_first=v)
+        if lean and i >= model.exit_layers[0]:  # v_first is set by now: both branches return one pytree
+            past = (lambda x, s, v: (x, s, v)) if skip else (lambda x, s, v: (x, *run(x, s, v)[1:]))
+            y, s, v_first = jax.lax.cond(jnp.all(done), past, run, x, s, v_first)
         else:
-            y, s, v_first = block.decode(x, s, segment_ids=segment_ids, v_first=v_first)
+            y, s, v_first = run(x, s, v_first)
         x = jnp.where(done[:, None, None], x, y) if freeze else y
         new_state.append(s)
         if i + 1 in where:
             j = where[i + 1]
-            h = x[:, -1]
-            logits = model.exit_logits(j, x[:, -1:])[:, 0]
-            stop = ~done & stop_rule(j, h, h_prev, logits)
-            chosen = jnp.where(stop[:, None], logits, chosen)
-            used = jnp.where(stop, i + 1, used)
-            done, h_prev = done | stop, h
-    chosen = jnp.where(done[:, None], chosen, model.logits(x[:, -1:])[:, 0])
+
+            def decide(x, chosen, used, done, h_prev, i=i, j=j):
+                h = x[:, -1]
+                logits = model.exit_logits(j, x[:, -1:])[:, 0]
+                stop = ~done & stop_rule(j, h, h_prev, logits)
+                return (jnp.where(stop[:, None], logits, chosen), jnp.where(stop, i + 1, used), done | stop, h)
+
+            carry = (x, chosen, used, done, h_prev)
+            chosen, used, done, h_prev = (jax.lax.cond(jnp.all(done), lambda x, *c: c, decide, *carry) if lean
+                                          else decide(*carry))
+    final = lambda x, chosen: jnp.where(done[:, None], chosen, model.logits(x[:, -1:])[:, 0])
+    chosen = jax.lax.cond(jnp.all(done), lambda x, c: c, final, x, chosen) if lean else final(x, chosen)
     return chosen, used, tuple(new_state)
 
 

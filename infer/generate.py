@@ -54,6 +54,7 @@ class Exits:
     decay: float = 0.0
     speculative: int = 0  # draft length k; 0 = off
     draft: int = 0  # layers of the draft model
+    full_blocks: bool = False  # token level: run skipped blocks in full (the reference; same tokens, slower)
 
 
 # Decode loops carry every layer's state through a while loop. XLA on CPU copies a loop-carried buffer
@@ -94,7 +95,8 @@ def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, st
 
         def step(last, state, i):
             logits, used, state = early_exit.exit_pass(model, last[:, None], state, stop_rule=rule(i),
-                                                       skip=exits.level == "sequence")
+                                                       skip=exits.level == "sequence",
+                                                       full_blocks=exits.full_blocks)
             return logits, state, used
 
         logits, used, state = early_exit.exit_pass(model, tokens, state, stop_rule=rule(0), segment_ids=segment_ids,
@@ -135,7 +137,7 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
              top_p: float | None = None, seed: int = 0, stop_token: int | None = None,
              exit_threshold: float | None = None, exit_measure: str = "softmax", exit_decay: float = 0.0,
              exit_level: str = "token", speculative: int | None = None, draft_layers: int | None = None,
-             return_info: bool = False):
+             return_info: bool = False, exit_full_blocks: bool = False):
     """New token ids for each prompt (a list of token-id lists of any lengths).
 
     temperature 0 is greedy; top_k / top_p restrict sampling; a row ends after `stop_token` (which is
@@ -144,7 +146,10 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
     Early exit (a model with `model.exits`, see infer/early_exit.py): `exit_threshold` in [0, 1] turns it
     on, with `exit_measure` (softmax, margin, saturation, classifier), `exit_decay` (CALM's threshold
     decay along the output) and `exit_level` (token: decided per token and row; sequence: one depth per
-    row, chosen from its prompt). `speculative=k` drafts k tokens with the first `draft_layers` layers
+    row, chosen from its prompt). At the token level, the layers past the exit only advance their state
+    (no output path) at a token where every row of the batch has exited (batch 1: every token); at other
+    tokens they run in full; `exit_full_blocks` always runs them in full (the same tokens and states,
+    slower: the reference). `speculative=k` drafts k tokens with the first `draft_layers` layers
     (an exit layer; default the first) and verifies them with the full model: greedy only, and the
     tokens are exactly plain greedy decoding's. With `return_info`, also returns a dict with
     `exit_layers` (the layers each token used, per row) and, when speculating, `acceptance` (accepted
@@ -165,6 +170,7 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
     if stop_token is not None and not 0 <= stop_token < V:
         raise ValueError(f"generate: stop_token={stop_token} is not a token id in [0, {V})")
     exits = _exits(model, temperature, exit_threshold, exit_measure, exit_decay, exit_level, speculative, draft_layers)
+    exits = exits and dataclasses.replace(exits, full_blocks=exit_full_blocks)
     P = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), P), np.int32)
     segments = np.zeros((len(prompts), P), np.int32)
