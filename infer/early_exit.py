@@ -19,18 +19,20 @@ layer writes K/V computed from h_l and a recurrent layer advances its state from
 a complete state of every layer. benchmarks/early_exit.py measures what this costs against the ideal of
 states from the full-depth hidden states.
 
-Doing that cheaply: once every row of the batch has stopped, a later block only advances its state
-(`jax.lax.cond` on all rows, so per batch, not per row: a batch of one always saves; in a batch of B the
-work past layer l is skipped only at tokens where every row stopped at or before l, and at other tokens
-the block runs in full for every row). The branch calls the block's decode and drops its output, and XLA
-removes what only that output reads: attention keeps its K/V projections and cache write (no query,
-attention or output projection; 2 of an attention block's 9 matmuls, and its time alone, 68 against
-604 us at d_model 512 on CPU, is that of K/V written by hand), a recurrent layer its state update (no
-output path), and the FFN goes, except a stateful one (RWKV's channel mix), whose token shift reads the
-mixer's output: there the mixer runs whole and only the FFN's matmuls go. The exit heads and the final
-head are skipped too. Tokens and states are those of running every block in full (`full_blocks=True`,
-the reference, kept for the tests and the benchmark); the states bitwise under XLA's default CPU
-optimisation, and to rounding where a compiler fuses the smaller branch differently.
+Doing that cheaply: once every row of the batch has stopped, a later block only advances its state.
+The test is on all rows (`jnp.all(done)`), so the saving is per batch, not per row: a batch of one always
+saves; in a batch of B the work past layer l is skipped only at tokens where every row stopped at or
+before l, and at other tokens the block runs in full for every row. The branch that advances calls the
+block's decode and drops its output, and XLA removes what only that output reads: attention keeps its
+K/V projections and cache write (no query, attention or output projection: 2 of an attention block's 9
+matmuls; alone, 68 against 604 us per token at d_model 512 on CPU, the time of K/V written by hand), a
+recurrent layer its state update (no output path), and the FFN goes, except a stateful one (RWKV's
+channel mix), whose token shift reads the mixer's output: there the mixer runs whole and only the FFN's
+matmuls go. The exit heads and the final head are skipped too. The blocks branch through `when` (a
+while loop of 0 or 1 trips, which updates a KV cache in place), the heads through `lax.cond`. Tokens and
+states are those of running every block in full (`full_blocks=True`, the reference, kept for the tests
+and the benchmark): the states bitwise under XLA's default CPU optimisation, and to rounding where a
+compiler fuses the smaller branch differently.
 
 Self-speculative decoding: the first `draft` layers and that exit's head draft k tokens greedily; the full
 model verifies them in one pass over k + 1 tokens; the longest prefix on which every active row agrees
@@ -49,9 +51,11 @@ def confidence(model, measure: str, j: int, h, h_prev, logits):
     """Confidence (B,) of exit j: h, h_prev (B, D) hidden states, logits (B, V) float32."""
     if measure == "softmax":
         return jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
-    if measure == "margin":
-        top = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), 2)[0]
-        return top[:, 0] - top[:, 1]
+    if measure == "margin":  # top_k(p, 2) without its sort (slow on CPU): the max, and the max without one argmax
+        p = jax.nn.softmax(logits, axis=-1)
+        first = jnp.argmax(p, axis=-1)
+        rest = jnp.where(jnp.arange(p.shape[-1]) == first[:, None], -jnp.inf, p)
+        return jnp.max(p, axis=-1) - jnp.max(rest, axis=-1)
     if measure == "saturation":
         h, h_prev = h.astype(jnp.float32), h_prev.astype(jnp.float32)
         cos = jnp.sum(h * h_prev, -1) * jax.lax.rsqrt(jnp.sum(h * h, -1) * jnp.sum(h_prev * h_prev, -1) + 1e-12)
@@ -72,6 +76,14 @@ def threshold_at(threshold, decay: float, t, n: int):
     if decay == 0:
         return threshold
     return jnp.where(threshold < 1, jnp.clip((9 * threshold + jnp.exp(-decay * t / n)) / 10, 0, 1), threshold)
+
+
+def when(pred, f, *args):
+    """f(*args) if pred else args (f returns the pytree it takes), as a while loop of 0 or 1 trips rather than
+    a `lax.cond`: XLA (CPU) copies a buffer that the branches of a conditional update in place, in one branch,
+    and a KV cache is such a buffer; a while loop updates its state in place. Measured (d_model 128, 4096
+    cache slots, every token at the first exit): 757 us per token with lax.cond, 508 with this."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (False, *f(*c[1:])), (pred, *args))[1:]
 
 
 def exit_pass(model, tokens, state, *, stop_rule, segment_ids=None, freeze: bool = True, skip: bool = False,
@@ -96,7 +108,7 @@ def exit_pass(model, tokens, state, *, stop_rule, segment_ids=None, freeze: bool
         run = lambda x, s, v, block=block: block.decode(x, s, segment_ids=segment_ids, v_first=v)
         if lean and i >= model.exit_layers[0]:  # v_first is set by now: both branches return one pytree
             past = (lambda x, s, v: (x, s, v)) if skip else (lambda x, s, v: (x, *run(x, s, v)[1:]))
-            y, s, v_first = jax.lax.cond(jnp.all(done), past, run, x, s, v_first)
+            y, s, v_first = when(~jnp.all(done), run, *when(jnp.all(done), past, x, s, v_first))  # one of them
         else:
             y, s, v_first = run(x, s, v_first)
         x = jnp.where(done[:, None, None], x, y) if freeze else y
