@@ -15,8 +15,9 @@
    thresholds, batch 1 and 8, for the two ways of advancing the layers a token skips, which give the same
    tokens: `every block` (each block runs in full on the exited hidden state, output discarded) and
    `state only` (the decoder's way: once every row has exited, a block only advances its state). All
-   settings in one run, interleaved, best of --repeats. `batch layers` is the mean over tokens of the
-   deepest row's layers: the depth the batch runs in full.
+   settings in one run, interleaved, best of --repeats, in wall time and in CPU time (the steadier on a
+   shared machine). `batch layers` is the mean over tokens of the deepest row's layers: the depth the
+   batch runs in full.
 
 Writes runs/bench/early_exit.json and runs/bench/early_exit.png (layers used against agreement and loss).
 `--sections token_speed` runs only section 3 (any subset of quality, speed, token_speed).
@@ -103,7 +104,8 @@ TOKEN_THRESHOLDS = {"softmax": (0.0, 0.5, 0.7, 0.9, 0.95), "margin": (0.5, 0.7, 
 
 
 def token_speed(model, prompts, new_tokens, repeats=5):
-    """Section 3: rows for batch len(prompts) (see the module docstring)."""
+    """Section 3: rows for batch len(prompts) (see the module docstring). Each setting's best wall time, and
+    its best CPU time of this process (all its threads): on a shared machine the steadier measure of work."""
     L = len(model.blocks)
     settings = {("greedy", None, None): {}}
     for measure, thresholds in TOKEN_THRESHOLDS.items():
@@ -111,30 +113,33 @@ def token_speed(model, prompts, new_tokens, repeats=5):
             for full in (True, False):
                 settings[(measure, threshold, full)] = dict(exit_threshold=threshold, exit_measure=measure,
                                                             exit_full_blocks=full)
-    run = lambda kw: infer.generate(model, prompts, max_new_tokens=new_tokens, **kw)
     outs = {key: infer.generate(model, prompts, max_new_tokens=new_tokens, return_info=True, **kw)
             for key, kw in settings.items()}  # compiles (the threshold is traced: one per measure and path)
-    best = dict.fromkeys(settings, float("inf"))
+    wall, cpu = dict.fromkeys(settings, float("inf")), dict.fromkeys(settings, float("inf"))
     for _ in range(repeats):  # interleaved: a slow spell of a shared machine hits every setting alike
         for key, kw in settings.items():
-            t0 = time.perf_counter()
-            run(kw)
-            best[key] = min(best[key], time.perf_counter() - t0)
+            t0, c0 = time.perf_counter(), time.process_time()
+            infer.generate(model, prompts, max_new_tokens=new_tokens, **kw)
+            wall[key] = min(wall[key], time.perf_counter() - t0)
+            cpu[key] = min(cpu[key], time.process_time() - c0)
     count = sum(len(r) for r in outs[("greedy", None, None)][0])
-    greedy = count / best[("greedy", None, None)]
+    tps = lambda key: (count / wall[key], count / cpu[key])
+    greedy, greedy_cpu = tps(("greedy", None, None))
     rows = [{"batch": len(prompts), "decoding": "greedy", "layers": L, "batch_layers": L,
-             "tokens_per_s": round(greedy, 1)}]
+             "tokens_per_s": round(greedy, 1), "tokens_per_cpu_s": round(greedy_cpu, 1)}]
     for (measure, threshold, full), (out, info) in outs.items():
         if measure == "greedy" or full:
             continue
         ref, ref_info = outs[(measure, threshold, True)]
         assert out == ref and info == ref_info, "both ways of advancing skipped layers must give the same tokens"
         used = np.asarray(info["exit_layers"])  # (B, new_tokens): no stop token, every row is full
-        old, new = count / best[(measure, threshold, True)], count / best[(measure, threshold, False)]
+        (old, old_cpu), (new, new_cpu) = tps((measure, threshold, True)), tps((measure, threshold, False))
         rows.append({"batch": len(prompts), "decoding": measure, "threshold": threshold,
                      "layers": round(float(used.mean()), 3), "batch_layers": round(float(used.max(0).mean()), 3),
                      "every_block": round(old, 1), "state_only": round(new, 1), "vs_greedy": round(new / greedy, 2),
-                     "vs_every_block": round(new / old, 2)})
+                     "vs_every_block": round(new / old, 2), "every_block_cpu": round(old_cpu, 1),
+                     "state_only_cpu": round(new_cpu, 1), "cpu_vs_greedy": round(new_cpu / greedy_cpu, 2),
+                     "cpu_vs_every_block": round(new_cpu / old_cpu, 2)})
         print(rows[-1], flush=True)
     return rows
 
@@ -196,9 +201,9 @@ def main():
         for batch in (1, 8):
             token += token_speed(model, (prompts * 8)[:batch], args.new_tokens, args.repeats)
         print(f"\ntoken-level exit, greedy, {args.new_tokens} new bytes after 32-byte prompts; best of {args.repeats}, "
-              "interleaved; tokens/s of every block and of state only (the decoder's)")
+              "interleaved; tokens/s of every block and of state only (the decoder's), and the ratios in CPU time")
         print_table(token, ["batch", "decoding", "threshold", "layers", "batch_layers", "tokens_per_s", "every_block",
-                            "state_only", "vs_greedy", "vs_every_block"])
+                            "state_only", "vs_greedy", "vs_every_block", "cpu_vs_greedy", "cpu_vs_every_block"])
     save_json("early_exit", rows + fast + token)
 
 
