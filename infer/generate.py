@@ -5,7 +5,7 @@ Prompts of different lengths are left-padded into one (B, P) batch; the padding 
 zero state at the prompt's first token: each row gets exactly what it gets alone. The loop is a
 `lax.while_loop` that stops when every row has hit `stop_token` or `max_new_tokens`; one compile per
 (batch, padded prompt length, max_new_tokens, sampling flags, early-exit settings). Early exit and
-self-speculative decoding (infer/early_exit.py) run inside the same loop. A model whose parameters
+speculative decoding (infer/speculative.py, its own loop) run inside one jit. A model whose parameters
 are sharded over a device mesh (zoo/sharding.py) decodes the same way: jit partitions prefill and
 loop from the parameters' shardings, and the tokens are those of one device.
 """
@@ -42,6 +42,7 @@ class Exits:
     measure: str = "softmax"
     level: str = "token"  # "token" or "sequence"
     decay: float = 0.0
+    full_blocks: bool = False  # token level: run skipped blocks in full (the reference; same tokens, slower)
 
 
 # Decode loops carry every layer's state through a while loop. XLA on CPU copies a loop-carried buffer
@@ -81,7 +82,8 @@ def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, st
 
         def step(last, state, i):
             logits, used, state = early_exit.exit_pass(model, last[:, None], state, stop_rule=rule(i),
-                                                       skip=exits.level == "sequence")
+                                                       skip=exits.level == "sequence",
+                                                       full_blocks=exits.full_blocks)
             return logits, state, used
 
         logits, used, state = early_exit.exit_pass(model, tokens, state, stop_rule=rule(0), segment_ids=segment_ids,
@@ -160,7 +162,8 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
              top_p: float | None = None, seed: int = 0, stop_token: int | None = None,
              exit_threshold: float | None = None, exit_measure: str = "softmax", exit_decay: float = 0.0,
              exit_level: str = "token", speculative: int | None = None, draft_layers: int | None = None,
-             draft_model=None, tree: tuple[int, ...] | None = None, return_info: bool = False):
+             draft_model=None, tree: tuple[int, ...] | None = None, return_info: bool = False,
+             exit_full_blocks: bool = False):
     """New token ids for each prompt (a list of token-id lists of any lengths).
 
     temperature 0 is greedy; top_k / top_p restrict sampling; a row ends after `stop_token` (which is
@@ -169,7 +172,10 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
     Early exit (a model with `model.exits`, see infer/early_exit.py): `exit_threshold` in [0, 1] turns it
     on, with `exit_measure` (softmax, margin, saturation, classifier), `exit_decay` (CALM's threshold
     decay along the output) and `exit_level` (token: decided per token and row; sequence: one depth per
-    row, chosen from its prompt).
+    row, chosen from its prompt). At the token level, the layers past the exit only advance their state
+    (no output path) at a token where every row of the batch has exited (batch 1: every token); at other
+    tokens they run in full; `exit_full_blocks` always runs them in full (the same tokens and states,
+    slower: the reference).
 
     Speculative decoding (infer/speculative.py): `speculative=k` drafts k tokens per round, with
     `draft_model` (any model of the same vocabulary) or else the first `draft_layers` layers of this
@@ -218,6 +224,7 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
         layers = jnp.full(out.shape, len(model.blocks), jnp.int32)
     else:
         exits = _exits(model, exit_threshold, exit_measure, exit_decay, exit_level)
+        exits = exits and dataclasses.replace(exits, full_blocks=exit_full_blocks)
         out, layers, overflowed = _generate(
             graphdef, params, *args, jnp.float32(1.0 if exit_threshold is None else exit_threshold), **flags,
             exits=exits)

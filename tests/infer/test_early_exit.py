@@ -1,11 +1,15 @@
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import infer
-from infer.early_exit import MEASURES
-from tests.util import forward, tiny_config
+from infer.early_exit import MEASURES, confident, exit_pass
+from tests.layers.conformance import perturbed
+from tests.util import assert_tree_close, forward, tiny_config
 from zoo import LanguageModel
 from zoo.config import from_dict
 
@@ -65,6 +69,56 @@ def test_rows_exiting_at_different_layers_each_get_their_tokens_alone(model):
         alone, alone_info = infer.generate(model, [prompt], max_new_tokens=6, exit_threshold=threshold,
                                            exit_measure="saturation", return_info=True)
         assert alone == [tokens] and alone_info["exit_layers"] == [layers]
+
+
+@functools.partial(nnx.jit, static_argnames=("steps", "full_blocks"))
+def exit_decode(model, prompt, threshold, *, steps: int, full_blocks: bool):
+    """Greedy token-level exit decoding (saturation measure) of `steps` tokens after `prompt` (B, P):
+    the tokens (B, steps), the layers each used (B, steps) and the state after them."""
+    rule = confident(model, "saturation", threshold)
+    state = model.init_state(prompt.shape[0], prompt.shape[1] + steps)
+    logits, _, state = exit_pass(model, prompt, state, stop_rule=rule, freeze=False)
+
+    def step(carry, _):
+        tok, state = carry
+        logits, used, state = exit_pass(model, tok[:, None], state, stop_rule=rule, full_blocks=full_blocks)
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+        return (nxt, state), (nxt, used)
+
+    (_, state), (tokens, used) = jax.lax.scan(step, (jnp.argmax(logits, -1).astype(jnp.int32), state), None,
+                                              length=steps)
+    return tokens.T, used.T, state
+
+
+@pytest.mark.parametrize("mixer, ffn", [({"kind": "attention", "num_heads": 4, "num_kv_heads": 2}, "mlp"),
+                                        ({"kind": "mamba"}, "none"),
+                                        ({"kind": "rwkv7", "head_dim": 16}, "rwkv7_channel_mix")],
+                         ids=["gqa", "mamba", "rwkv7"])
+def test_skipped_layers_advancing_only_their_state_equal_running_in_full(mixer, ffn):
+    """Past the layer every row exited at, a block only advances its state: the same tokens, exit layers and
+    states as running it in full, in a batch whose rows exit at different layers and alone."""
+    model = perturbed(LanguageModel(tiny_config(mixer, num_layers=3, exits=EXITS, ffn={"kind": ffn}),
+                                    rngs=nnx.Rngs(0)))  # RWKV's zero-initialised output projections
+    prompt = jax.random.randint(jax.random.key(1), (3, 4), 1, 256)
+    for threshold in (0.5, 0.7, 0.8, 0.9, 0.95, 0.99):  # rows apart at some tokens, all exited at others
+        ref = exit_decode(model, prompt, threshold, steps=12, full_blocks=True)
+        used = np.asarray(ref[1])
+        if (used.min(0) < used.max(0)).any() and (used.max(0) < 3).any() and (used[0] < 3).any():
+            break
+    else:
+        pytest.fail("no threshold made the rows exit at different layers and all of them early at some token")
+    for rows in (prompt, prompt[:1]):
+        ref = exit_decode(model, rows, threshold, steps=12, full_blocks=True)
+        new = exit_decode(model, rows, threshold, steps=12, full_blocks=False)
+        assert np.array_equal(ref[0], new[0]) and np.array_equal(ref[1], new[1]), (len(rows), ref[:2], new[:2])
+        # Bitwise equal under XLA's default CPU optimisation; at the suite's fast-compile level (conftest.py)
+        # the smaller branch rounds Mamba's SSM update differently (1.7e-7 relative). A wrong state is O(1).
+        assert_tree_close(new[2], ref[2], 1e-6, f"batch {len(rows)}: state")
+
+
+def test_generate_runs_skipped_blocks_in_full_on_request(model):
+    kwargs = dict(max_new_tokens=6, exit_threshold=0.9, exit_measure="saturation", return_info=True)
+    assert infer.generate(model, PROMPTS, exit_full_blocks=True, **kwargs) == infer.generate(model, PROMPTS, **kwargs)
 
 
 def test_exit_losses_fall_and_the_classifier_is_fitted(tmp_path):

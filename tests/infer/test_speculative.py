@@ -55,7 +55,8 @@ def test_greedy_speculation_is_greedy(kind):
     """Self-speculation with a tree, and a draft model of the same kind (its own rollback then runs too)."""
     model = target(KINDS[kind])
     greedy = infer.generate(model, PROMPTS, max_new_tokens=10)
-    for kwargs in ({"speculative": 3, "tree": (2,)}, {"speculative": 2, "draft_model": target(KINDS[kind], scale_last=0.3)}):
+    draft = target(KINDS[kind], scale_last=0.3)
+    for kwargs in ({"speculative": 3, "tree": (2,)}, {"speculative": 2, "draft_model": draft}):
         out, info = infer.generate(model, PROMPTS, max_new_tokens=10, return_info=True, **kwargs)
         assert out == greedy, kwargs
         assert 0 < info["acceptance"] < 1, (kwargs, info)  # both the accept and the reject path ran
