@@ -5,6 +5,8 @@ and generation stops at its end-of-text token; --dtype bfloat16 loads it in bflo
 
 Early exit (a model trained with model.exits): --exit-threshold 0.9 --exit-measure margin [--show-exits],
 or self-speculative decoding: --speculative 4 [--draft-layers 2].
+
+Quantized decoding (infer/quantize.py): --quantize int8 (or int4) for the weights, --kv-cache int8.
 """
 
 import argparse
@@ -40,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
                    help="self-speculative decoding: draft length k; forces greedy decoding (temperature 0)")
     p.add_argument("--draft-layers", type=int, default=None, help="the exit layer that drafts (default: the first)")
     p.add_argument("--show-exits", action="store_true", help="print the layer each generated token used")
+    p.add_argument("--quantize", default=None, choices=("int8", "int4"),
+                   help="decode with int8 (per channel) or int4 (groups of 32) weights")
+    p.add_argument("--kv-cache", default=None, choices=("int8",), help="keep the attention KV cache in int8")
     return p
 
 
@@ -75,7 +80,8 @@ def main(argv=None):
             model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop, temperature=temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, exit_threshold=args.exit_threshold,
             exit_measure=args.exit_measure, exit_decay=args.exit_decay, exit_level=args.exit_level,
-            speculative=args.speculative, draft_layers=args.draft_layers, tokenizer=tokenizer, return_info=True)
+            speculative=args.speculative, draft_layers=args.draft_layers, quantize=args.quantize,
+            kv_cache=args.kv_cache, tokenizer=tokenizer, return_info=True)
     except ValueError as e:
         sys.exit(f"error: {e}")
     for prompt, out, layers in zip(prompts, outs, info["exit_layers"]):
