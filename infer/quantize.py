@@ -1,5 +1,5 @@
 """Quantized decoding: a copy of a trained LanguageModel whose matrix weights are int8 or int4 codes
-with float32 scales (layers/quant.py), and whose attention layers keep an int8 KV cache.
+with scales (layers/quant.py), and whose attention layers keep an int8 KV cache.
 
     qmodel = infer.quantize(model, weights="int8", kv_cache="int8")   # model itself is untouched
     new_ids = infer.generate(qmodel, prompts, max_new_tokens=200)
@@ -10,15 +10,19 @@ projections of the linear-attention, RetNet, GLA, DeltaNet and Mamba families); 
 (each expert its own scales; read dequantized, their einsums are not `project`); the LM head, the
 exit heads, and a tied embedding table (scaled per row, which is per output column of the head it
 also is; the lookup dequantizes it). What stays float32: norms, biases, gates and other vectors,
-convolution kernels, the router, RWKV's own matrices, MAD's pooled decoder, an untied embedding
-table (read one row per token, so quantizing it saves memory only), and every recurrent state.
+convolution kernels, the MoE router, SSM parameters (A_log), RWKV's own matrices (read by einsums
+of their own), MAD's pooled decoder head, an untied embedding table (read one row per token, so
+quantizing it would save memory only), and every recurrent state.
 
-`activations` picks the product (layers/quant.py): "int8" multiplies int8 weights by per-token int8
-activations in an int8 x int8 -> int32 dot (W8A8; the faster on CPU, benchmarks/quantize.py);
-"float" dequantizes the weight (exact activations). int4 weights are always read dequantized.
-The model is quantized once per call: about 0.1 s for a 13M-parameter model on 2 CPU cores, so
-`generate(quantize=...)` redoes it every call and a caller decoding many times quantizes once.
-A quantized model decodes and runs forward passes; it is not for training or checkpoints.
+`activations` picks the product (layers/quant.py): "int8" multiplies by per-token int8 activations
+in an int8 x int8 -> int32 dot (W8A8; int4 weights requantized to int8 for it, once per decode call),
+the faster form on CPU (benchmarks/quantize_forms.py); "float" dequantizes the weight (exact
+activations), which XLA does once per decode call, so it decodes at float speed on a float copy.
+Quantizing takes well under a second (the first call compiles the quantizer per weight shape; later
+ones, 0.02 to 0.15 s for the d_model 512, 4-layer model), so `generate(quantize=...)` simply
+quantizes on every call; a caller decoding many times quantizes once and passes the copy.
+A quantized model decodes and runs forward passes; it is not for training or checkpoints, and its
+parameters carry no sharding axes (one device).
 """
 
 import math
@@ -109,4 +113,4 @@ def _check_groups(model, todo, group_size):
 def weight_bytes(model: LanguageModel) -> int:
     """Bytes of the model's parameters as held (int4 codes at half a byte: layers/quant.py)."""
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, Quantized))
-    return sum(x.nbytes() if isinstance(x, Quantized) else x.nbytes for x in leaves)
+    return sum(x.nbytes for x in leaves)

@@ -49,7 +49,7 @@ def absmax_quantize(w: Float[Array, "*lead In Out"], bits: str, group_size: int 
     over groups of `group_size` input rows (None: all In rows, one scale per column). int4 scales are
     bfloat16 (GGML's Q4_0 keeps float16 ones): 0.5625 bytes a weight at groups of 32, not 0.625. The
     codes divide by the stored, rounded scale, so |w - codes * scale| <= scale / 2 holds for it (bfloat16
-    rounds by at most 2^-9, so no code passes 7.02 and none is clipped)."""
+    rounds by at most 2^-8 of a value, so no code passes 7.03 before rounding and none is clipped)."""
     *lead, In, Out = w.shape
     g = group_size or In
     wg = w.astype(jnp.float32).reshape(*lead, In // g, g, Out)
@@ -76,16 +76,15 @@ def quantize_rows(x: Float[Array, "*B K"]) -> tuple[Int8[Array, "*B K"], Float[A
 
 @dataclasses.dataclass(frozen=True)
 class Quantized:
-    """A weight of logical `shape` = lead + in + out axes, held as codes `values` (*lead, In, Out) and
-    `scale` (*lead, In / group_size, Out; float32, bfloat16 for int4): In and Out are the products of the `in_ndim`
-    contraction axes and of the output axes. `transposed` marks the (Out, In) view of a tied
-    embedding table (its rows are the LM head's output columns). Everything but values and scale is
-    static (in the jit cache key)."""
+    """A weight of logical `shape` (stacked lead axes, contraction axes, output axes) held as codes
+    `values` (*lead, In, Out) and scales `scale` (*lead, In / group_size, Out), In and Out the products
+    of the contraction and of the output axes. `transposed` marks the (Out, In) view of a tied
+    embedding table (its rows are the LM head's output columns). All but values and scale is static
+    (part of the jit cache key)."""
     values: Shaped[Array, "*lead In Out"]  # int8 or int4 codes
     scale: Float[Array, "*lead _G Out"]  # one per output column and group of input rows (int4: bfloat16)
     shape: tuple[int, ...]
     lead: int = 0  # leading stacked axes (exit heads, experts): indexing one gives a Quantized
-    in_ndim: int = 1
     transposed: bool = False
     dtype: object = jnp.float32  # the dtype it is read as (`astype`)
     lazy: bool = True  # `w[...]` returns the Quantized itself (for `project`), else the float array
@@ -99,6 +98,7 @@ class Quantized:
     def bits(self) -> str:
         return "int4" if self.values.dtype == jnp.int4 else "int8"
 
+    @property
     def nbytes(self) -> int:
         """Bytes held: codes (int4 at half a byte, as XLA on CPU stores them) and scales."""
         per = 0.5 if self.bits == "int4" else 1
@@ -125,7 +125,7 @@ class Quantized:
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
         In, Out = self.values.shape[-2:]
         if not self.lead and not self.transposed and tuple(shape) in ((In, Out), (In, -1)):
-            return dataclasses.replace(self, shape=(In, Out), in_ndim=1)
+            return dataclasses.replace(self, shape=(In, Out))
         return self.dequantize().reshape(shape)
 
     def __getitem__(self, key):
@@ -136,6 +136,14 @@ class Quantized:
                                        lead=self.lead - 1)
         return self.dequantize()[key]
 
+    def as_int8(self) -> tuple[Int8[Array, "In Out"], Float[Array, "1 Out"]]:
+        """int4 codes and group scales requantized to int8 per output column. A column's largest |w| is
+        7 times its largest group scale (each nonzero group has a code of +-7), so the int8 scale comes
+        from the scales alone and the codes in one elementwise pass: no reduction over the weight."""
+        s8 = jnp.max(self.scale.astype(jnp.float32), axis=0, keepdims=True) * (7 / 127)  # (1, Out)
+        w = dequantize_codes(self.values, self.scale)  # (In, Out), fused into the rounding below
+        return jnp.round(w / jnp.where(s8 > 0, s8, 1)).astype(jnp.int8), s8
+
     def matmul(self, x: Shaped[Array, "M In"], preferred_element_type=None) -> Shaped[Array, "M Out"]:
         """x (M, In) @ the (In, Out) weight."""
         if self.lead or self.transposed or self.ndim != 2:
@@ -143,8 +151,7 @@ class Quantized:
         out = preferred_element_type or jnp.result_type(x.dtype, self.dtype)
         if self.dot != "int8":
             return jax.lax.dot(x.astype(self.dtype), self.dequantize(), preferred_element_type=out)
-        codes, scale = (self.values, self.scale) if self.bits == "int8" else \
-            absmax_quantize(dequantize_codes(self.values, self.scale), "int8")  # int4: see the module docstring
+        codes, scale = (self.values, self.scale) if self.bits == "int8" else self.as_int8()
         xq, sx = quantize_rows(x)  # (M, In) int8, (M, 1)
         M = x.shape[0]
         if M == 1 and jax.default_backend() == "cpu":
@@ -181,5 +188,5 @@ def quantize_weight(w: Float[Array, "..."], bits: str, *, in_ndim: int = 1, lead
     lead_shape = m.shape[:lead]
     In = math.prod(m.shape[lead:lead + in_ndim])
     values, scale = absmax_quantize(m.reshape(*lead_shape, In, -1), bits, group_size)
-    return Quantized(values=values, scale=scale, shape=tuple(w.shape), lead=lead, in_ndim=in_ndim,
-                     transposed=transposed, dtype=w.dtype, lazy=lazy, dot=dot)
+    return Quantized(values=values, scale=scale, shape=tuple(w.shape), lead=lead, transposed=transposed,
+                     dtype=w.dtype, lazy=lazy, dot=dot)

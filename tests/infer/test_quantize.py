@@ -53,7 +53,14 @@ def test_int4_grouped_round_trip_is_within_half_a_step(shape, in_ndim, lead, tra
     step = jnp.repeat(q.scale.astype(jnp.float32), 16, axis=-2).reshape(q.values.shape)
     step = step.T if transposed else step.reshape(shape)
     assert bool(jnp.all(jnp.abs(w - deq) <= step / 2 * (1 + 1e-6)))
-    assert q.nbytes() == w.size // 2 + q.scale.nbytes
+    assert q.nbytes == w.size // 2 + q.scale.nbytes
+
+
+def test_int4_requantized_to_int8_is_within_half_an_int8_step():
+    q = quantize_weight(jax.random.normal(jax.random.key(6), (64, 24)), "int4", group_size=16)
+    codes, scale = q.as_int8()  # what the W8A8 product multiplies by
+    assert codes.dtype == jnp.int8 and int(jnp.abs(codes.astype(jnp.int32)).max()) == 127
+    assert bool(jnp.all(jnp.abs(q.dequantize() - codes * scale) <= scale / 2 * (1 + 1e-6)))
 
 
 def test_quantized_logits_stay_close_to_float(model):
