@@ -4,6 +4,7 @@ import pytest
 from flax import nnx
 
 import infer
+from infer.generate import TRACES
 from layers.quant import Quantized, quantize_weight
 from tests.util import decode_in_pieces, forward, rel_err, tiny_model
 
@@ -102,8 +103,11 @@ def test_int8_kv_cache_decodes_close_to_the_float_cache(model):
 
 
 def test_generate_with_quantization_returns_tokens(model):
+    before = TRACES["generate"]
     out = infer.generate(model, [[5, 6, 7], [42]], max_new_tokens=4, quantize="int4", kv_cache="int8")
     assert [len(r) for r in out] == [4, 4] and all(0 <= t < 256 for r in out for t in r)
+    again = infer.generate(model, [[5, 6, 8], [43]], max_new_tokens=4, quantize="int4", kv_cache="int8")
+    assert TRACES["generate"] - before == 1 and len(again) == 2  # a new copy each call, one compiled program
 
 
 def test_bad_options_name_what_was_expected(model):
