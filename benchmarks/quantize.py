@@ -7,7 +7,9 @@ read dequantized (float activations); int4 weights (groups of 32 rows) requantiz
 dots, or read dequantized; the int8 KV cache, alone and with int8 weights. For each:
 - decode tokens/s of greedy `infer.generate` at batch 1 and 8 (a 32-byte validation prompt per row,
   --new-tokens new bytes, no stop token): the same jitted generate, the best of --repeats runs, the
-  settings interleaved within each repeat so that other work on the machine disturbs all alike;
+  settings interleaved within each repeat so that other work on the machine disturbs all alike; and
+  that time split into ms per decode step and the cost of a call that makes one token (prefill and
+  what XLA hoists out of the decode loop: a dequantization or requantization of every weight);
 - bytes of the weights (int4 codes at half a byte) and of the KV cache at that context, batch 1;
 - validation loss in nats per byte and greedy agreement with float32 (the share of positions whose
   argmax is float32's), teacher-forced: --rows validation windows of --length bytes (the same for
@@ -109,27 +111,32 @@ def main():
                      "quantize_s": round(quantize_s[name], 2)})
         print(rows[-1], flush=True)
     prompts = [[int(t) for t in np.asarray(x[i % args.rows, :args.prompt])] for i in range(max(args.batches))]
-    run = lambda m, b: infer.generate(m, prompts[:b], max_new_tokens=args.new_tokens)
+    N = args.new_tokens
+    run = lambda m, b, n: infer.generate(m, prompts[:b], max_new_tokens=n)
     for b in args.batches:
         for m in models.values():
-            run(m, b)  # compile
-        best = {name: float("inf") for name in models}
+            run(m, b, N), run(m, b, 1)  # compile
+        best = {}
         for _ in range(args.repeats):
             for name, m in models.items():
-                t0 = time.perf_counter()
-                out = run(m, b)
-                best[name] = min(best[name], time.perf_counter() - t0)
-                assert all(len(o) == args.new_tokens for o in out)
+                for n in (N, 1):
+                    t0 = time.perf_counter()
+                    out = run(m, b, n)
+                    best[name, n] = min(best.get((name, n), float("inf")), time.perf_counter() - t0)
+                    assert all(len(o) == n for o in out)
         for r in rows:
-            r[f"tok_s_b{b}"] = round(b * args.new_tokens / best[r["setting"]], 1)
-            r[f"vs_f32_b{b}"] = round(best["float32"] / best[r["setting"]], 2)
+            full, one = best[r["setting"], N], best[r["setting"], 1]
+            r[f"tok_s_b{b}"] = round(b * N / full, 1)
+            r[f"vs_f32_b{b}"] = round(best["float32", N] / full, 2)
+            r[f"step_ms_b{b}"] = round(1000 * (full - one) / (N - 1), 2)
+            r[f"call_ms_b{b}"] = round(1000 * one, 1)
     print(f"\n{args.run_dir} step {step}: d_model {cfg.model.d_model}, {cfg.model.num_layers} layers; device "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}. Loss and agreement: {args.rows} validation "
           f"windows x {args.length} bytes, teacher-forced through decode. Speed: greedy generate, {args.prompt}-byte "
           f"prompts + {args.new_tokens} new bytes, best of {args.repeats} interleaved; KV cache at that context, "
           "batch 1")
     print_table(rows, ["setting", "val_loss", "agreement", "weights_MiB", "kv_KiB", "quantize_s",
-                       *(f"{k}_b{b}" for b in args.batches for k in ("tok_s", "vs_f32"))])
+                       *(f"{k}_b{b}" for b in args.batches for k in ("tok_s", "vs_f32", "step_ms", "call_ms"))])
     rss = {"int8": resident_mib(jnp.int8), "int4": resident_mib(jnp.int4)}
     print(f"\nresident memory of 64 Mi codes: int8 {rss['int8']} MiB, jnp.int4 {rss['int4']} MiB")
     save_json("quantize", rows + [{"resident_MiB_64Mi_codes": rss}])
