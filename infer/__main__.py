@@ -8,6 +8,8 @@ Speculative decoding: --speculative 4 with --draft RUN2 (another model of the sa
 [--draft-layers 2] (the model's own first layers and their exit); --tree 2,2 checks a tree of drafts
 (greedy). Greedy speculation gives greedy's tokens; with --temperature > 0 it samples exactly as plain
 sampling does.
+
+Quantized decoding (infer/quantize.py): --quantize int8 (or int4) for the weights, --kv-cache int8.
 """
 
 import argparse
@@ -46,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
                    help="self-speculation: the exit layer that drafts (default: the first)")
     p.add_argument("--tree", default=None, help="a tree of drafts, branching factors per depth, e.g. 2,2 (greedy)")
     p.add_argument("--show-exits", action="store_true", help="print the layer each generated token used")
+    p.add_argument("--quantize", default=None, choices=("int8", "int4"),
+                   help="decode with int8 (per channel) or int4 (groups of 32) weights")
+    p.add_argument("--kv-cache", default=None, choices=("int8",), help="keep the attention KV cache in int8")
     return p
 
 
@@ -88,7 +93,7 @@ def main(argv=None):
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, exit_threshold=args.exit_threshold,
             exit_measure=args.exit_measure, exit_decay=args.exit_decay, exit_level=args.exit_level,
             speculative=args.speculative, draft_layers=args.draft_layers, draft_model=draft, tree=tree,
-            tokenizer=tokenizer, return_info=True)
+            quantize=args.quantize, kv_cache=args.kv_cache, tokenizer=tokenizer, return_info=True)
     except ValueError as e:
         sys.exit(f"error: {e}")
     for prompt, out, layers in zip(prompts, outs, info["exit_layers"]):

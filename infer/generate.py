@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from jaxtyping import Array, Float, Int
 
 from infer import early_exit, speculative
+from infer.quantize import quantize as quantize_model
 from layers.state import hold
 from zoo import tokenizer as tokenizer_lib
 
@@ -162,8 +163,8 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
              top_p: float | None = None, seed: int = 0, stop_token: int | None = None,
              exit_threshold: float | None = None, exit_measure: str = "softmax", exit_decay: float = 0.0,
              exit_level: str = "token", speculative: int | None = None, draft_layers: int | None = None,
-             draft_model=None, tree: tuple[int, ...] | None = None, return_info: bool = False,
-             exit_full_blocks: bool = False):
+             draft_model=None, tree: tuple[int, ...] | None = None, quantize: str | None = None,
+             kv_cache: str | None = None, return_info: bool = False, exit_full_blocks: bool = False):
     """New token ids for each prompt (a list of token-id lists of any lengths).
 
     temperature 0 is greedy; top_k / top_p restrict sampling; a row ends after `stop_token` (which is
@@ -186,7 +187,15 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
 
     With `return_info`, also returns a dict with `exit_layers` (the layers each token used, per row)
     and, when speculating, `acceptance` (accepted drafts / drafted tokens) and `rounds` (summed over rows).
+
+    `quantize` ("int8" or "int4") and `kv_cache` ("int8") decode with a quantized copy of the model (and
+    of the draft model), made on each call by `infer.quantize` (infer/quantize.py, with its defaults:
+    W8A8 products, int4 groups of 32); to decode many times, call `infer.quantize` once and pass its
+    model instead.
     """
+    if quantize is not None or kv_cache is not None:
+        model = quantize_model(model, weights=quantize, kv_cache=kv_cache)
+        draft_model = draft_model and quantize_model(draft_model, weights=quantize, kv_cache=kv_cache)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token (e.g. a newline byte)")
     if max_new_tokens < 1:

@@ -23,38 +23,57 @@ biases on the q, k, v projections), `qk_norm` (Qwen3: an RMSNorm over each head'
 
 Parameters carry their logical sharding axes (layers/sharding.py): the query heads and kv heads over
 `tensor`, the model width over `fsdp`.
+
+`kv_cache` (read by init_state; infer/quantize.py sets it) picks the cache's storage: None keeps k and
+v in the compute dtype; "int8" keeps int8 codes with a float32 scale per (row, kv head, slot), written
+quantized and read dequantized (layers/quant.py): a quarter of float32's bytes plus 4 / K.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Int8
 
 from kernels import check_impl
 from kernels.attention import attention, attention_cached, write_rows
 from kernels.segments import document_starts, positions_in_document
 from layers.linear import project
 from layers.norm import RMSNorm
+from layers.quant import quantize_rows
 from layers.rotary import RopeScaling, apply_rotary
 from layers.shapes import check_input
 from layers.sharding import axes, constrain
 from layers.state import check_steps, rollback, state
 
 
-@state(final=("k", "v", "doc"))  # a stepped cache keeps its slots once: a row never reads past its index
+# A stepped cache keeps its slots once (final): a row never reads past its index.
+@state(final=("k", "v", "doc", "k_scale", "v_scale"))
 class KVCache:
-    k: Float[Array, "B G S K"]  # (B, G, S, K): heads first, the layout a decode step reads without a copy
-    v: Float[Array, "B G S K"]  # (B, G, S, K)
+    # (B, G, S, K): heads first, the layout a decode step reads without a copy; int8 codes with k_scale
+    k: Float[Array, "B G S K"] | Int8[Array, "B G S K"]
+    v: Float[Array, "B G S K"] | Int8[Array, "B G S K"]  # (B, G, S, K)
     doc: Int[Array, "B S"]  # (B, S) int32: document number of the token in each slot
     cur_doc: Int[Array, " B"]  # (B,) int32: document number of the last token written
     pos: Int[Array, " B"]  # (B,) int32: position in its document of the next token
     index: Int[Array, " B"]  # (B,) int32: each row's next slot to write; past S it flags an overflow
+    k_scale: Float[Array, "B G S 1"] | None = None  # (B, G, S, 1) float32 for an int8 cache, else None
+    v_scale: Float[Array, "B G S 1"] | None = None  # (B, G, S, 1)
 
     def overflowed(self) -> Bool[Array, ""]:
         """True once a row decoded more tokens than the cache has slots (later ones overwrote the last
         slot): eager decode raises instead, but under jit nothing can, so callers check this."""
         return jnp.any(self.index > self.k.shape[2])
+
+
+def _store(x, int8: bool):
+    """New keys or values (B, T, G, K) as the cache keeps them: (x, None), or int8 codes and (B, T, G, 1) scales."""
+    return quantize_rows(x) if int8 else (x, None)
+
+
+def _load(c, scale, dtype):
+    """The cache's keys or values in `dtype`: an int8 cache's codes times their scales."""
+    return c.astype(dtype) if scale is None else (c.astype(jnp.float32) * scale).astype(dtype)
 
 
 def _documents(segment_ids, B, T, start):
@@ -66,6 +85,7 @@ def _documents(segment_ids, B, T, start):
 
 class Attention(nnx.Module):
     grows_with_context = True  # the KV cache holds max_len slots (every other mixer's state is fixed)
+    kv_cache = None  # the cache's storage, read by init_state: None (compute dtype) or "int8"
 
     def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
                  head_dim: int | None = None, window: int | None = None, rope_base: float = 10000.0,
@@ -136,9 +156,14 @@ class Attention(nnx.Module):
         self._check_length(max_len, "a KV cache")
         shape = (batch_size, self.num_kv_heads, max_len, self.head_dim)
         zeros = jnp.zeros((batch_size,), jnp.int32)
-        return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
+        if self.kv_cache not in (None, "int8"):
+            raise ValueError(f"Attention.kv_cache={self.kv_cache!r}; expected None or 'int8'")
+        int8 = self.kv_cache == "int8"
+        scale = (lambda: jnp.zeros((*shape[:3], 1), jnp.float32)) if int8 else (lambda: None)
+        return KVCache(k=jnp.zeros(shape, jnp.int8 if int8 else self.dtype),
+                       v=jnp.zeros(shape, jnp.int8 if int8 else self.dtype),
                        doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros,
-                       index=zeros)
+                       index=zeros, k_scale=scale(), v_scale=scale())
 
     def decode(self, x: Float[Array, "B T D"], cache: KVCache, *, segment_ids: Int[Array, "B T"] | None = None,
                steps: bool = False):
@@ -154,17 +179,19 @@ class Attention(nnx.Module):
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v = self._qkv(x, positions)
-        o = attention_cached(q, k, v, cache.k.astype(self.dtype), cache.v.astype(self.dtype), cache_length=cache.index,
-                             segment_ids=doc, cache_segment_ids=cache.doc, window=self.window, impl=self.impl)
+        ck, cv = _load(cache.k, cache.k_scale, self.dtype), _load(cache.v, cache.v_scale, self.dtype)  # (B, G, S, K)
+        o = attention_cached(q, k, v, ck, cv, cache_length=cache.index, segment_ids=doc, cache_segment_ids=cache.doc,
+                             window=self.window, impl=self.impl)
         # Written after the read: XLA then updates the cache in place.
-        k, v = (write_rows(c, a.transpose(0, 2, 1, 3), cache.index, 2) for c, a in ((cache.k, k), (cache.v, v)))
-        written = write_rows(cache.doc, doc, cache.index, 1)
+        write = lambda c, a: None if c is None else write_rows(c, a.transpose(0, 2, 1, 3), cache.index, 2)
+        (k, k_scale), (v, v_scale) = (_store(a, cache.k_scale is not None) for a in (k, v))
+        slots = dict(k=write(cache.k, k), v=write(cache.v, v), doc=write_rows(cache.doc, doc, cache.index, 1),
+                     k_scale=write(cache.k_scale, k_scale), v_scale=write(cache.v_scale, v_scale))
         if steps:
             after = jnp.arange(1, T + 1, dtype=jnp.int32)[:, None]  # (T, 1)
-            return self._out(o), KVCache.stepped(k, v, written, cur_doc=doc.T, pos=(positions + 1).T,
+            return self._out(o), KVCache.stepped(**slots, cur_doc=doc.T, pos=(positions + 1).T,
                                                  index=cache.index + after)  # (T, B) each
-        return self._out(o), KVCache(k, v, written, cur_doc=doc[:, -1], pos=positions[:, -1] + 1,
-                                     index=cache.index + T)
+        return self._out(o), KVCache(**slots, cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
 
     def rollback(self, stepped: KVCache, drop: Int[Array, " B"]) -> KVCache:
         return rollback(stepped, drop)

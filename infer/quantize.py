@@ -1,0 +1,116 @@
+"""Quantized decoding: a copy of a trained LanguageModel whose matrix weights are int8 or int4 codes
+with scales (layers/quant.py), and whose attention layers keep an int8 KV cache.
+
+    qmodel = infer.quantize(model, weights="int8", kv_cache="int8")   # model itself is untouched
+    new_ids = infer.generate(qmodel, prompts, max_new_tokens=200)
+
+What is quantized, per output channel (int8) or per group of `group_size` input rows (int4):
+attention's wq, wk, wv, wo; the SwiGLU MLP's w_gate, w_up, w_down; every `layers.Linear` kernel (the
+projections of the linear-attention, RetNet, GLA, DeltaNet and Mamba families); MoE expert weights
+(each expert its own scales; read dequantized, their einsums are not `project`); the LM head, the
+exit heads, and a tied embedding table (scaled per row, which is per output column of the head it
+also is; the lookup dequantizes it). What stays float32: norms, biases, gates and other vectors,
+convolution kernels, the MoE router, SSM parameters (A_log), RWKV's own matrices (read by einsums
+of their own), MAD's pooled decoder head, an untied embedding table (read one row per token, so
+quantizing it would save memory only), and every recurrent state.
+
+`activations` picks the product (layers/quant.py): "int8" multiplies by per-token int8 activations
+in an int8 x int8 -> int32 dot (W8A8; int4 weights requantized to int8 for it, once per decode call),
+the faster form on CPU (benchmarks/quantize_forms.py); "float" dequantizes the weight (exact
+activations), which XLA does once per decode call, so it decodes at float speed on a float copy.
+Quantizing takes well under a second (the first call compiles the quantizer per weight shape; later
+ones, 0.02 to 0.15 s for the d_model 512, 4-layer model), so `generate(quantize=...)` simply
+quantizes on every call; a caller decoding many times quantizes once and passes the copy.
+A quantized model decodes and runs forward passes; it is not for training or checkpoints, and its
+parameters carry no sharding axes (one device).
+"""
+
+import math
+
+import jax
+from flax import nnx
+
+from layers.attention import Attention
+from layers.linear import Linear
+from layers.mlp import MLP
+from layers.moe import MoE
+from layers.quant import Quantized, quantize_weight
+from zoo.model import LanguageModel
+
+WEIGHTS = ("int8", "int4")
+KV_CACHES = ("int8",)
+ACTIVATIONS = ("int8", "float")
+
+# module type, its parameters, contraction axes, stacked leading axes, read through `project` (lazy)
+RULES = (
+    (Attention, ("wq", "wk", "wv"), 1, 0, True),
+    (Attention, ("wo",), 2, 0, True),  # (H, K, D): contracted over heads and head dim
+    (MLP, ("w_gate", "w_up", "w_down"), 1, 0, True),
+    (Linear, ("kernel",), 1, 0, True),
+    (MoE, ("w_gate", "w_up", "w_down"), 1, 1, False),  # (E, D, F): one matrix per expert
+)
+
+
+def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str | None = None, *,
+             group_size: int = 32, activations: str = "int8") -> LanguageModel:
+    """A quantized copy of `model`: weights "int8", "int4" or None (float), kv_cache "int8" or None.
+    int4 groups `group_size` consecutive input rows per scale, and that must divide every quantized
+    weight's input width: the default 32 divides the SwiGLU width (`default_hidden_dim` rounds to a
+    multiple of 32: 1376 = 43 * 32 for d_model 512, which 64 and 128 do not divide)."""
+    if weights not in (None, *WEIGHTS):
+        raise ValueError(f"quantize: weights={weights!r}; expected one of {WEIGHTS} or None")
+    if kv_cache not in (None, *KV_CACHES):
+        raise ValueError(f"quantize: kv_cache={kv_cache!r}; expected one of {KV_CACHES} or None")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"quantize: activations={activations!r}; expected one of {ACTIVATIONS}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+        raise ValueError(f"quantize: group_size={group_size!r}; expected an even integer >= 2")
+    model = nnx.clone(model)
+    modules = [m for _, m in nnx.iter_modules(model)]
+    if kv_cache is not None:
+        attention = [m for m in modules if isinstance(m, Attention)]
+        if not attention:
+            raise ValueError(f"quantize: kv_cache={kv_cache!r} needs attention layers (a KV cache); this model has "
+                             "none (recurrent states stay float32)")
+        for m in attention:
+            m.kv_cache = kv_cache
+    if weights is None:
+        return model
+    # (module, parameter name, contraction axes, lead axes, lazy, transposed)
+    todo = [(m, name, *rule[2:], False) for m in modules for rule in RULES if isinstance(m, rule[0])
+            for name in rule[1]]
+    todo.append((model, "head", 1, 0, True, False) if model.head is not None else
+                (model.embed, "embedding", 1, 0, True, True))  # tied: (V, D), the head's (D, V) transposed
+    if model.exit_layers and model.exit_heads is not None:
+        todo.append((model, "exit_heads", 1, 1, True, False))
+    group = group_size if weights == "int4" else None
+    if group:
+        _check_groups(model, todo, group)
+    for m, name, in_ndim, lead, lazy, transposed in todo:
+        q = quantize_weight(getattr(m, name).get_value(), weights, in_ndim=in_ndim, lead=lead, group_size=group,
+                            transposed=transposed, lazy=lazy, dot=activations)
+        setattr(m, name, nnx.Param(q))
+    return model
+
+
+def _check_groups(model, todo, group_size):
+    """Every int4 weight's input width a multiple of group_size, or a ValueError naming the misfits."""
+    paths = {id(m): ".".join(map(str, p)) for p, m in nnx.iter_modules(model)}
+    widths = {}
+    for m, name, in_ndim, lead, _, transposed in todo:
+        shape = getattr(m, name).shape
+        widths[f"{paths[id(m)]}.{name}".lstrip(".")] = shape[-1] if transposed else \
+            math.prod(shape[lead:lead + in_ndim])
+    bad = [f"{k} has {w}" for k, w in widths.items() if w % group_size]
+    if bad:
+        fits = [g for g in (256, 128, 64, 32, 16, 8) if all(w % g == 0 for w in widths.values())]
+        raise ValueError(f"quantize: group_size={group_size} must divide the input width of every int4 weight; "
+                         f"{', '.join(bad[:3])}{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}. Group "
+                         "sizes that fit this model: "
+                         f"{', '.join(map(str, fits)) or 'none of 8 to 256'}")
+
+
+def weight_bytes(model: LanguageModel) -> int:
+    """Bytes of the model's parameters as held (int4 codes at half a byte: layers/quant.py)."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, Quantized))
+    return sum(x.nbytes for x in leaves)

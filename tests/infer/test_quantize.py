@@ -1,0 +1,146 @@
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import infer
+from infer.generate import TRACES
+from layers.quant import Quantized, quantize_weight
+from tests.util import decode_in_pieces, forward, rel_err, tiny_model
+
+
+def realistic(model):
+    """A tiny model whose tied embedding has a trained model's scale (std 0.25, not init's 0.02), so
+    its logits spread over a few nats as a trained model's do and errors are measured against that."""
+    emb = model.embed.embedding
+    emb.set_value(emb.get_value() * 12.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return realistic(tiny_model({"kind": "attention", "num_heads": 4, "num_kv_heads": 2}, d_model=64))
+
+
+def column_scales(w):
+    """Columns of very different sizes, and one of zeros: the scale is per column."""
+    return w * jnp.logspace(-3, 1, w.shape[-1]).at[0].set(0.0)
+
+
+def test_int8_per_channel_round_trip_is_within_half_a_step():
+    w = column_scales(jax.random.normal(jax.random.key(0), (48, 40)))
+    q = quantize_weight(w, "int8")
+    assert q.values.dtype == jnp.int8 and q.scale.shape == (1, 40)
+    assert int(jnp.abs(q.values.astype(jnp.int32)).max()) <= 127
+    err = jnp.abs(w - q.dequantize())
+    assert bool(jnp.all(err <= q.scale[0] / 2 * (1 + 1e-6)))
+    assert float(jnp.abs(q.dequantize()[:, 0]).max()) == 0.0
+
+
+@pytest.mark.parametrize("shape, in_ndim, lead, transposed", [
+    ((64, 24), 1, 0, False),  # a Linear kernel or MLP weight (In, Out)
+    ((2, 32, 24), 2, 0, False),  # attention's wo (H, K, D): contracted over two axes
+    ((3, 32, 24), 1, 1, False),  # stacked exit heads (E, D, V)
+    ((24, 64), 1, 0, True),  # a tied embedding (V, D): the head's columns are its rows
+])
+def test_int4_grouped_round_trip_is_within_half_a_step(shape, in_ndim, lead, transposed):
+    w = jax.random.normal(jax.random.key(1), shape)
+    q = quantize_weight(w, "int4", in_ndim=in_ndim, lead=lead, group_size=16, transposed=transposed)
+    assert q.values.dtype == jnp.int4 and q.scale.dtype == jnp.bfloat16
+    assert int(jnp.abs(q.values.astype(jnp.int32)).max()) <= 7
+    deq = q.dequantize()
+    assert deq.shape == shape
+    # the step of each weight: its (column, group) scale, laid out like w
+    step = jnp.repeat(q.scale.astype(jnp.float32), 16, axis=-2).reshape(q.values.shape)
+    step = step.T if transposed else step.reshape(shape)
+    assert bool(jnp.all(jnp.abs(w - deq) <= step / 2 * (1 + 1e-6)))
+    assert q.nbytes == w.size // 2 + q.scale.nbytes
+
+
+def test_int4_requantized_to_int8_is_within_half_an_int8_step():
+    q = quantize_weight(jax.random.normal(jax.random.key(6), (64, 24)), "int4", group_size=16)
+    codes, scale = q.as_int8()  # what the W8A8 product multiplies by
+    assert codes.dtype == jnp.int8 and int(jnp.abs(codes.astype(jnp.int32)).max()) == 127
+    assert bool(jnp.all(jnp.abs(q.dequantize() - codes * scale) <= scale / 2 * (1 + 1e-6)))
+
+
+def test_quantized_logits_stay_close_to_float(model):
+    tokens = jax.random.randint(jax.random.key(2), (2, 24), 0, 256)
+    ref = forward(model, tokens)
+    assert float(ref.std()) > 1.0  # logits of a trained model's spread
+    # max |logit error| / max |logit|, here 0.031 (W8A8), 0.020 (int8 read as float) and 0.36 (int4): one
+    # product with Gaussian weights errs by 0.7% (int8) or 9.7% (int4, groups of 32: round-to-nearest
+    # int4 is that coarse), and a logit passes through about ten (a trained model's loss moves far
+    # less: benchmarks/quantize.py). The bounds leave room for other machines' rounding.
+    for kwargs, tol in [(dict(weights="int8", activations="int8"), 0.05),
+                        (dict(weights="int8", activations="float"), 0.05), (dict(weights="int4"), 0.5)]:
+        q = infer.quantize(model, **kwargs)
+        assert rel_err(forward(q, tokens), ref) < tol, kwargs
+    assert not isinstance(model.blocks[0].mixer.wq.get_raw_value(), Quantized)  # the original is untouched
+    assert isinstance(q.blocks[0].mixer.wq.get_raw_value(), Quantized)
+    assert isinstance(q.embed.embedding.get_raw_value(), Quantized)  # tied: the head is quantized too
+
+
+def test_untied_head_and_exit_heads_are_quantized():
+    m = realistic(tiny_model(d_model=64, num_layers=2, tie_embeddings=False,
+                             exits={"layers": [1], "weights": [1.0], "own_head": True}))
+    q = infer.quantize(m, "int8")
+    assert isinstance(q.head.get_raw_value(), Quantized) and isinstance(q.exit_heads.get_raw_value(), Quantized)
+    assert not isinstance(q.embed.embedding.get_raw_value(), Quantized)  # an untied table is only looked up
+    h = jax.random.normal(jax.random.key(3), (1, 5, 64))
+    assert rel_err(q.exit_logits(0, h), m.exit_logits(0, h)) < 0.03
+
+
+def test_int8_kv_cache_decodes_close_to_the_float_cache(model):
+    q = infer.quantize(model, weights=None, kv_cache="int8")
+    tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, 256)
+    ref = forward(model, tokens)
+    logits, state = decode_in_pieces(q, tokens, [5, 6, 7, 8, 9, 10, 11])  # prefill 5, then one at a time
+    cache = state[0][0]
+    assert cache.k.dtype == jnp.int8 and cache.k_scale.shape == (2, 2, 12, 1)
+    assert model.init_state(1, 4)[0][0].k_scale is None  # the original keeps its float cache
+    assert rel_err(logits, ref) < 0.03  # 0.013 here; the float cache gives ~1e-6 (a key's step is max|k| / 127)
+
+
+def test_generate_with_quantization_returns_tokens(model):
+    before = TRACES["generate"]
+    out = infer.generate(model, [[5, 6, 7], [42]], max_new_tokens=4, quantize="int4", kv_cache="int8")
+    assert [len(r) for r in out] == [4, 4] and all(0 <= t < 256 for r in out for t in r)
+    again = infer.generate(model, [[5, 6, 8], [43]], max_new_tokens=4, quantize="int4", kv_cache="int8")
+    assert TRACES["generate"] - before == 1 and len(again) == 2  # a new copy each call, one compiled program
+
+
+def test_bad_options_name_what_was_expected(model):
+    for kwargs, message in [
+        (dict(weights="int3"), r"weights='int3'; expected one of \('int8', 'int4'\)"),
+        (dict(kv_cache="fp8"), r"kv_cache='fp8'; expected one of \('int8',\)"),
+        (dict(activations="int4"), r"activations='int4'"),
+        (dict(weights="int4", group_size=5), r"group_size=5; expected an even integer"),
+        (dict(weights="int4", group_size=128), r"group_size=128 must divide the input width of every int4 "
+                                               r"weight; blocks.0.ffn.w_gate has 64.*fit this model: 64, 32, 16, 8"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            infer.quantize(model, **kwargs)
+    with pytest.raises(ValueError, match="quantize: weights='int2'"):
+        infer.generate(model, [[1]], max_new_tokens=1, quantize="int2")
+    with pytest.raises(ValueError, match="needs attention layers"):
+        infer.quantize(tiny_model({"kind": "gla", "num_heads": 2}), kv_cache="int8")
+
+
+def test_command_line_quantized(capsys, tmp_path):
+    from infer.__main__ import main
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text("model: {d_model: 32, num_layers: 1, mixer: {kind: attention, num_heads: 4}}\n")
+    main([str(config), "--prompt", "ab", "--max-new-tokens", "3", "--quantize", "int8", "--kv-cache", "int8"])
+    assert capsys.readouterr().out.startswith("ab")
+
+
+def test_linear_kernels_and_moe_experts_are_quantized():
+    m = realistic(tiny_model({"kind": "linear_attention", "num_heads": 2}, d_model=32, num_layers=1,
+                             ffn={"kind": "moe", "num_experts": 2, "top_k": 2}))
+    q = infer.quantize(m, "int8")
+    kernels = [v for p, v in nnx.to_flat_state(nnx.state(q, nnx.Param)) if p[-1] in ("kernel", "w_gate")]
+    assert kernels and all(isinstance(v.get_raw_value(), Quantized) for v in kernels)
+    tokens = jax.random.randint(jax.random.key(5), (1, 16), 0, 256)
+    assert rel_err(forward(q, tokens), forward(m, tokens)) < 0.05
