@@ -9,6 +9,7 @@
   call (not decode-sized calls of T <= 16 queries), the XLA forms elsewhere.
 """
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -81,14 +82,25 @@ def attention_cached(q, k, v, cache_k, cache_v, *, cache_length, segment_ids=Non
                      q_positions=slots, kv_heads_first=True)
 
 
+UNROLL_ROWS = 16
+
+
 def write_rows(cache, new, index, axis: int):
     """`new` written into `cache` along `axis` from slot index[b] in row b (axis 0 is the batch of
     both; index (B,) int32): a KV cache whose rows hold different numbers of tokens.
 
     One dynamic_update_slice per row, unrolled: XLA updates each in place inside a decode loop,
     where the per-row offsets of a vmapped one become a scatter that XLA on CPU copies the whole
-    cache for (7 copies per step in generate's loop at batch 2)."""
+    cache for (7 copies per step in generate's loop at batch 2). Past UNROLL_ROWS rows the unrolled
+    program grows too large to compile quickly, and the vmapped form (one copy per step) is used."""
     new = new.astype(cache.dtype)
+    if cache.shape[0] > UNROLL_ROWS:
+        def one(c, x, i):
+            start = [0] * c.ndim
+            start[axis - 1] = i
+            return lax.dynamic_update_slice(c, x, start)
+
+        return jax.vmap(one)(cache, new, index)
     for b in range(cache.shape[0]):
         start = [b] + [0] * (cache.ndim - 1)
         start[axis] = index[b]

@@ -110,7 +110,7 @@ def test_sampled_speculation_follows_the_target_distribution():
     drafting, so most drafts are rejected and the residual distribution is exercised), against the
     target's exact two-token distribution: chi-square at significance 0.001 over the cells expected at
     least 5 times. The drafter's own distribution fails the same test, so the test can fail."""
-    V, N, T = 8, 2000, 1.5
+    V, N, T = 8, 2000, 1.0
     model, draft = target(KINDS["transformer"], vocab_size=V, scale_last=1.0), drafter(vocab_size=V)
     prompt = [1, 2, 3]
 
