@@ -76,9 +76,10 @@ def threshold_at(threshold, decay: float, t, n: int):
 
 def when(pred, f, *args):
     """f(*args) if pred else args (f returns the pytree it takes), as a while loop of 0 or 1 trips rather than
-    a `lax.cond`: XLA (CPU) copies a buffer that the branches of a conditional update in place, in one branch,
-    and a KV cache is such a buffer; a while loop updates its state in place. Measured (d_model 128, 4096
-    cache slots, every token at the first exit): 757 us per token with lax.cond, 508 with this."""
+    a `lax.cond`: of a buffer that the branches of a conditional update in place, such as a KV cache, XLA
+    (CPU) keeps a copy at the end of every branch but the first, while a while loop updates its state in
+    place. Measured (d_model 128, 4096 cache slots, every token at the first exit): 757 us per token with
+    lax.cond, 508 with this."""
     return jax.lax.while_loop(lambda c: c[0], lambda c: (False, *f(*c[1:])), (pred, *args))[1:]
 
 

@@ -17,7 +17,8 @@ reads it as before, `w[...].astype(dtype)`, and `project` (layers/linear.py) mul
 - dot="int8": each row of the input is quantized on the fly (per-token absmax, as LLM.int8()'s
   vector-wise activations) and int8 x int8 -> int32 is one `dot_general`; the two scales multiply the
   int32 result. On CPU, XLA hands this dot to YNNPACK, which reads the int8 weights as they are: the
-  only form found here that decodes faster than float32 (benchmarks/quantize.py). int4 weights are
+  only form found here that decodes faster than float32 (benchmarks/quantize_forms.py, 2 shared
+  cores: 1.2-2.0x float32's speed at batch 1, 1.8x at batch 8; the float forms 0.7x). int4 weights are
   first requantized to int8 per output column (its int8 step is 7/127, about 1/18, of the int4 step
   of the column's widest group: little added error). In a decode loop that is loop-invariant and XLA
   does it once per call, so int4 decodes at int8's speed with an int8 copy beside its codes.
