@@ -9,8 +9,8 @@
    skipped layers' state are compared: `propagate` (the decoder's choice: later blocks run on the
    exited hidden state) and `full_state` (the later blocks' states come from the full-depth hidden
    states, an ideal that saves nothing and shows what propagation costs).
-2. Speed: tokens/s of self-speculative greedy decoding against plain greedy (same tokens), batch 1,
-   with the acceptance rate; and of a fixed depth per sequence (the layers past it are skipped).
+2. Speed: tokens/s of a fixed depth per sequence (the layers past it are skipped) against plain
+   greedy, batch 1 (speculative decoding has its own benchmark: benchmarks/speculative.py).
 3. Token-level exit speed: greedy tokens/s against mean layers used, softmax and margin at several
    thresholds, batch 1 and 8, for the two ways of advancing the layers a token skips, which give the same
    tokens: `every block` (each block runs in full on the exited hidden state, output discarded) and
@@ -85,15 +85,8 @@ def tokens_per_s(model, prompt, new_tokens, repeats=3, **kwargs):
 
 
 def speed(model, prompt, new_tokens):
-    base, (greedy, _) = tokens_per_s(model, prompt, new_tokens)
+    base, _ = tokens_per_s(model, prompt, new_tokens)
     rows = [{"decoding": "greedy", "layers": len(model.blocks), "tokens_per_s": round(base, 1), "vs_greedy": 1.0}]
-    for draft in model.exit_layers:
-        for k in (2, 4, 6):
-            tps, (out, info) = tokens_per_s(model, prompt, new_tokens, speculative=k, draft_layers=draft)
-            assert out == greedy, "self-speculative decoding must give greedy decoding's tokens"
-            rows.append({"decoding": f"speculative k={k}", "layers": draft, "tokens_per_s": round(tps, 1),
-                         "vs_greedy": round(tps / base, 2), "acceptance": round(info["acceptance"], 3)})
-            print(rows[-1], flush=True)
     tps, _ = tokens_per_s(model, prompt, new_tokens, exit_threshold=0.0, exit_level="sequence")
     rows.append({"decoding": "depth per sequence", "layers": model.exit_layers[0], "tokens_per_s": round(tps, 1),
                  "vs_greedy": round(tps / base, 2)})  # threshold 0: every sequence stops at the first exit
