@@ -9,9 +9,10 @@ by the heads, so decoding caches L + R numbers per token instead of a KV cache's
     [q^C_h ; q^R_h] = c_q W_UQ_h,   q^R_h <- RoPE(q^R_h)
     o_h = sum_j softmax_j([q^C_h ; q^R_h] . [k^C_hj ; k^R_j] / sqrt(K + R)) v_hj,   y = [o_1 .. o_H] W_O
 
-Code names: wdq, wuq (W_DQ, W_UQ) or wq (W_Q = W_UQ on x), wdkv, wkr, wuk, wuv, wo; `latent` is
-[c_kv ; k^R] (B, T, L + R). The training path (`__call__`) is ordinary attention of q, k of width K + R
-and values of width V through kernels.attention.attention (the Pallas flash kernels where picked).
+Code names: wdq (W_DQ; None when q_lora_rank is null), wuq (W_UQ, or W_Q on x itself), wdkv, wkr, wuk,
+wuv, wo; `latent` is [c_kv ; k^R] (B, T, L + R). The training path (`__call__`) is ordinary attention
+of q, k of width K + R and values of width V through kernels.attention.attention (the Pallas flash
+kernels where picked).
 
 Decoding caches only the latent of each token, LatentCache.kv (B, S, L + R). With `absorb` (the
 default) no key or value of a head is ever made: q^C_h . k^C_hj = (q^C_h W_UK_h^T) . c_kv_j, so each
