@@ -62,6 +62,41 @@ class AttentionConfig(Mixer):
         super().check(d_model, path)
 
 
+@mixer(layers.MultiHeadLatentAttention)
+@dataclass(frozen=True)
+class MLAConfig(Mixer):
+    """Multi-head latent attention (DeepSeek-V2 2024): every head's keys and values from one shared
+    latent of width kv_lora_rank (null = 4 head_dim) and a rotary key of width rope_dim (null =
+    head_dim / 2, even) shared by the heads, so decoding caches kv_lora_rank + rope_dim numbers per token;
+    head_dim: a head's key width besides the rotary part (null = d_model / num_heads); v_head_dim: its
+    value width (null = head_dim); q_lora_rank: queries through a normalised latent of that width (null
+    = one projection); absorb: decode with W_UK folded into the query and W_UV into the output (false =
+    keys and values expanded from the cache, the reference); window, long_context, rope_base, norm_eps
+    as attention's (norm_eps: the latents' RMSNorms)."""
+    KIND: ClassVar[str] = "mla"
+    num_heads: PosInt = 4
+    head_dim: PosInt | None = None
+    v_head_dim: PosInt | None = None
+    rope_dim: PosInt | None = None
+    kv_lora_rank: PosInt | None = None
+    q_lora_rank: PosInt | None = None
+    window: PosInt | None = None
+    rope_base: PosFloat = 10000.0
+    norm_eps: PosFloat = 1e-6
+    long_context: Literal["window", "full"] = "window"
+    absorb: bool = True
+
+    def check(self, d_model: int, path: str):
+        if self.head_dim is None and d_model % self.num_heads:
+            raise ValueError(f"{path}.num_heads: {self.num_heads} does not divide model.d_model={d_model} "
+                             f"(or give {path}.head_dim)")
+        rope = (self.head_dim or d_model // self.num_heads) // 2 if self.rope_dim is None else self.rope_dim
+        if rope < 2 or rope % 2:
+            raise ValueError(f"{path}.rope_dim: expected an even number >= 2, got {rope}"
+                             + (" (head_dim / 2, its default)" if self.rope_dim is None else ""))
+        super().check(d_model, path)
+
+
 @mixer(layers.LinearAttention)
 @dataclass(frozen=True)
 class LinearAttentionConfig(Chunked):
