@@ -62,6 +62,22 @@ class AttentionConfig(Mixer):
         super().check(d_model, path)
 
 
+@mixer(layers.MoBA)
+@dataclass(frozen=True)
+class MoBAConfig(Mixer):
+    """MoBA, Mixture of Block Attention (Lu et al. 2025): each query head attends to its own block of
+    block_size tokens (causally) and the top_k - 1 earlier blocks of its document whose mean-pooled keys
+    score highest against it (top_k counts the own block, as the paper does); GQA with num_kv_heads;
+    decode scores the cached block sums and reads only the selected blocks of the KV cache."""
+    KIND: ClassVar[str] = "moba"
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    block_size: PosInt = 16
+    top_k: PosInt = 3
+    rope_base: PosFloat = 10000.0
+
+
 @mixer(layers.LinearAttention)
 @dataclass(frozen=True)
 class LinearAttentionConfig(Chunked):

@@ -17,6 +17,7 @@ from zoo.registry import FFNS, LAYER_OF, MIXERS, make_layer
 WIDTH = 64  # a kind's defaults at this width must build
 TINY = {  # (d_model, config) of the shipped kinds, small and with every optional part on
     "attention": (32, {"num_heads": 4, "num_kv_heads": 2, "window": 7}),
+    "moba": (32, {"num_heads": 4, "num_kv_heads": 2, "block_size": 4, "top_k": 3}),
     "linear_attention": (32, {"num_heads": 2, "feature_map": "elu"}),
     "retnet": (32, {"num_heads": 2}),
     "gla": (32, {"num_heads": 2, "conv_size": 4}),
