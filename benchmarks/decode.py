@@ -26,6 +26,8 @@ KINDS = {
     "gqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 2},
     "mqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 1},
     "moba": {"kind": "moba", "num_heads": 8, "block_size": 64, "top_k": 3},
+    "nsa": {"kind": "nsa", "num_heads": 8, "block_len": 32, "stride": 16, "select_len": 64, "num_selected": 4,
+            "window": 128},
     "linear_attention": {"kind": "linear_attention", "num_heads": 8},
     "retnet": {"kind": "retnet", "num_heads": 8},
     "gla": {"kind": "gla", "num_heads": 8, "conv_size": 4},

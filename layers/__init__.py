@@ -30,6 +30,7 @@ from layers.mlp import MLP, NoFFN
 from layers.moba import MoBA, MoBABlocks
 from layers.moe import MoE
 from layers.norm import GatedRMSNorm, RMSNorm
+from layers.nsa import NativeSparseAttention, NSACompressed
 from layers.retnet import MultiScaleRetention, RetentionState
 from layers.rotary import apply_rotary
 from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix

@@ -34,7 +34,65 @@ class MoBABlocks:
     sums: Float[Array, "B G N K"]  # (B, G, N, K) float32: key sum of block n of the current document, n < pos // b
 
 
-class MoBA(Attention):
+class BlockSparse(Attention):
+    """The decode driver that MoBA and NSA (layers/nsa.py) share: attention's projections, its KV cache
+    beside a table of per-block state (`init_table`), and a call of T tokens run token by token
+    through `_step(carry, (q, k, v, *extra, p, d)) -> (carry, o)`, reading the cache before writing it."""
+
+    def _extra(self, x):
+        """Per-token inputs of a step beyond q, k, v, each (B, T, ...)."""
+        return ()
+
+    def init_table(self, batch_size: int, max_len: int):
+        raise NotImplementedError
+
+    def init_state(self, batch_size: int, max_len: int) -> tuple:
+        if self.kv_cache is not None:
+            raise ValueError(f"{type(self).__name__}.kv_cache={self.kv_cache!r}: the cache stays in the compute dtype "
+                             "(None)")
+        return super().init_state(batch_size, max_len), self.init_table(batch_size, max_len)
+
+    def decode(self, x: Float[Array, "B T D"], state: tuple, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False):
+        """Token by token through the cache (lax.scan). steps=True returns the state after every token
+        (layers/state.py): the KV cache's slots once (final), the table per step."""
+        where = f"{type(self).__name__}.decode"
+        check_input(x, self.d_model, segment_ids, where)
+        check_steps(steps, segment_ids, where)
+        cache, table = state
+        B, T, _ = x.shape
+        if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > cache.k.shape[2]:
+            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={cache.k.shape[2]}")
+        positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
+        doc = cache.cur_doc[:, None] + document_index(segment_ids, B, T)  # (B, T)
+        inputs = (*self._qkv(x, positions), *self._extra(x))
+
+        def step(carry, xs):
+            carry, o = self._step(carry, (*(a[:, None] for a in xs[:-2]), *xs[-2:]))
+            cache, table = carry
+            return carry, (o[:, 0], (cache.cur_doc, cache.pos, cache.index, table) if steps else None)
+
+        time_major = tuple(jnp.swapaxes(a, 0, 1) for a in (*inputs, positions, doc))  # (T, B, ...)
+        (cache, table), (o, stepped) = jax.lax.scan(step, (cache, table), time_major)
+        y = self._out(jnp.swapaxes(o, 0, 1))  # (B, T, D)
+        if steps:
+            cur_doc, pos, index, tables = stepped  # (T, B, ...)
+            return y, (KVCache.stepped(k=cache.k, v=cache.v, doc=cache.doc, cur_doc=cur_doc, pos=pos, index=index,
+                                       k_scale=None, v_scale=None), tables)
+        return y, (cache, table)
+
+    def rollback(self, stepped, drop: Int[Array, " B"]):
+        return rollback(stepped, drop)
+
+    @staticmethod
+    def _written(cache: KVCache, k, v, d, p) -> KVCache:
+        """The cache after one token: k, v (B, 1, G, K|V) written at each row's index."""
+        write = lambda c, a: write_rows(c, a.transpose(0, 2, 1, 3), cache.index, 2)
+        return KVCache(k=write(cache.k, k), v=write(cache.v, v), doc=write_rows(cache.doc, d[:, None], cache.index, 1),
+                       cur_doc=d, pos=p + 1, index=cache.index + 1)
+
+
+class MoBA(BlockSparse):
     def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
                  head_dim: int | None = None, block_size: int = 16, top_k: int = 3, rope_base: float = 10000.0,
                  impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
@@ -50,12 +108,9 @@ class MoBA(Attention):
         doc = None if segment_ids is None else document_index(segment_ids, B, T)
         return self._out(moba(q, k, v, block_size=self.block_size, top_k=self.top_k, segment_ids=doc, impl=self.impl))
 
-    def init_state(self, batch_size: int, max_len: int) -> tuple[KVCache, MoBABlocks]:
-        if self.kv_cache is not None:
-            raise ValueError(f"MoBA.kv_cache={self.kv_cache!r}: MoBA keeps its cache in the compute dtype (None)")
+    def init_table(self, batch_size: int, max_len: int) -> MoBABlocks:
         N = -(-max_len // self.block_size)
-        sums = jnp.zeros((batch_size, self.num_kv_heads, N, self.head_dim), jnp.float32)
-        return super().init_state(batch_size, max_len), MoBABlocks(sums=sums)
+        return MoBABlocks(sums=jnp.zeros((batch_size, self.num_kv_heads, N, self.head_dim), jnp.float32))
 
     def _step(self, carry, inputs):
         """One token against the cache: q (B, 1, H, K), k/v (B, 1, G, K|V); p, d (B,): its document
@@ -72,38 +127,4 @@ class MoBA(Attention):
         total = jnp.sum(jnp.where(earlier, own.astype(jnp.float32), 0.0), axis=2) + k[:, 0].astype(jnp.float32)
         done = (p % b == b - 1)[:, None, None, None]  # (B, 1, 1, 1): the token completes its block
         sums = jnp.where(done, write_rows(blocks.sums, total[:, :, None], cur, 2), blocks.sums)
-        write = lambda c, a: write_rows(c, a.transpose(0, 2, 1, 3), i, 2)
-        cache = KVCache(k=write(cache.k, k), v=write(cache.v, v), doc=write_rows(cache.doc, d[:, None], i, 1),
-                        cur_doc=d, pos=p + 1, index=i + 1)
-        return (cache, MoBABlocks(sums=sums)), o[:, 0]
-
-    def decode(self, x: Float[Array, "B T D"], state: tuple[KVCache, MoBABlocks], *,
-               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
-        """Token by token through the cache (see the module docstring). steps=True returns the state after
-        every token (layers/state.py): the KV cache's slots once (final), the block sums per step."""
-        check_input(x, self.d_model, segment_ids, "MoBA.decode")
-        check_steps(steps, segment_ids, "MoBA.decode")
-        cache, blocks = state
-        B, T, _ = x.shape
-        if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > cache.k.shape[2]:
-            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={cache.k.shape[2]}")
-        positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
-        doc = cache.cur_doc[:, None] + document_index(segment_ids, B, T)  # (B, T)
-        q, k, v = self._qkv(x, positions)
-
-        def step(carry, inputs):
-            carry, o = self._step(carry, (*(a[:, None] for a in inputs[:3]), *inputs[3:]))
-            cache, blocks = carry
-            return carry, (o, (cache.cur_doc, cache.pos, cache.index, blocks.sums) if steps else None)
-
-        time_major = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, positions, doc))  # (T, B, ...)
-        (cache, blocks), (o, stepped) = jax.lax.scan(step, (cache, blocks), time_major)
-        y = self._out(jnp.swapaxes(o, 0, 1))  # (B, T, D)
-        if steps:
-            cur_doc, pos, index, sums = stepped  # (T, B, ...)
-            return y, (KVCache.stepped(k=cache.k, v=cache.v, doc=cache.doc, cur_doc=cur_doc, pos=pos, index=index,
-                                       k_scale=None, v_scale=None), MoBABlocks.stepped(sums=sums))
-        return y, (cache, blocks)
-
-    def rollback(self, stepped, drop: Int[Array, " B"]):
-        return rollback(stepped, drop)
+        return (self._written(cache, k, v, d, p), MoBABlocks(sums=sums)), o

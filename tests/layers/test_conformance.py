@@ -18,6 +18,8 @@ WIDTH = 64  # a kind's defaults at this width must build
 TINY = {  # (d_model, config) of the shipped kinds, small and with every optional part on
     "attention": (32, {"num_heads": 4, "num_kv_heads": 2, "window": 7}),
     "moba": (32, {"num_heads": 4, "num_kv_heads": 2, "block_size": 4, "top_k": 3}),
+    "nsa": (32, {"num_heads": 4, "num_kv_heads": 2, "block_len": 4, "stride": 2, "select_len": 4,
+                 "num_selected": 4, "window": 3}),
     "linear_attention": (32, {"num_heads": 2, "feature_map": "elu"}),
     "retnet": (32, {"num_heads": 2}),
     "gla": (32, {"num_heads": 2, "conv_size": 4}),
