@@ -27,6 +27,9 @@ KINDS = {
     "mqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 1},
     # DeepSeek-V2's proportions (head_dim 128, kv_lora_rank 512 = 4 x 128, rope_dim 64 = 128 / 2) at head_dim 32
     "mla": {"kind": "mla", "num_heads": 8, "kv_lora_rank": 128, "rope_dim": 16},
+    "moba": {"kind": "moba", "num_heads": 8, "block_size": 64, "top_k": 3},
+    "nsa": {"kind": "nsa", "num_heads": 8, "block_len": 32, "stride": 16, "select_len": 64, "num_selected": 4,
+            "window": 128},
     "linear_attention": {"kind": "linear_attention", "num_heads": 8},
     "retnet": {"kind": "retnet", "num_heads": 8},
     "gla": {"kind": "gla", "num_heads": 8, "conv_size": 4},

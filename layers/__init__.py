@@ -28,8 +28,10 @@ from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
 from layers.mla import LatentCache, MultiHeadLatentAttention
 from layers.mlp import MLP, NoFFN
+from layers.moba import MoBA, MoBABlocks
 from layers.moe import MoE
 from layers.norm import GatedRMSNorm, RMSNorm
+from layers.nsa import NativeSparseAttention, NSACompressed
 from layers.retnet import MultiScaleRetention, RetentionState
 from layers.rotary import apply_rotary
 from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix

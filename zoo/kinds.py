@@ -97,6 +97,42 @@ class MLAConfig(Mixer):
         super().check(d_model, path)
 
 
+@mixer(layers.MoBA)
+@dataclass(frozen=True)
+class MoBAConfig(Mixer):
+    """MoBA, Mixture of Block Attention (Lu et al. 2025): each query head attends to its own block of
+    block_size tokens (causally) and the top_k - 1 earlier blocks of its document whose mean-pooled keys
+    score highest against it (top_k counts the own block, as the paper does); GQA with num_kv_heads;
+    decode scores the cached block sums and reads only the selected blocks of the KV cache."""
+    KIND: ClassVar[str] = "moba"
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    block_size: PosInt = 16
+    top_k: PosInt = 3
+    rope_base: PosFloat = 10000.0
+
+
+@mixer(layers.NativeSparseAttention)
+@dataclass(frozen=True)
+class NSAConfig(Mixer):
+    """NSA, Native Sparse Attention (Yuan et al. 2025): three branches mixed by learned sigmoid gates:
+    compressed (blocks of block_len keys every stride tokens, each compressed by a learned MLP),
+    selected (num_selected blocks of select_len keys, the initial and the two local ones always, the
+    others by the compressed branch's attention summed over a kv group) and a sliding window of
+    window tokens; GQA with num_kv_heads. One set of keys and values serves the three branches."""
+    KIND: ClassVar[str] = "nsa"
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    block_len: PosInt = 16
+    stride: PosInt = 8
+    select_len: PosInt = 16
+    num_selected: PosInt = 4
+    window: PosInt = 32
+    rope_base: PosFloat = 10000.0
+
+
 @mixer(layers.LinearAttention)
 @dataclass(frozen=True)
 class LinearAttentionConfig(Chunked):
