@@ -19,7 +19,7 @@ Parameters name their logical sharding axes where they are made (layers/sharding
 tests/layers/conformance.py checks all of this for every registered kind.
 """
 
-from layers.attention import Attention, KVCache
+from layers.attention import Attention, HeadMask, KVCache
 from layers.conv import ShortConvolution
 from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
 from layers.gla import GatedLinearAttention, GLAState
