@@ -5,7 +5,8 @@
 Each model (d_model 256, 4 layers, 8 heads where the kind has heads, batch 1) prefills `context`
 tokens, then greedy-decodes 32 tokens inside one jitted lax.scan; the figure is that scan's time / 32,
 the minimum of 15 runs interleaved across the contexts. A Transformer's KV cache grows with the
-context, so its cost per token does too; a recurrent kind's state does not.
+context, so its cost per token does too; a recurrent kind's state does not, nor does sinks_window's
+ring-buffer cache (4 attention sinks + a 252-token window, layers/attention.py).
 """
 
 import argparse
@@ -25,6 +26,7 @@ KINDS = {
     "mha": {"kind": "attention", "num_heads": 8},
     "gqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 2},
     "mqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 1},
+    "sinks_window": {"kind": "attention", "num_heads": 8, "window": 252, "sinks": 4},  # a ring of 4 + 252 + 16 slots
     "linear_attention": {"kind": "linear_attention", "num_heads": 8},
     "retnet": {"kind": "retnet", "num_heads": 8},
     "gla": {"kind": "gla", "num_heads": 8, "conv_size": 4},
