@@ -109,3 +109,10 @@ def test_sparse_mask_parameters_may_be_traced():
         assert_close(run(*arrays), attention(q, k, v, **dict(zip(("window", "sinks", "dilation", "growth"), masks))),
                      1e-6)
     assert len(traces) == 1
+
+
+def test_masks_the_flash_kernels_cannot_express_run_the_xla_forms():
+    """impl="pallas" with sinks, dilation or per-head windows: the XLA forms, never a wrong result."""
+    q, k, v = randn(0, (1, 20, 4, 16)), randn(1, (1, 20, 2, 16)), randn(2, (1, 20, 2, 16))
+    for kw in (dict(window=3, sinks=2), dict(window=3, dilation=2), dict(window=(2, 3, 4, 5))):
+        assert_close(attention(q, k, v, impl="pallas", **kw), attention(q, k, v, impl="reference", **kw), 1e-5)
