@@ -91,11 +91,17 @@ def _decode_pieces(layer, x, cuts, seg, max_len):
 
 
 @pytest.mark.parametrize("kv_cache", [None, "int8"])
-def test_ring_buffer_equals_the_full_masked_cache(kv_cache):
+def test_ring_buffer_equals_the_full_masked_cache(kv_cache, monkeypatch):
     """Contexts of 64 tokens, 4-6 times the ring (2 sinks + a window of 4 every 2nd token + 2 spare):
     a prefill longer than the ring then token by token, and prefills in several chunks, with documents
     starting inside the calls, give the full-length cache's outputs (and the full pass's); the ring's
-    bytes do not depend on max_len."""
+    bytes do not depend on max_len. Calls past 64 scores per head take the long path (the ring: cache
+    and new keys side by side, blocked; the full cache: written first), single tokens the dense one."""
+    from kernels.attention import xla
+
+    monkeypatch.setattr("kernels.attention.DENSE_MAX", 64)
+    for name, value in (("DENSE_MAX", 64), ("BLOCK", 16)):
+        monkeypatch.setattr(xla, name, value)
     D, T = 32, 64
     ring = Attention(D, num_heads=4, num_kv_heads=2, window=4, sinks=2, dilation=2, ring_spare=2, rngs=nnx.Rngs(0))
     ring.kv_cache = kv_cache
