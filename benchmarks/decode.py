@@ -5,7 +5,8 @@
 Each model (d_model 256, 4 layers, 8 heads where the kind has heads, batch 1) prefills `context`
 tokens, then greedy-decodes 32 tokens inside one jitted lax.scan; the figure is that scan's time / 32,
 the minimum of 15 runs interleaved across the contexts. A Transformer's KV cache grows with the
-context, so its cost per token does too; a recurrent kind's state does not.
+context, so its cost per token does too; a recurrent kind's state does not, nor does sinks_window's
+ring-buffer cache (4 attention sinks + a 252-token window, layers/attention.py).
 """
 
 import argparse
@@ -30,6 +31,7 @@ KINDS = {
     "moba": {"kind": "moba", "num_heads": 8, "block_size": 64, "top_k": 3},
     "nsa": {"kind": "nsa", "num_heads": 8, "block_len": 32, "stride": 16, "select_len": 64, "num_selected": 4,
             "window": 128},
+    "sinks_window": {"kind": "attention", "num_heads": 8, "window": 252, "sinks": 4},  # a ring of 4 + 252 + 16 slots
     "linear_attention": {"kind": "linear_attention", "num_heads": 8},
     "retnet": {"kind": "retnet", "num_heads": 8},
     "gla": {"kind": "gla", "num_heads": 8, "conv_size": 4},

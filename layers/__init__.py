@@ -12,14 +12,14 @@ Every sequence mixer follows one protocol:
 (see kernels/segments.py). `steps` and `rollback` serve speculative decoding, which verifies draft
 tokens in one call and keeps a different number per row (layers/state.py); a stateful FFN (RWKV's
 channel mix) has them too. A recurrent mixer's state does not grow with max_len; a mixer whose
-state does (attention's KV cache) says so with `grows_with_context = True`. A mixer keeps `impl`
-(and `mode`, where it has several exact forms) as attributes read at call time. States are
+state does (attention's full KV cache, not its ring buffer) says so with `grows_with_context = True`.
+A mixer keeps `impl` (and `mode`, where it has several exact forms) as attributes read at call time. States are
 `layers.state.state` dataclasses; shape annotations use the one letter legend of kernels/__init__.py.
 Parameters name their logical sharding axes where they are made (layers/sharding.py).
 tests/layers/conformance.py checks all of this for every registered kind.
 """
 
-from layers.attention import Attention, KVCache
+from layers.attention import Attention, HeadMask, KVCache
 from layers.conv import ShortConvolution
 from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
 from layers.gla import GatedLinearAttention, GLAState

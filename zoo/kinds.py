@@ -29,11 +29,27 @@ class RopeScalingConfig(RopeScaling):
     mscale_all_dim: PosFloat | None = None
 
 
+@dataclass(frozen=True)
+class HeadMaskConfig(layers.HeadMask):
+    """attention.head_masks[h]: query head h's band (layers/attention.py): window (null = every earlier
+    token), sinks, dilation, growth (the window grows by growth tokens per token of the document)."""
+    window: PosInt | None = None
+    sinks: NonNegInt = 0
+    dilation: PosInt = 1
+    growth: NonNegFloat = 0.0
+
+
 @mixer(layers.Attention)
 @dataclass(frozen=True)
 class AttentionConfig(Mixer):
     """Softmax attention: MHA (num_kv_heads = num_heads or null), GQA, MQA (num_kv_heads = 1);
-    window: sliding-window length in tokens (null = full causal); long_context: past the trained
+    window: sliding-window length in tokens (null = full causal); sinks: the first tokens of each
+    document stay visible to every later query (StreamingLLM); dilation: the window takes every
+    dilation-th token, spanning window * dilation (Longformer); head_masks: a list of one {window, sinks,
+    dilation, growth} per head instead (SemSA / MoA: span window * dilation + growth * tokens so far);
+    ring_spare: with windows on every head (and no growth) the KV cache is a ring of sinks + window *
+    dilation + ring_spare slots, whatever the context; speculative decoding verifies at most ring_spare
+    tokens a round; long_context: past the trained
     context (model.max_seq_len), window = each query sees the last max_seq_len tokens (the distances
     it was trained on), full = every earlier token (distances it never saw); rope_scaling: a rotary
     scaling for a longer context (type linear, llama3, yarn or dynamic, with its keys: layers/rotary.py);
@@ -44,6 +60,10 @@ class AttentionConfig(Mixer):
     num_kv_heads: PosInt | None = None
     head_dim: PosInt | None = None
     window: PosInt | None = None
+    sinks: NonNegInt = 0
+    dilation: PosInt = 1
+    head_masks: tuple[HeadMaskConfig, ...] | None = None
+    ring_spare: PosInt = 16
     rope_base: PosFloat = 10000.0
     rope_scaling: RopeScalingConfig | None = None
     qkv_bias: bool = False
@@ -59,6 +79,16 @@ class AttentionConfig(Mixer):
             raise ValueError(f"{path}.num_kv_heads: {kv} does not divide {path}.num_heads={self.num_heads}")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"{path}.window: expected a positive number of tokens or null, got {self.window}")
+        if self.head_masks is not None:
+            if len(self.head_masks) != self.num_heads:
+                raise ValueError(f"{path}.head_masks: {len(self.head_masks)} masks for {path}.num_heads="
+                                 f"{self.num_heads}; expected one per head")
+            if (self.window, self.sinks, self.dilation) != (None, 0, 1):
+                raise ValueError(f"{path}.head_masks: give window, sinks and dilation in {path} or per head in "
+                                 f"{path}.head_masks, not both")
+            for h, m in enumerate(self.head_masks):
+                if m.growth and m.window is None:
+                    raise ValueError(f"{path}.head_masks[{h}].growth: {m.growth} grows a window; give its window")
         super().check(d_model, path)
 
 

@@ -175,7 +175,9 @@ def check_rollback(r, tol):
                 continue
             a, b = np.asarray(a), np.asarray(b)
             if f.name in got.final_fields and hasattr(got, "index"):  # a cache's slots: KVCache, LatentCache
-                seen = np.arange(got.doc.shape[1])[None] < np.asarray(got.index)[:, None]  # (B, S)
+                ring = getattr(got, "token_index", None)
+                at = np.arange(got.doc.shape[1])[None] if ring is None else np.asarray(ring)
+                seen = (at >= 0) & (at < np.asarray(got.index)[:, None])  # (B, S): a ring's slots hold any index
                 # (B, S, ...) as they are, heads first (B, G, S, K) swapped: slots second
                 a, b = ((c if c.ndim <= 3 else np.swapaxes(c, 1, 2))[seen] for c in (a, b))
             if np.issubdtype(a.dtype, np.integer):
