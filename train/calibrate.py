@@ -197,27 +197,31 @@ def calibrated_config(cfg, masks) -> dict:
     return data
 
 
-def calibrate(run_dir, budget: float, batches: int = 4, batch_size: int = 8, seed: int = 0, log=print) -> dict:
-    if not 0 < budget <= 1:
-        raise ValueError(f"--density: expected a fraction in (0, 1], got {budget}")
+@functools.lru_cache(maxsize=4)
+def _profiled(run_dir: str, batches: int, batch_size: int, seed: int, log):
+    """The run, its mask family with densities, the evaluators and the profiled costs (kept for other budgets)."""
     cfg, model, step = load_model(run_dir)
     L = cfg.train.seq_len
     candidates = family(L)
     dens = np.array([density(m, L) for m in candidates])
     tune = Evaluator(cfg, model, 0, batches, batch_size, seed)
     held = Evaluator(cfg, model, batches, batches, batch_size, seed)
-    cost = profile(tune, candidates, log)
+    return cfg, step, candidates, dens, held, profile(tune, candidates, log)
+
+
+def calibrate(run_dir, budget: float, batches: int = 4, batch_size: int = 8, seed: int = 0, log=print) -> dict:
+    if not 0 < budget <= 1:
+        raise ValueError(f"--density: expected a fraction in (0, 1], got {budget}")
+    cfg, step, candidates, dens, held, cost = _profiled(str(run_dir), batches, batch_size, seed, log)
+    L, H, n = cfg.train.seq_len, held.H, held.num_layers
     choice = choose(cost, dens, budget)
-    H = tune.H
-    masks = [[candidates[c] for c in choice[i * H:(i + 1) * H]] for i in range(tune.num_layers)]
-    flat = Mask()
+    masks = [[candidates[c] for c in choice[i * H:(i + 1) * H]] for i in range(n)]
     wide = uniform(L, budget)
     result = {"run": str(run_dir), "step": step, "seq_len": L, "budget": budget,
               "density": round(float(dens[choice].mean()), 4), "uniform_window": wide.window,
               "uniform_density": round(density(wide, L), 4),
               "masks": [[m.spec() for m in layer] for layer in masks]}
-    for name, m in (("full", [[flat] * H] * tune.num_layers), ("uniform", [[wide] * H] * tune.num_layers),
-                    ("calibrated", masks)):
+    for name, m in (("full", [[Mask()] * H] * n), ("uniform", [[wide] * H] * n), ("calibrated", masks)):
         loss, acc = held(m)
         result[f"{name}_loss"] = round(loss, 4)
         if cfg.data.task:
