@@ -66,13 +66,15 @@ class AttentionConfig(Mixer):
 @dataclass(frozen=True)
 class LinearAttentionConfig(Chunked):
     """Linear attention (Katharopoulos et al. 2020) with a feature map: identity, elu (elu+1), relu,
-    performer (FAVOR+), cosformer (relu + cos re-weighting), hedgehog (learned); normalize adds the
-    denominator q . sum(k)."""
+    performer (FAVOR+), cosformer (relu + cos re-weighting), hedgehog (learned), taylor (Based's
+    second-order Taylor expansion of exp); normalize adds the denominator q . sum(k); qk_dim: the
+    per-head width of q and k the feature map reads (null = d_model / num_heads; Based uses 16)."""
     KIND: ClassVar[str] = "linear_attention"
     num_heads: PosInt = 4
-    feature_map: Literal["identity", "elu", "relu", "performer", "cosformer", "hedgehog"] = "elu"
+    feature_map: Literal["identity", "elu", "relu", "performer", "cosformer", "hedgehog", "taylor"] = "elu"
     normalize: bool = True
     num_features: PosInt | None = None
+    qk_dim: PosInt | None = None
     cosformer_max_len: PosInt = 2048
     eps: PosFloat = 1e-6
 
