@@ -7,6 +7,9 @@
   pallas_tpu.py (Mosaic TPU) on TPU; interpret mode on CPU, which is slow and meant for tests;
 - "auto": the Pallas kernels on GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the
   call (not decode-sized calls of T <= 16 queries), the XLA forms elsewhere.
+
+A `decay` (a logit bias decay_i - kv_decay_j per head, reference.py; Forgetting attention's cumulative
+log forget gate) runs the XLA forms whatever `impl` but "reference": no Pallas kernel takes it yet.
 """
 
 import jax
@@ -16,7 +19,7 @@ from jax import lax
 from kernels import check_impl, pallas_platform, use_pallas
 from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention, supports
 from kernels.attention.pallas_tpu import flash_attention_tpu
-from kernels.attention.reference import attention_reference, visible
+from kernels.attention.reference import attention_reference, decay_bias, heads_first_decay, visible
 from kernels.attention.xla import DENSE_MAX, attention_dense_parts, attention_xla
 
 __all__ = ["attention", "attention_cached", "attention_reference", "attention_xla", "flash_attention",
@@ -24,14 +27,15 @@ __all__ = ["attention", "attention_cached", "attention_reference", "attention_xl
 
 
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,
-              causal=True, window=None, scale=None, impl="auto", kv_heads_first=False):
+              causal=True, window=None, scale=None, impl="auto", kv_heads_first=False, decay=None, kv_decay=None):
     """q (B, T, H, K), k/v (B, S, G, K|V) with G dividing H -> o (B, T, H, V). See reference.py.
     With kv_heads_first, k/v are (B, G, S, K|V), a KV cache's layout (the XLA forms read it as is).
 
     scale multiplies the logits q . k; None means K^-1/2. Positions default to the T queries being the
     last T of the S keys; a query sees key j when causal (p_j <= p_i), inside `window` (p_j > p_i -
     window) and in the same segment (segment_ids for the queries, kv_segment_ids for the keys,
-    defaulting to segment_ids). A query that sees no key returns zeros."""
+    defaulting to segment_ids). A query that sees no key returns zeros. decay (B, T, H) / kv_decay
+    (B, S, H) float32, kv_decay defaulting to decay: the bias decay_i - kv_decay_j of the logits."""
     check_impl(impl, "attention")
     G = k.shape[1 if kv_heads_first else 2]
     if q.shape[2] % G:
@@ -39,22 +43,24 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
     kwargs = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                   kv_positions=kv_positions, causal=causal, window=window, scale=scale)
     ks, vs = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if kv_heads_first else (k, v)  # (B, S, G, K)
-    if use_pallas(impl, supports(q, ks, vs)):  # (an unused transpose costs nothing: XLA drops it)
+    if decay is None and use_pallas(impl, supports(q, ks, vs)):  # (an unused transpose costs nothing: XLA drops it)
         kernel = flash_attention_tpu if pallas_platform() == "tpu" else flash_attention
         return kernel(q, ks, vs, **kwargs)
+    kwargs.update(decay=decay, kv_decay=kv_decay)
     if impl == "reference":
         return attention_reference(q, ks, vs, **kwargs)
     return attention_xla(q, k, v, **kwargs, kv_heads_first=kv_heads_first)
 
 
 def attention_cached(q, k, v, cache_k, cache_v, *, cache_length, segment_ids=None, cache_segment_ids=None,
-                     window=None, scale=None, impl="auto"):
+                     window=None, scale=None, impl="auto", decay=None, cache_decay=None):
     """A decode step's causal attention: T new queries q (B, T, H, K) with their own keys and values
     k, v (B, T, G, K|V), against a KV cache (B, G, S, K|V), heads first, whose slots [0, cache_length[b])
     hold the earlier tokens of row b (slot s at position s); its new tokens are at positions
     cache_length[b] + [0, T). cache_length is (B,) int32 (a scalar broadcasts): rows may hold
     different numbers of tokens, as after a speculative round that kept more drafts in one row.
-    segment_ids (B, T) and cache_segment_ids (B, S) mask across documents.
+    segment_ids (B, T) and cache_segment_ids (B, S) mask across documents. decay (B, T, H) is the new
+    tokens' (as queries and as keys), cache_decay (B, H, S) float32 the slots' (see `attention`).
 
     The same as writing k, v into the cache at cache_length and calling `attention` with those query
     positions, which is what the reference and Pallas impls do. The XLA form instead reads the cache
@@ -75,11 +81,18 @@ def attention_cached(q, k, v, cache_k, cache_v, *, cache_length, segment_ids=Non
         own = visible(slots, slots, segment_ids, None, True, window)
         parts = [(cache_k, cache_v, visible(slots, cache_pos, segment_ids, cache_segment_ids, True, window)),
                  (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), own)]
-        return attention_dense_parts(q, parts, scale)
+        biases = None
+        if decay is not None:
+            G = cache_k.shape[1]
+            qd = heads_first_decay(decay, G)[..., :, None]  # (B, G, R, T, 1)
+            biases = [qd - cache_decay.reshape(B, G, -1, S)[..., None, :], decay_bias(decay, decay, G)]
+        return attention_dense_parts(q, parts, scale, biases)
     kc, vc = (write_rows(c, x.transpose(0, 2, 1, 3), length, 2) for c, x in ((cache_k, k), (cache_v, v)))
     seg = write_rows(cache_segment_ids, segment_ids, length, 1)
+    kv_decay = None if decay is None else write_rows(cache_decay, decay.transpose(0, 2, 1), length, 2)  # (B, H, S)
     return attention(q, kc, vc, segment_ids=segment_ids, kv_segment_ids=seg, window=window, scale=scale, impl=impl,
-                     q_positions=slots, kv_heads_first=True)
+                     q_positions=slots, kv_heads_first=True, decay=decay,
+                     kv_decay=None if decay is None else kv_decay.transpose(0, 2, 1))
 
 
 UNROLL_ROWS = 16
