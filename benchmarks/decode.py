@@ -25,6 +25,7 @@ KINDS = {
     "mha": {"kind": "attention", "num_heads": 8},
     "gqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 2},
     "mqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 1},
+    "fox": {"kind": "fox", "num_heads": 8},
     "linear_attention": {"kind": "linear_attention", "num_heads": 8},
     "retnet": {"kind": "retnet", "num_heads": 8},
     "gla": {"kind": "gla", "num_heads": 8, "conv_size": 4},

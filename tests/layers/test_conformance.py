@@ -18,6 +18,8 @@ WIDTH = 64  # a kind's defaults at this width must build
 TINY = {  # (d_model, config) of the shipped kinds, small and with every optional part on
     "attention": (32, {"num_heads": 4, "num_kv_heads": 2, "window": 7}),
     "linear_attention": (32, {"num_heads": 2, "feature_map": "elu"}),
+    "base_conv": (16, {"expand": 2}),
+    "fox": (32, {"num_heads": 4, "num_kv_heads": 2, "qk_norm": True, "output_norm": True, "output_gate": True}),
     "retnet": (32, {"num_heads": 2}),
     "gla": (32, {"num_heads": 2, "conv_size": 4}),
     "mamba": (16, {"state_size": 4}),
