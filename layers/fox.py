@@ -7,10 +7,11 @@
         = sum_j F_ij exp(q_i . k_j / sqrt(K)) v_j / sum_j F_ij exp(q_i . k_j / sqrt(K)),  F_ij = prod_{j < l <= i} f_l
     y_t = concat_h(o_t) W_O
 
-Code names: `log_f` is log f_t, `c` is c_t (B, T, H) float32, the `decay` of kernels/attention (which
+Code names: `logit` is x_t . w_f + b_f, `c` is c_t (B, T, H) float32, the `decay` of kernels/attention (which
 adds c_i - c_j to the logits). No positional encoding by default, as FoX: the forget gate is its
 position signal (`rope_base` turns a rotary on). The options of the paper's "Pro" block: `qk_norm`
-(an RMSNorm over each head's query and key), `output_norm` (an RMSNorm over each head's output) and
+(an RMSNorm over each head's query and key, its scale shared by the heads as in the paper's runs;
+the official code now defaults to one per head), `output_norm` (an RMSNorm over each head's output) and
 `output_gate` (y_t = (sigmoid(x_t W_G) ⊙ concat_h(o_t)) W_O). Left out: its KV-shift (a data-dependent
 token shift of k and v) and the adaptive computation pruning of the later paper. b_f starts at zero.
 
@@ -20,8 +21,10 @@ the document began: that offset cancels, so a packed document gets the outputs i
 
 Decoding: the KV cache (layers/attention.py) plus `c` of every slot's token, (B, H, S) float32, and
 `c_last` (B, H), the row's c after its last token, which the next call's cumsum continues from:
-decode computes exactly the full pass's logits. Rolling back (layers/state.py) keeps the slots as
-written (`final`; a row never reads past its index) and takes c_last per step.
+decode computes the full pass's logits (up to the float32 rounding of a running sum). c only falls
+(about -0.7 a token at f = 1/2), so past ~10^5 tokens of one row its float32 spacing (~10^-3 at |c| ~
+10^4) starts to blur c_i - c_j. Rolling back (layers/state.py) keeps the slots as written (`final`;
+a row never reads past its index) and takes c_last per step.
 """
 
 import jax
