@@ -5,7 +5,8 @@
 Each model (d_model 256, 4 layers, 8 heads where the kind has heads, batch 1) prefills `context`
 tokens, then greedy-decodes 32 tokens inside one jitted lax.scan; the figure is that scan's time / 32,
 the minimum of 15 runs interleaved across the contexts. A Transformer's KV cache grows with the
-context, so its cost per token does too; a recurrent kind's state does not.
+context, so its cost per token does too; a recurrent kind's state does not, nor does sinks_window's
+ring-buffer cache (4 attention sinks + a 252-token window, layers/attention.py).
 """
 
 import argparse
@@ -17,7 +18,7 @@ from flax import nnx
 
 from benchmarks.common import print_table, save_json, timeit, tree_bytes
 from infer.generate import DECODE_OPTIONS
-from layers import KVCache
+from layers import KVCache, LatentCache
 from zoo import LanguageModel
 from zoo.config import from_dict
 
@@ -26,6 +27,12 @@ KINDS = {
     "gqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 2},
     "mqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 1},
     "fox": {"kind": "fox", "num_heads": 8},
+    # DeepSeek-V2's proportions (head_dim 128, kv_lora_rank 512 = 4 x 128, rope_dim 64 = 128 / 2) at head_dim 32
+    "mla": {"kind": "mla", "num_heads": 8, "kv_lora_rank": 128, "rope_dim": 16},
+    "moba": {"kind": "moba", "num_heads": 8, "block_size": 64, "top_k": 3},
+    "nsa": {"kind": "nsa", "num_heads": 8, "block_len": 32, "stride": 16, "select_len": 64, "num_selected": 4,
+            "window": 128},
+    "sinks_window": {"kind": "attention", "num_heads": 8, "window": 252, "sinks": 4},  # a ring of 4 + 252 + 16 slots
     "linear_attention": {"kind": "linear_attention", "num_heads": 8},
     "retnet": {"kind": "retnet", "num_heads": 8},
     "gla": {"kind": "gla", "num_heads": 8, "conv_size": 4},
@@ -37,6 +44,7 @@ KINDS = {
     "rwkv7": {"kind": "rwkv7", "head_dim": 64},
 }
 STEPS = 32
+CACHES = {KVCache: ("k", "v"), LatentCache: ("kv",)}  # a cache's per-token arrays: kv_cache_MiB
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -80,10 +88,11 @@ def measure(kind: str, contexts: list[int], repeats: int = 15) -> list[dict]:
             best[i] = min(best[i], timeit(decode_steps, *r, repeats=1, warmup=False))
     rows = []
     for context, (_, _, _, state), seconds in zip(contexts, runs, best):
-        caches = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, KVCache)) if isinstance(s, KVCache)]
+        caches = [s for s in jax.tree.leaves(state, is_leaf=lambda x: type(x) in CACHES) if type(s) in CACHES]
         rows.append({"kind": kind, "context": context, "ms_per_token": round(1000 * seconds / STEPS, 3),
                      "time_vs_first": round(seconds / best[0], 2), "state_MiB": round(tree_bytes(state) / 2 ** 20, 3),
-                     "kv_cache_MiB": round(sum(c.k.nbytes + c.v.nbytes for c in caches) / 2 ** 20, 3)})
+                     "kv_cache_MiB": round(sum(getattr(c, f).nbytes for c in caches for f in CACHES[type(c)]) / 2 ** 20,
+                                           3)})
     return rows
 
 

@@ -12,14 +12,14 @@ Every sequence mixer follows one protocol:
 (see kernels/segments.py). `steps` and `rollback` serve speculative decoding, which verifies draft
 tokens in one call and keeps a different number per row (layers/state.py); a stateful FFN (RWKV's
 channel mix) has them too. A recurrent mixer's state does not grow with max_len; a mixer whose
-state does (attention's KV cache) says so with `grows_with_context = True`. A mixer keeps `impl`
-(and `mode`, where it has several exact forms) as attributes read at call time. States are
+state does (attention's full KV cache, not its ring buffer) says so with `grows_with_context = True`.
+A mixer keeps `impl` (and `mode`, where it has several exact forms) as attributes read at call time. States are
 `layers.state.state` dataclasses; shape annotations use the one letter legend of kernels/__init__.py.
 Parameters name their logical sharding axes where they are made (layers/sharding.py).
 tests/layers/conformance.py checks all of this for every registered kind.
 """
 
-from layers.attention import Attention, KVCache
+from layers.attention import Attention, HeadMask, KVCache
 from layers.base_conv import BaseConv, BaseConvState
 from layers.conv import ShortConvolution
 from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
@@ -28,9 +28,12 @@ from layers.gla import GatedLinearAttention, GLAState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
+from layers.mla import LatentCache, MultiHeadLatentAttention
 from layers.mlp import MLP, NoFFN
+from layers.moba import MoBA, MoBABlocks
 from layers.moe import MoE
 from layers.norm import GatedRMSNorm, RMSNorm
+from layers.nsa import NativeSparseAttention, NSACompressed
 from layers.retnet import MultiScaleRetention, RetentionState
 from layers.rotary import apply_rotary
 from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix

@@ -1,5 +1,5 @@
 """Softmax attention mixer: MHA, GQA and MQA (Ainslie et al., 2023), rotary positions, optional
-sliding window, and a fixed-shape KV cache for decoding.
+sliding window, static sparse masks, and a fixed-shape KV cache for decoding.
 
 num_kv_heads == num_heads is MHA, 1 is MQA, anything dividing num_heads in between is GQA. The cache
 holds only the kv heads, heads first: (B, G, S, K) for K and for V. Slot s of the cache holds the token at
@@ -24,10 +24,35 @@ biases on the q, k, v projections), `qk_norm` (Qwen3: an RMSNorm over each head'
 Parameters carry their logical sharding axes (layers/sharding.py): the query heads and kv heads over
 `tensor`, the model width over `fsdp`.
 
+Static sparse masks (kernels/attention/reference.py gives the exact rule): `sinks`, the first tokens
+of each document that every later query of it sees (StreamingLLM, Xiao et al., 2024); `dilation`, a
+window of `window` keys every dilation-th token (Longformer, Beltagy et al., 2020); `head_masks`, one
+HeadMask per query head (window, sinks, dilation, growth: SemSA / MoA's per-head spans alpha + beta N,
+Fu et al., 2024, with alpha = window * dilation, beta = growth and N the query's position in its
+document + 1), instead of the three options for every head. Past the trained context the
+long_context="window" rule narrows each head's window to span at most max_seq_len tokens; a growing
+head (growth > 0) is not narrowed. Departure from StreamingLLM: the rotary positions stay the tokens'
+positions in their document (StreamingLLM renumbers the cache's slots to run models trained without
+sinks past their context), so decoding equals the training pass exactly, and a model meant to run far
+past max_seq_len is trained with its sinks.
+
+Ring-buffer cache: when every head's band is bounded, an explicit `window` (not only long_context's)
+and no growth, init_state ignores max_len and keeps `sinks` slots for the first tokens of the current
+document plus a ring of window * dilation + ring_spare slots written cyclically (slot = sinks + index
+mod ring), each slot with the index of its token (`KVCache.token_index`): the cache's bytes and a
+decode step's cost stay constant however long the context. A decode call reads the cache before it
+writes it (a prefill longer than the ring attends to the cache and its own keys side by side), and
+writes only the last document's first tokens and its last `ring` tokens. A rollback (speculative
+decoding) leaves the slots a verify pass of T tokens wrote, whose tokens are past the row's index
+and unseen; those T slots overwrote tokens at least ring - T + 1 back, out of every window when
+ring_spare >= T: decode(steps=True) refuses a longer call. Growing heads keep the full cache.
+
 `kv_cache` (read by init_state; infer/quantize.py sets it) picks the cache's storage: None keeps k and
 v in the compute dtype; "int8" keeps int8 codes with a float32 scale per (row, kv head, slot), written
 quantized and read dequantized (layers/quant.py): a quarter of float32's bytes plus 4 / K.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +72,17 @@ from layers.sharding import axes, constrain
 from layers.state import check_steps, rollback, state
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadMask:  # zoo/kinds.py's HeadMaskConfig is this with each number's range
+    """One query head's band: window None = every earlier token; sinks 0, dilation 1, growth 0 = none."""
+    window: int | None = None
+    sinks: int = 0
+    dilation: int = 1
+    growth: float = 0.0
+
+
 # A stepped cache keeps its slots once (final): a row never reads past its index.
-@state(final=("k", "v", "doc", "k_scale", "v_scale"))
+@state(final=("k", "v", "doc", "k_scale", "v_scale", "token_index"))
 class KVCache:
     # (B, G, S, K): heads first, the layout a decode step reads without a copy; int8 codes with k_scale
     k: Float[Array, "B G S K"] | Int8[Array, "B G S K"]
@@ -59,11 +93,13 @@ class KVCache:
     index: Int[Array, " B"]  # (B,) int32: each row's next slot to write; past S it flags an overflow
     k_scale: Float[Array, "B G S 1"] | None = None  # (B, G, S, 1) float32 for an int8 cache, else None
     v_scale: Float[Array, "B G S 1"] | None = None  # (B, G, S, 1)
+    token_index: Int[Array, "B S"] | None = None  # (B, S) int32, a ring buffer: the index of each slot's token, -1 none
 
     def overflowed(self) -> Bool[Array, ""]:
         """True once a row decoded more tokens than the cache has slots (later ones overwrote the last
-        slot): eager decode raises instead, but under jit nothing can, so callers check this."""
-        return jnp.any(self.index > self.k.shape[2])
+        slot): eager decode raises instead, but under jit nothing can, so callers check this. A ring
+        buffer never overflows."""
+        return jnp.any(self.index > self.k.shape[2]) & (self.token_index is None)
 
 
 def _store(x, int8: bool):
@@ -74,6 +110,27 @@ def _store(x, int8: bool):
 def _load(c, scale, dtype):
     """The cache's keys or values in `dtype`: an int8 cache's codes times their scales."""
     return c.astype(dtype) if scale is None else (c.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _head_masks(H: int, window, sinks: int, dilation: int, head_masks, ring_spare: int) -> list[HeadMask]:
+    """Each query head's HeadMask, from head_masks or from the options shared by every head, checked."""
+    if head_masks is None:
+        head_masks = [HeadMask(window, sinks, dilation)] * H
+    elif (window, sinks, dilation) != (None, 0, 1):
+        raise ValueError("Attention: give window, sinks and dilation for every head or per head in head_masks, "
+                         f"not both (window={window}, sinks={sinks}, dilation={dilation})")
+    elif len(head_masks) != H:
+        raise ValueError(f"Attention.head_masks: {len(head_masks)} masks for num_heads={H}; expected one per head")
+    for h, m in enumerate(head_masks):
+        where = "Attention" if len(set(head_masks)) == 1 else f"Attention.head_masks[{h}]"
+        if m.window is not None and m.window < 1 or m.sinks < 0 or m.dilation < 1 or m.growth < 0:
+            raise ValueError(f"{where}: window={m.window}, sinks={m.sinks}, dilation={m.dilation}, growth={m.growth}; "
+                             "expected a window >= 1 or None, sinks >= 0, dilation >= 1, growth >= 0")
+        if m.growth and m.window is None:
+            raise ValueError(f"{where}: growth={m.growth} grows a window, and there is none (window=None)")
+    if ring_spare < 1:
+        raise ValueError(f"Attention: ring_spare={ring_spare}; expected >= 1")
+    return list(head_masks)
 
 
 def _documents(segment_ids, B, T, start):
@@ -88,7 +145,8 @@ class Attention(nnx.Module):
     kv_cache = None  # the cache's storage, read by init_state: None (compute dtype) or "int8"
 
     def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, window: int | None = None, rope_base: float = 10000.0,
+                 head_dim: int | None = None, window: int | None = None, sinks: int = 0, dilation: int = 1,
+                 head_masks: tuple[HeadMask, ...] | None = None, ring_spare: int = 16, rope_base: float = 10000.0,
                  rope_scaling: RopeScaling | None = None, qkv_bias: bool = False, qk_norm: bool = False,
                  norm_eps: float = 1e-6, long_context: str = "window", max_seq_len: int | None = None,
                  impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
@@ -104,9 +162,17 @@ class Attention(nnx.Module):
             raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
         H, G, K = num_heads, num_kv_heads, head_dim or d_model // num_heads
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, H, G, K
-        if long_context == "window" and max_seq_len is not None:
-            window = max_seq_len if window is None else min(window, max_seq_len)
-        self.window, self.rope_base, self.impl, self.dtype = window, rope_base, impl, dtype  # the window in force
+        masks = _head_masks(H, window, sinks, dilation, head_masks, ring_spare)
+        ring = all(m.window is not None and m.growth == 0 for m in masks)  # explicit windows alone
+        if long_context == "window" and max_seq_len is not None:  # each head spans at most max_seq_len tokens
+            fit = lambda m: min(m.window or max_seq_len, -(-max_seq_len // m.dilation))
+            masks = [m if m.growth else dataclasses.replace(m, window=fit(m)) for m in masks]
+        self._band(masks)
+        # A ring buffer: slots for the sinks, then the last window * dilation + ring_spare tokens.
+        self.ring = (max(m.sinks for m in masks), max(m.window * m.dilation for m in masks) + ring_spare) \
+            if ring else None
+        self.grows_with_context = not ring
+        self.ring_spare, self.rope_base, self.impl, self.dtype = ring_spare, rope_base, impl, dtype
         self.rope_scaling = rope_scaling
         self.exact_up_to = rope_scaling.original_max_position_embeddings \
             if rope_scaling is not None and rope_scaling.type == "dynamic" else None
@@ -120,6 +186,20 @@ class Attention(nnx.Module):
         self.bq, self.bk, self.bv = (zeros(H, "heads"), zeros(G, "kv_heads"), zeros(G, "kv_heads")) if qkv_bias \
             else (None, None, None)
         self.q_norm, self.k_norm = (RMSNorm(K, eps=norm_eps), RMSNorm(K, eps=norm_eps)) if qk_norm else (None, None)
+
+    def _band(self, masks):
+        """The masks in force, as the kernels take them: self.window (the window, or the heads'),
+        self.sinks, self.dilation, self.growth: None when no head has one, one number when all heads
+        share it, else a tuple per head (a head without a window: 2**30)."""
+        for name, none in (("window", None), ("sinks", 0), ("dilation", 1), ("growth", 0.0)):
+            values = [getattr(m, name) for m in masks]
+            if len(set(values)) == 1:
+                setattr(self, name, None if values[0] == none else values[0])
+            else:
+                setattr(self, name, tuple(2 ** 30 if x is None else x for x in values))
+
+    def _masks(self) -> dict:
+        return dict(window=self.window, sinks=self.sinks, dilation=self.dilation, growth=self.growth)
 
     def _qkv(self, x, positions):
         x = x.astype(self.dtype)
@@ -148,12 +228,16 @@ class Attention(nnx.Module):
         check_input(x, self.d_model, segment_ids, "Attention")
         B, T, _ = x.shape
         self._check_length(T, "a sequence")
-        q, k, v = self._qkv(x, positions_in_document(segment_ids, B, T))
+        positions = positions_in_document(segment_ids, B, T)
+        q, k, v = self._qkv(x, positions)
         doc = None if segment_ids is None else _documents(segment_ids, B, T, jnp.zeros((B,), jnp.int32))
-        return self._out(attention(q, k, v, segment_ids=doc, window=self.window, impl=self.impl))
+        return self._out(attention(q, k, v, segment_ids=doc, impl=self.impl, q_doc_positions=positions,
+                                   **self._masks()))
 
     def init_state(self, batch_size: int, max_len: int) -> KVCache:
+        """A KV cache of max_len slots, or of a ring buffer's whatever max_len (module docstring)."""
         self._check_length(max_len, "a KV cache")
+        max_len = max_len if self.ring is None else sum(self.ring)
         shape = (batch_size, self.num_kv_heads, max_len, self.head_dim)
         zeros = jnp.zeros((batch_size,), jnp.int32)
         if self.kv_cache not in (None, "int8"):
@@ -163,35 +247,61 @@ class Attention(nnx.Module):
         return KVCache(k=jnp.zeros(shape, jnp.int8 if int8 else self.dtype),
                        v=jnp.zeros(shape, jnp.int8 if int8 else self.dtype),
                        doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros,
-                       index=zeros, k_scale=scale(), v_scale=scale())
+                       index=zeros, k_scale=scale(), v_scale=scale(),
+                       token_index=None if self.ring is None else jnp.full((batch_size, max_len), -1, jnp.int32))
 
     def decode(self, x: Float[Array, "B T D"], cache: KVCache, *, segment_ids: Int[Array, "B T"] | None = None,
                steps: bool = False):
         """steps=True returns the cache after every token, for `rollback` (layers/state.py): index, pos
         and cur_doc per step, (T, B); the slots as written, since a rolled-back row masks the slots
-        past its index as unwritten and its next decode overwrites them."""
+        past its index as unwritten and its next decode overwrites them (a ring buffer: T <= ring_spare)."""
         check_input(x, self.d_model, segment_ids, "Attention.decode")
         check_steps(steps, segment_ids, "Attention.decode")
         B, T, _ = x.shape
         S = cache.k.shape[2]
-        if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > S:
+        if steps and self.ring is not None and T > self.ring_spare:
+            raise ValueError(f"Attention.decode: steps=True over {T} tokens needs ring_spare >= {T} (it is "
+                             f"{self.ring_spare}): a rollback would miss the window's tokens those slots held")
+        if self.ring is None and not isinstance(cache.index, jax.core.Tracer) \
+                and (n := int(np.max(cache.index))) + T > S:
             raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v = self._qkv(x, positions)
         ck, cv = _load(cache.k, cache.k_scale, self.dtype), _load(cache.v, cache.v_scale, self.dtype)  # (B, G, S, K)
         o = attention_cached(q, k, v, ck, cv, cache_length=cache.index, segment_ids=doc, cache_segment_ids=cache.doc,
-                             window=self.window, impl=self.impl)
+                             impl=self.impl, doc_positions=positions, cache_positions=cache.token_index,
+                             **self._masks())
         # Written after the read: XLA then updates the cache in place.
-        write = lambda c, a: None if c is None else write_rows(c, a.transpose(0, 2, 1, 3), cache.index, 2)
+        if self.ring is None:
+            write = lambda c, a: None if c is None else write_rows(c, a.transpose(0, 2, 1, 3), cache.index, 2)
+            write_doc, token_index = write_rows(cache.doc, doc, cache.index, 1), None
+        else:
+            at = self._ring_slots(cache.index, positions, doc)  # (B, T)
+            rows = jnp.arange(B)[:, None]
+            write = lambda c, a: None if c is None else c.at[rows, :, at].set(a.astype(c.dtype), mode="drop")
+            write_doc = cache.doc.at[rows, at].set(doc, mode="drop")
+            token_index = cache.token_index.at[rows, at].set(cache.index[:, None] + jnp.arange(T), mode="drop")
         (k, k_scale), (v, v_scale) = (_store(a, cache.k_scale is not None) for a in (k, v))
-        slots = dict(k=write(cache.k, k), v=write(cache.v, v), doc=write_rows(cache.doc, doc, cache.index, 1),
+        slots = dict(k=write(cache.k, k), v=write(cache.v, v), doc=write_doc, token_index=token_index,
                      k_scale=write(cache.k_scale, k_scale), v_scale=write(cache.v_scale, v_scale))
         if steps:
             after = jnp.arange(1, T + 1, dtype=jnp.int32)[:, None]  # (T, 1)
             return self._out(o), KVCache.stepped(**slots, cur_doc=doc.T, pos=(positions + 1).T,
                                                  index=cache.index + after)  # (T, B) each
         return self._out(o), KVCache(**slots, cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
+
+    def _ring_slots(self, index, positions, doc):
+        """(B, T) the ring buffer's slot of each new token: the last document's tokens at positions
+        below the sinks in their slot, the call's last `ring` tokens past the sinks at sinks + their
+        index mod ring; the others (overwritten within the call, or an earlier document's sinks) to
+        slot S, out of bounds: not written."""
+        n, L = self.ring
+        T = positions.shape[1]
+        t = jnp.arange(T, dtype=jnp.int32)[None]  # (1, T)
+        sink = (positions < n) & (doc == doc[:, -1:])
+        in_ring = (positions >= n) & (t >= T - L)
+        return jnp.where(sink, positions, jnp.where(in_ring, n + (index[:, None] + t) % L, n + L))
 
     def rollback(self, stepped: KVCache, drop: Int[Array, " B"]) -> KVCache:
         return rollback(stepped, drop)

@@ -509,6 +509,8 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
             f.num_shared_experts != 1 or not f.shared_gate or m.qk_norm)):
         raise ValueError("zoo.hf.save: an MoE saves as Mixtral / Qwen2-MoE / Qwen3-MoE only with router topk, "
                          "score_order softmax_then_topk and, for Qwen2-MoE, one gated shared expert")
+    if m.sinks or m.dilation != 1 or m.head_masks is not None:
+        raise ValueError("zoo.hf.save: attention sinks, dilation and head_masks have no Hugging Face architecture")
     if m.qkv_bias and (m.qk_norm or m.window or f.KIND == "moe" and not shared):
         raise ValueError("zoo.hf.save: qkv_bias (Qwen2, Qwen2-MoE) goes with neither qk_norm, a window nor an MoE "
                          "without Qwen2-MoE's shared expert")

@@ -29,11 +29,27 @@ class RopeScalingConfig(RopeScaling):
     mscale_all_dim: PosFloat | None = None
 
 
+@dataclass(frozen=True)
+class HeadMaskConfig(layers.HeadMask):
+    """attention.head_masks[h]: query head h's band (layers/attention.py): window (null = every earlier
+    token), sinks, dilation, growth (the window grows by growth tokens per token of the document)."""
+    window: PosInt | None = None
+    sinks: NonNegInt = 0
+    dilation: PosInt = 1
+    growth: NonNegFloat = 0.0
+
+
 @mixer(layers.Attention)
 @dataclass(frozen=True)
 class AttentionConfig(Mixer):
     """Softmax attention: MHA (num_kv_heads = num_heads or null), GQA, MQA (num_kv_heads = 1);
-    window: sliding-window length in tokens (null = full causal); long_context: past the trained
+    window: sliding-window length in tokens (null = full causal); sinks: the first tokens of each
+    document stay visible to every later query (StreamingLLM); dilation: the window takes every
+    dilation-th token, spanning window * dilation (Longformer); head_masks: a list of one {window, sinks,
+    dilation, growth} per head instead (SemSA / MoA: span window * dilation + growth * tokens so far);
+    ring_spare: with windows on every head (and no growth) the KV cache is a ring of sinks + window *
+    dilation + ring_spare slots, whatever the context; speculative decoding verifies at most ring_spare
+    tokens a round; long_context: past the trained
     context (model.max_seq_len), window = each query sees the last max_seq_len tokens (the distances
     it was trained on), full = every earlier token (distances it never saw); rope_scaling: a rotary
     scaling for a longer context (type linear, llama3, yarn or dynamic, with its keys: layers/rotary.py);
@@ -44,6 +60,10 @@ class AttentionConfig(Mixer):
     num_kv_heads: PosInt | None = None
     head_dim: PosInt | None = None
     window: PosInt | None = None
+    sinks: NonNegInt = 0
+    dilation: PosInt = 1
+    head_masks: tuple[HeadMaskConfig, ...] | None = None
+    ring_spare: PosInt = 16
     rope_base: PosFloat = 10000.0
     rope_scaling: RopeScalingConfig | None = None
     qkv_bias: bool = False
@@ -59,6 +79,16 @@ class AttentionConfig(Mixer):
             raise ValueError(f"{path}.num_kv_heads: {kv} does not divide {path}.num_heads={self.num_heads}")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"{path}.window: expected a positive number of tokens or null, got {self.window}")
+        if self.head_masks is not None:
+            if len(self.head_masks) != self.num_heads:
+                raise ValueError(f"{path}.head_masks: {len(self.head_masks)} masks for {path}.num_heads="
+                                 f"{self.num_heads}; expected one per head")
+            if (self.window, self.sinks, self.dilation) != (None, 0, 1):
+                raise ValueError(f"{path}.head_masks: give window, sinks and dilation in {path} or per head in "
+                                 f"{path}.head_masks, not both")
+            for h, m in enumerate(self.head_masks):
+                if m.growth and m.window is None:
+                    raise ValueError(f"{path}.head_masks[{h}].growth: {m.growth} grows a window; give its window")
         super().check(d_model, path)
 
 
@@ -96,6 +126,77 @@ class BaseConvConfig(Kind):
     KIND: ClassVar[str] = "base_conv"
     expand: PosInt = 4
     kernel_size: PosInt = 3
+
+
+@mixer(layers.MultiHeadLatentAttention)
+@dataclass(frozen=True)
+class MLAConfig(Mixer):
+    """Multi-head latent attention (DeepSeek-V2 2024): every head's keys and values from one shared
+    latent of width kv_lora_rank (null = 4 head_dim) and a rotary key of width rope_dim (null =
+    head_dim / 2, even) shared by the heads, so decoding caches kv_lora_rank + rope_dim numbers per token;
+    head_dim: a head's key width besides the rotary part (null = d_model / num_heads); v_head_dim: its
+    value width (null = head_dim); q_lora_rank: queries through a normalised latent of that width (null
+    = one projection); absorb: decode with W_UK folded into the query and W_UV into the output (false =
+    keys and values expanded from the cache, the reference); window, long_context, rope_base, norm_eps
+    as attention's (norm_eps: the latents' RMSNorms)."""
+    KIND: ClassVar[str] = "mla"
+    num_heads: PosInt = 4
+    head_dim: PosInt | None = None
+    v_head_dim: PosInt | None = None
+    rope_dim: PosInt | None = None
+    kv_lora_rank: PosInt | None = None
+    q_lora_rank: PosInt | None = None
+    window: PosInt | None = None
+    rope_base: PosFloat = 10000.0
+    norm_eps: PosFloat = 1e-6
+    long_context: Literal["window", "full"] = "window"
+    absorb: bool = True
+
+    def check(self, d_model: int, path: str):
+        if self.head_dim is None and d_model % self.num_heads:
+            raise ValueError(f"{path}.num_heads: {self.num_heads} does not divide model.d_model={d_model} "
+                             f"(or give {path}.head_dim)")
+        rope = (self.head_dim or d_model // self.num_heads) // 2 if self.rope_dim is None else self.rope_dim
+        if rope < 2 or rope % 2:
+            raise ValueError(f"{path}.rope_dim: expected an even number >= 2, got {rope}"
+                             + (" (head_dim / 2, its default)" if self.rope_dim is None else ""))
+        super().check(d_model, path)
+
+
+@mixer(layers.MoBA)
+@dataclass(frozen=True)
+class MoBAConfig(Mixer):
+    """MoBA, Mixture of Block Attention (Lu et al. 2025): each query head attends to its own block of
+    block_size tokens (causally) and the top_k - 1 earlier blocks of its document whose mean-pooled keys
+    score highest against it (top_k counts the own block, as the paper does); GQA with num_kv_heads;
+    decode scores the cached block sums and reads only the selected blocks of the KV cache."""
+    KIND: ClassVar[str] = "moba"
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    block_size: PosInt = 16
+    top_k: PosInt = 3
+    rope_base: PosFloat = 10000.0
+
+
+@mixer(layers.NativeSparseAttention)
+@dataclass(frozen=True)
+class NSAConfig(Mixer):
+    """NSA, Native Sparse Attention (Yuan et al. 2025): three branches mixed by learned sigmoid gates:
+    compressed (blocks of block_len keys every stride tokens, each compressed by a learned MLP),
+    selected (num_selected blocks of select_len keys, the initial and the two local ones always, the
+    others by the compressed branch's attention summed over a kv group) and a sliding window of
+    window tokens; GQA with num_kv_heads. One set of keys and values serves the three branches."""
+    KIND: ClassVar[str] = "nsa"
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    block_len: PosInt = 16
+    stride: PosInt = 8
+    select_len: PosInt = 16
+    num_selected: PosInt = 4
+    window: PosInt = 32
+    rope_base: PosFloat = 10000.0
 
 
 @mixer(layers.LinearAttention)

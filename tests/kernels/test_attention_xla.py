@@ -124,3 +124,91 @@ def test_attention_cached_reads_the_cache_before_the_step(T, window, monkeypatch
         got = jax.jit(partial(_out_and_grads, partial(cached, impl=impl), kw={}))(q, k, v, ct)
         for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
             assert_close(a, b, 1e-5, f"{impl} {name}")
+
+
+SPARSE = {  # the masks of reference.py beyond the window: sinks, dilation, per head, growing spans
+    "sinks": dict(window=5, sinks=3),
+    "dilated": dict(window=4, dilation=3, sinks=1),
+    "per-head": dict(window=(3, 2 ** 30, 6, 2), sinks=(0, 2, 1, 4), dilation=(1, 1, 2, 4)),
+    "growth": dict(window=(2, 1, 3, 1), growth=(0.0, 0.5, 0.25, 1.0), sinks=(1, 0, 2, 0)),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("name", SPARSE)
+def test_sparse_masks_match_reference(name, packed, form):
+    """Outputs and gradients at ragged T = 45 (16-token blocks: the sinks' blocks lie below the
+    window's range), packed documents (each with its own sinks)."""
+    B, T, H, G, K = 2, 45, 4, 2, 16
+    q, k, v, ct = _inputs(B, T, T, H, G, K, K, seed=60)
+    compare(q, k, v, ct, dict(SPARSE[name], segment_ids=_packed(B, T, 7) if packed else None), 1e-4)
+
+
+def test_traced_per_head_masks_match_reference(form):
+    """Per-head parameters as jit arguments (no static bounds: the blocked form skips by causality
+    only), outputs and gradients, packed."""
+    B, T, H, G, K = 2, 37, 4, 1, 16
+    q, k, v, ct = _inputs(B, T, T, H, G, K, K, seed=61)
+    seg = _packed(B, T, 8)
+    band = {n: jnp.asarray(x) for n, x in SPARSE["growth"].items()} | {"dilation": jnp.array([1, 2, 1, 3])}
+
+    def run(attn, q, k, v, ct, band):
+        return _out_and_grads(lambda q, k, v: attn(q, k, v, segment_ids=seg, **band), q, k, v, ct, kw={})
+
+    got = jax.jit(partial(run, xla.attention_xla))(q, k, v, ct, band)
+    want = jax.jit(partial(run, attention_reference))(q, k, v, ct, band)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, 1e-4, name)
+
+
+def test_sinks_with_explicit_key_positions(form):
+    """Keys in any order (every block pair behind its test): the blocks holding sinks are kept."""
+    import numpy as np
+
+    q, k, v, ct = _inputs(1, 40, 40, 4, 2, 16, 16, seed=62)
+    kp = jnp.asarray(np.random.default_rng(1).permutation(40), jnp.int32)[None]
+    compare(q, k, v, ct, dict(kv_positions=kp, q_positions=jnp.arange(40, dtype=jnp.int32)[None], window=4,
+                              sinks=2, dilation=2), 1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 4, 30])
+def test_attention_cached_on_a_ring_of_slots(T, monkeypatch):
+    """A cache whose slots hold positions out of order (a ring buffer, with unwritten and stale slots)
+    equals the reference on the same keys at their positions; T = 30 attends to the cache beside the
+    new keys (the blocked form), never writing first. Sinks of the document, a dilated window."""
+    import numpy as np
+
+    from kernels.attention import attention_cached
+    if T == 30:  # past DENSE_MAX: the blocked form, with 16-token blocks
+        monkeypatch.setattr("kernels.attention.DENSE_MAX", 0)
+        for name, value in (("DENSE_MAX", 0), ("BLOCK", 16), ("LONG_BLOCK", 16)):
+            monkeypatch.setattr(xla, name, value)
+    B, S, H, G, K = 2, 12, 4, 2, 16
+    index = jnp.array([25, 9], jnp.int32)
+    q, k, v, ct = _inputs(B, T, T, H, G, K, K, seed=63)
+    ck, cv = (jax.random.normal(jax.random.key(i), (B, G, S, K)) for i in (6, 7))
+    rng = np.random.default_rng(2)
+    rows = (np.r_[0:3, 16:25], np.r_[-1, 0:9, 30, 31])  # sinks and a window; unwritten (-1) and stale (30, 31)
+    pos = jnp.asarray(np.stack([rng.permutation(r) for r in rows]), jnp.int32)
+    doc = jnp.zeros((B, S), jnp.int32)
+    seg = jnp.zeros((B, T), jnp.int32).at[1, T // 2 + 1:].set(1)
+    slots = index[:, None] + jnp.arange(T)[None]
+    cpos = jnp.where(seg == 0, slots, slots - (index[:, None] + T // 2 + 1))  # positions in the document
+    band = dict(window=4, sinks=2, dilation=2)
+
+    def reference(q, k, v):
+        seen = (pos >= 0) & (pos < index[:, None])
+        kp = jnp.concatenate([jnp.where(seen, pos, 10 ** 6), slots], 1)
+        cat = lambda c, x: jnp.concatenate([c.transpose(0, 2, 1, 3), x], 1)
+        return attention_reference(q, cat(ck, k), cat(cv, v), segment_ids=seg,
+                                   kv_segment_ids=jnp.concatenate([doc, seg], 1), q_positions=slots, kv_positions=kp,
+                                   q_doc_positions=cpos, **band)
+
+    def cached(q, k, v):
+        return attention_cached(q, k, v, ck, cv, cache_length=index, segment_ids=seg, cache_segment_ids=doc,
+                                doc_positions=cpos, cache_positions=pos, impl="xla", **band)
+
+    want = jax.jit(partial(_out_and_grads, reference, kw={}))(q, k, v, ct)
+    got = jax.jit(partial(_out_and_grads, cached, kw={}))(q, k, v, ct)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, 1e-5, name)

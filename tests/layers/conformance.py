@@ -163,7 +163,6 @@ def check_mixer(make, D, modes=(), *, tol=1e-4, grad_tol=1e-4):
 
 def check_rollback(r, tol):
     """Field by field: a KV cache's slots only below each row's index (the ones it reads)."""
-    from layers import KVCache
     from layers.state import is_state
 
     assert_close(r["steps"], r["plain"], tol, "decode: steps=True vs steps=False")
@@ -175,9 +174,12 @@ def check_rollback(r, tol):
                 assert b is None, what
                 continue
             a, b = np.asarray(a), np.asarray(b)
-            if isinstance(got, KVCache) and f.name in got.final_fields:
-                seen = np.arange(got.doc.shape[1])[None] < np.asarray(got.index)[:, None]  # (B, S)
-                a, b = ((c if c.ndim == 2 else np.swapaxes(c, 1, 2))[seen] for c in (a, b))  # slots first
+            if f.name in got.final_fields and hasattr(got, "index"):  # a cache's slots: KVCache, LatentCache
+                ring = getattr(got, "token_index", None)
+                at = np.arange(got.doc.shape[1])[None] if ring is None else np.asarray(ring)
+                seen = (at >= 0) & (at < np.asarray(got.index)[:, None])  # (B, S): a ring's slots hold any index
+                # (B, S, ...) as they are, heads first (B, G, S, K) swapped: slots second
+                a, b = ((c if c.ndim <= 3 else np.swapaxes(c, 1, 2))[seen] for c in (a, b))
             if np.issubdtype(a.dtype, np.integer):
                 np.testing.assert_array_equal(a, b, what)
             else:

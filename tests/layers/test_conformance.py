@@ -17,6 +17,11 @@ from zoo.registry import FFNS, LAYER_OF, MIXERS, make_layer
 WIDTH = 64  # a kind's defaults at this width must build
 TINY = {  # (d_model, config) of the shipped kinds, small and with every optional part on
     "attention": (32, {"num_heads": 4, "num_kv_heads": 2, "window": 7}),
+    "mla": (32, {"num_heads": 2, "v_head_dim": 8, "rope_dim": 4, "kv_lora_rank": 12, "q_lora_rank": 8,
+                 "window": 7}),
+    "moba": (32, {"num_heads": 4, "num_kv_heads": 2, "block_size": 4, "top_k": 3}),
+    "nsa": (32, {"num_heads": 4, "num_kv_heads": 2, "block_len": 4, "stride": 2, "select_len": 4,
+                 "num_selected": 4, "window": 3}),
     "linear_attention": (32, {"num_heads": 2, "feature_map": "elu"}),
     "base_conv": (16, {"expand": 2}),
     "fox": (32, {"num_heads": 4, "num_kv_heads": 2, "qk_norm": True, "output_norm": True, "output_gate": True}),

@@ -17,6 +17,7 @@ from tests.util import assert_close, decode_in_pieces, forward, tiny_config, tin
 
 TINY = {
     "attention": {"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
+    "mla": {"kind": "mla", "num_heads": 2, "rope_dim": 4, "kv_lora_rank": 12, "q_lora_rank": 8},
     "gla": {"kind": "gla", "num_heads": 2, "conv_size": 4},
     "retnet": {"kind": "retnet", "num_heads": 2},
     "linear_attention": {"kind": "linear_attention", "num_heads": 2, "feature_map": "hedgehog"},

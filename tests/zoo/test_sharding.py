@@ -20,7 +20,8 @@ CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
 EXTRA = {"linear_attention": [{"feature_map": "hedgehog"}, {"feature_map": "performer"}],
          "gla": [{"conv_size": 4, "use_output_gate": False}],
          "deltanet": [{"use_output_gate": True, "use_beta": False}],
-         "mamba": [{"conv_size": 0}], "mamba2": [{"conv_size": 0}], "attention": [{"num_kv_heads": 1}]}
+         "mamba": [{"conv_size": 0}], "mamba2": [{"conv_size": 0}], "attention": [{"num_kv_heads": 1}],
+         "mla": [{"q_lora_rank": 32}]}
 
 
 def abstract_model(mixer: dict, ffn: dict, **model) -> nnx.Module:
