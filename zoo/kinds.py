@@ -92,6 +92,42 @@ class AttentionConfig(Mixer):
         super().check(d_model, path)
 
 
+@mixer(layers.ForgettingAttention)
+@dataclass(frozen=True)
+class FoXConfig(Mixer):
+    """Forgetting attention (FoX, Lin et al. 2025): softmax attention whose logits get c_i - c_j, c the
+    cumulative log of a per-head forget gate sigmoid(x . w_f + b_f); num_kv_heads below num_heads is
+    GQA; rope_base: null = no positional encoding (FoX's default); qk_norm, output_norm, output_gate:
+    the Pro block's per-head RMSNorms of q and k and of the output, and sigmoid output gate."""
+    KIND: ClassVar[str] = "fox"
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    rope_base: PosFloat | None = None
+    qk_norm: bool = False
+    output_norm: bool = False
+    output_gate: bool = False
+    norm_eps: PosFloat = 1e-6
+
+    def check(self, d_model: int, path: str):
+        if d_model % self.num_heads and self.head_dim is None:
+            raise ValueError(f"{path}.num_heads: {self.num_heads} does not divide model.d_model={d_model}")
+        kv = self.num_kv_heads
+        if kv is not None and self.num_heads % kv:
+            raise ValueError(f"{path}.num_kv_heads: {kv} does not divide {path}.num_heads={self.num_heads}")
+        super().check(d_model, path)
+
+
+@mixer(layers.BaseConv)
+@dataclass(frozen=True)
+class BaseConvConfig(Kind):
+    """Based's gated short convolution (Arora et al. 2024): y = (silu(conv(u)) * g) W_out with [u, g] =
+    x W_in, u and g expand * d_model / 2 wide, a causal depthwise conv of kernel_size taps."""
+    KIND: ClassVar[str] = "base_conv"
+    expand: PosInt = 4
+    kernel_size: PosInt = 3
+
+
 @mixer(layers.MultiHeadLatentAttention)
 @dataclass(frozen=True)
 class MLAConfig(Mixer):
@@ -167,13 +203,15 @@ class NSAConfig(Mixer):
 @dataclass(frozen=True)
 class LinearAttentionConfig(Chunked):
     """Linear attention (Katharopoulos et al. 2020) with a feature map: identity, elu (elu+1), relu,
-    performer (FAVOR+), cosformer (relu + cos re-weighting), hedgehog (learned); normalize adds the
-    denominator q . sum(k)."""
+    performer (FAVOR+), cosformer (relu + cos re-weighting), hedgehog (learned), taylor (Based's
+    second-order Taylor expansion of exp); normalize adds the denominator q . sum(k); qk_dim: the
+    per-head width of q and k the feature map reads (null = d_model / num_heads; Based uses 16)."""
     KIND: ClassVar[str] = "linear_attention"
     num_heads: PosInt = 4
-    feature_map: Literal["identity", "elu", "relu", "performer", "cosformer", "hedgehog"] = "elu"
+    feature_map: Literal["identity", "elu", "relu", "performer", "cosformer", "hedgehog", "taylor"] = "elu"
     normalize: bool = True
     num_features: PosInt | None = None
+    qk_dim: PosInt | None = None
     cosformer_max_len: PosInt = 2048
     eps: PosFloat = 1e-6
 

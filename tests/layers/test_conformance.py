@@ -23,6 +23,8 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
     "nsa": (32, {"num_heads": 4, "num_kv_heads": 2, "block_len": 4, "stride": 2, "select_len": 4,
                  "num_selected": 4, "window": 3}),
     "linear_attention": (32, {"num_heads": 2, "feature_map": "elu"}),
+    "base_conv": (16, {"expand": 2}),
+    "fox": (32, {"num_heads": 4, "num_kv_heads": 2, "qk_norm": True, "output_norm": True, "output_gate": True}),
     "retnet": (32, {"num_heads": 2}),
     "gla": (32, {"num_heads": 2, "conv_size": 4}),
     "mamba": (16, {"state_size": 4}),
