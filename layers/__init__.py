@@ -34,3 +34,4 @@ from layers.retnet import MultiScaleRetention, RetentionState
 from layers.rotary import apply_rotary
 from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
 from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix
+from layers.s4d import S4D, S4DState

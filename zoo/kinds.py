@@ -175,6 +175,22 @@ class Mamba2Config(Chunked):
     norm_eps: PosFloat = 1e-5
 
 
+@mixer(layers.S4D)
+@dataclass(frozen=True)
+class S4DConfig(Mixer):
+    """S4D (Gu, Gupta, Goel & Ré 2022): a diagonal linear time-invariant SSM per channel, state_size N
+    (N/2 complex conjugate pairs), init lin (S4D-Lin, A_n = -1/2 + i π n) or inv (S4D-Inv), log Δ
+    uniform in [dt_min, dt_max], GELU, then output glu (linear to 2 d_model and a GLU) or linear; mode
+    fft (the SSM's kernel applied by FFT, O(T log T)) or recurrent; decode is the recurrence."""
+    KIND: ClassVar[str] = "s4d"
+    state_size: PosInt = 64
+    init: Literal["lin", "inv"] = "lin"
+    dt_min: PosFloat = 0.001
+    dt_max: PosFloat = 0.1
+    output: Literal["glu", "linear"] = "glu"
+    mode: Literal["recurrent", "fft"] = "fft"
+
+
 @mixer(layers.RWKV6TimeMix)
 @dataclass(frozen=True)
 class RWKV6Config(Chunked):
