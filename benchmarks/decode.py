@@ -37,6 +37,7 @@ KINDS = {
     "rwkv6": {"kind": "rwkv6", "head_dim": 64},
     "rwkv7": {"kind": "rwkv7", "head_dim": 64},
     "s4d": {"kind": "s4d", "state_size": 64},
+    "hyena": {"kind": "hyena"},
 }
 STEPS = 32
 CACHES = {KVCache: ("k", "v"), LatentCache: ("kv",)}  # a cache's per-token arrays: kv_cache_MiB

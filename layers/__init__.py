@@ -23,6 +23,7 @@ from layers.attention import Attention, KVCache
 from layers.conv import ShortConvolution
 from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
 from layers.gla import GatedLinearAttention, GLAState
+from layers.hyena import Hyena, HyenaState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State

@@ -191,6 +191,27 @@ class S4DConfig(Mixer):
     mode: Literal["recurrent", "fft"] = "fft"
 
 
+@mixer(layers.Hyena)
+@dataclass(frozen=True)
+class HyenaConfig(Mixer):
+    """Hyena (Poli et al. 2023): order N long convolutions with implicit filters, each gated by a projection,
+    z = x_n * (h_n conv z + b_n z), after a short convolution (short_conv_size) of the N + 1 projections;
+    filter h_n(t) = exp window (decay_fast, decay_slow, decay_target) times an FFN (filter_order wide, sine
+    activations of frequency filter_sine_freq, filter_inner_layers hidden layers) of positional features
+    (filter_emb_dim, odd) with positions normalised by model.max_seq_len; training by FFT; decoding
+    caches each long convolution's inputs (grows with the context, O(context) per token)."""
+    KIND: ClassVar[str] = "hyena"
+    order: PosInt = 2
+    filter_order: PosInt = 64
+    filter_emb_dim: PosInt = 33
+    filter_sine_freq: PosFloat = 14.0
+    filter_inner_layers: NonNegInt = 2
+    short_conv_size: PosInt = 3
+    decay_fast: PosFloat = 0.3
+    decay_slow: PosFloat = 1.5
+    decay_target: PosFloat = 1e-2
+
+
 @mixer(layers.RWKV6TimeMix)
 @dataclass(frozen=True)
 class RWKV6Config(Chunked):
