@@ -101,7 +101,7 @@ OPS = {  # name -> (function, forms, longest T for the quadratic form)
     "mamba": (selective_scan, ("recurrent", "parallel", "chunk"), 1 << 30),
     "mamba2": (ssd, ("recurrent", "parallel", "chunk"), 1024),
     "s4d": (s4d, ("recurrent", "fft"), 0),
-    "long_conv": (_long_conv, ("masked", "fft"), 2048),
+    "long_conv": (_long_conv, ("masked", "fft"), 1024),
 }
 QUADRATIC = ("parallel", "masked")
 

@@ -28,7 +28,8 @@ S = max_len slots, with the filter's taps for lags 0..S-1 (computed once by init
 parameters it sees) and each slot's document number. A step (T = 1) is the dot product of the cached
 inputs with the reversed filter, O(S D) per long convolution: the state and the cost per token grow
 with the context (`grows_with_context`, like a KV cache). A prefill (T > 1) runs one FFT convolution
-over the cache's S slots, O(S log S) per channel. Decoding past max_len slots is not supported.
+over the cache's S slots, O(S log S) per channel. Decoding past max_len slots is refused where it
+can be seen (outside jit), as the KV cache's.
 
 Packed documents: a long convolution by FFT mixes every earlier token in, so with `segment_ids` the
 convolutions run in the masked dense form (kernels/long_conv: the Toeplitz taps zeroed across a document
@@ -47,6 +48,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -153,29 +155,47 @@ class Hyena(nnx.Module):
         check_steps(steps, segment_ids, "Hyena.decode")
         B, T, _ = x.shape
         S = state.inputs.shape[2]
+        if not isinstance(state.index, jax.core.Tracer) and (m := int(np.max(state.index))) + T > S:
+            raise ValueError(f"Hyena.decode: {m} cached + {T} new tokens exceed max_len={S}")
         (*gates, z), window = self._projections(x, state.conv, segment_ids, steps)
         doc = state.cur_doc[:, None] + document_index(segment_ids, B, T)  # (B, T)
         slot_doc = write_rows(state.doc, doc, state.index, 1)  # (B, S)
         pos = state.index[:, None] + jnp.arange(T)  # (B, T) the new tokens' slots
-        inputs = []
+        new = []
         for n, gate in enumerate(gates):
-            cache = write_rows(state.inputs[:, n], z, state.index, 1)  # (B, S, D)
-            if T == 1 or segment_ids is not None:
-                lag = pos[:, :, None] - jnp.arange(S)  # (B, T, S)
-                mask = (lag >= 0) & (slot_doc[:, None, :] == doc[:, :, None])  # (B, T, S)
-                taps = jnp.take_along_axis(state.filter[:, n, None], jnp.maximum(lag, 0)[..., None], axis=2)
-                conv = jnp.einsum("bts,btsd,bsd->btd", mask.astype(jnp.float32), taps, cache.astype(jnp.float32))
-            else:  # every new token is in the document doc[:, -1]: the slots of others are masked out
-                valid = (jnp.arange(S) < pos[:, -1:] + 1) & (slot_doc == doc[:, -1:])  # (B, S)
-                full = long_conv_fft(jnp.where(valid[..., None], cache, 0), state.filter[0, n])  # (B, S, D)
-                conv = jnp.take_along_axis(full, pos[..., None], axis=1)  # (B, T, D)
-            inputs.append(cache)
+            new.append(z)
+            if T == 1:  # the step: the earlier slots of this document, then the token itself at lag 0
+                conv = self._step_conv(state, n, doc) + state.filter[:, n, :1] * z.astype(jnp.float32)
+            else:
+                cache = write_rows(state.inputs[:, n], z, state.index, 1).astype(jnp.float32)  # (B, S, D)
+                if segment_ids is not None:
+                    lag = pos[:, :, None] - jnp.arange(S)  # (B, T, S)
+                    mask = (lag >= 0) & (slot_doc[:, None, :] == doc[:, :, None])  # (B, T, S)
+                    taps = jnp.take_along_axis(state.filter[:, n, None], jnp.maximum(lag, 0)[..., None], axis=2)
+                    conv = jnp.einsum("bts,btsd,bsd->btd", mask.astype(jnp.float32), taps, cache)
+                else:  # every new token is in the document doc[:, -1]: the slots of others are masked out
+                    valid = (jnp.arange(S) < pos[:, -1:] + 1) & (slot_doc == doc[:, -1:])  # (B, S)
+                    full = long_conv_fft(jnp.where(valid[..., None], cache, 0), state.filter[0, n])  # (B, S, D)
+                    conv = jnp.take_along_axis(full, pos[..., None], axis=1)  # (B, T, D)
             z = gate * (conv + self.filter_bias[n] * z).astype(self.dtype)
-        kept = dict(inputs=jnp.stack(inputs, axis=1), filter=state.filter, doc=slot_doc)  # (B, N, S, D)
+        # One write of every order's new inputs after the reads: XLA updates the cache in place.
+        inputs = write_rows(state.inputs, jnp.stack(new, axis=1), state.index, 2)  # (B, N, S, D)
+        kept = dict(inputs=inputs, filter=state.filter, doc=slot_doc)
         if steps:
             return self.out_proj(z), HyenaState.stepped(conv=window, **kept, cur_doc=doc.T,
                                                         index=pos.T + 1)  # (T, B) each
         return self.out_proj(z), HyenaState(conv=window, **kept, cur_doc=doc[:, -1], index=state.index + T)
+
+    def _step_conv(self, state: HyenaState, n: int, doc):
+        """Σ_{s < index, doc(s) = doc} h_n[index - s] inputs_n[s], (B, 1, D) float32: one token's long
+        convolution over the cached slots. The taps come from the reversed filter rolled by index + 1
+        (slot s then holds lag index - s), cheaper on CPU than gathering them lag by lag."""
+        S = state.inputs.shape[2]
+        flipped = jnp.flip(state.filter[:, n], axis=1)  # (B, S, D): slot s holds lag S - 1 - s
+        taps = jax.vmap(lambda f, k: jnp.roll(f, k, axis=0))(flipped, state.index + 1)  # (B, S, D)
+        mask = (jnp.arange(S) < state.index[:, None]) & (state.doc == doc)  # (B, S)
+        prod = jnp.where(mask[..., None], taps * state.inputs[:, n].astype(jnp.float32), 0)
+        return jnp.sum(prod, axis=1)[:, None]  # (B, 1, D)
 
     def rollback(self, stepped: HyenaState, drop: Int[Array, " B"]) -> HyenaState:
         return rollback(stepped, drop)
