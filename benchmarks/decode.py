@@ -42,6 +42,8 @@ KINDS = {
     "mamba2": {"kind": "mamba2", "head_dim": 64},
     "rwkv6": {"kind": "rwkv6", "head_dim": 64},
     "rwkv7": {"kind": "rwkv7", "head_dim": 64},
+    "s4d": {"kind": "s4d", "state_size": 64},
+    "hyena": {"kind": "hyena"},
 }
 STEPS = 32
 CACHES = {KVCache: ("k", "v"), LatentCache: ("kv",)}  # a cache's per-token arrays: kv_cache_MiB

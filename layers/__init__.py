@@ -25,6 +25,7 @@ from layers.conv import ShortConvolution
 from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
 from layers.fox import ForgettingAttention, FoXCache
 from layers.gla import GatedLinearAttention, GLAState
+from layers.hyena import Hyena, HyenaState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
@@ -38,3 +39,4 @@ from layers.retnet import MultiScaleRetention, RetentionState
 from layers.rotary import apply_rotary
 from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
 from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix
+from layers.s4d import S4D, S4DState

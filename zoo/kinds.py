@@ -279,6 +279,43 @@ class Mamba2Config(Chunked):
     norm_eps: PosFloat = 1e-5
 
 
+@mixer(layers.S4D)
+@dataclass(frozen=True)
+class S4DConfig(Mixer):
+    """S4D (Gu, Gupta, Goel & Ré 2022): a diagonal linear time-invariant SSM per channel, state_size N
+    (N/2 complex conjugate pairs), init lin (S4D-Lin, A_n = -1/2 + i π n) or inv (S4D-Inv), log Δ
+    uniform in [dt_min, dt_max], GELU, then output glu (linear to 2 d_model and a GLU) or linear; mode
+    fft (the SSM's kernel applied by FFT, O(T log T)) or recurrent; decode is the recurrence."""
+    KIND: ClassVar[str] = "s4d"
+    state_size: PosInt = 64
+    init: Literal["lin", "inv"] = "lin"
+    dt_min: PosFloat = 0.001
+    dt_max: PosFloat = 0.1
+    output: Literal["glu", "linear"] = "glu"
+    mode: Literal["recurrent", "fft"] = "fft"
+
+
+@mixer(layers.Hyena)
+@dataclass(frozen=True)
+class HyenaConfig(Mixer):
+    """Hyena (Poli et al. 2023): order N long convolutions with implicit filters, each gated by a projection,
+    z = x_n * (h_n conv z + b_n z), after a short convolution (short_conv_size) of the N + 1 projections;
+    filter h_n(t) = exp window (decay_fast, decay_slow, decay_target) times an FFN (filter_order wide, sine
+    activations of frequency filter_sine_freq, filter_inner_layers hidden layers) of positional features
+    (filter_emb_dim, odd) with positions normalised by model.max_seq_len; training by FFT; decoding
+    caches each long convolution's inputs (grows with the context, O(context) per token)."""
+    KIND: ClassVar[str] = "hyena"
+    order: PosInt = 2
+    filter_order: PosInt = 64
+    filter_emb_dim: PosInt = 33
+    filter_sine_freq: PosFloat = 14.0
+    filter_inner_layers: NonNegInt = 2
+    short_conv_size: PosInt = 3
+    decay_fast: PosFloat = 0.3
+    decay_slow: PosFloat = 1.5
+    decay_target: PosFloat = 1e-2
+
+
 @mixer(layers.RWKV6TimeMix)
 @dataclass(frozen=True)
 class RWKV6Config(Chunked):
