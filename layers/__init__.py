@@ -23,6 +23,7 @@ from layers.attention import Attention, KVCache
 from layers.conv import ShortConvolution
 from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
 from layers.gla import GatedLinearAttention, GLAState
+from layers.hgrn2 import HGRN2, HGRN2State
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State

@@ -262,6 +262,20 @@ class GatedDeltaNetConfig(Chunked):
     norm_eps: PosFloat = 1e-5
 
 
+@mixer(layers.HGRN2)
+@dataclass(frozen=True)
+class HGRN2Config(Chunked):
+    """HGRN2 (Qin et al. 2024): gated linear RNN with outer-product state expansion: forget gate with a
+    learned lower bound that starts at layer_id / num_layers, input gate 1 - forget as the key, SiLU
+    query as the output gate (the GLA op); expand_ratio: key width per head (null = d_model / num_heads);
+    conv_size: short convolutions on q, f, i (0 = none)."""
+    KIND: ClassVar[str] = "hgrn2"
+    num_heads: PosInt = 4
+    expand_ratio: PosInt | None = None
+    conv_size: NonNegInt = 0
+    norm_eps: PosFloat = 1e-5
+
+
 @ffn(layers.NoFFN)
 @dataclass(frozen=True)
 class NoFFNConfig(Kind):
