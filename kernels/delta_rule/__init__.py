@@ -3,9 +3,10 @@
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
 
 alpha_t = exp(g_t) (g = None: alpha_t = 1, plain DeltaNet). g (B, T, H, K) is a per-key-channel decay,
-Kimi Delta Attention's S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T. See reference.py for the recurrence,
-chunk.py for the chunkwise WY/UT form, parallel.py for the whole-sequence UT form, pallas.py (GPU,
-Triton) and pallas_tpu.py (TPU, Mosaic) for the Pallas kernels (forward and backward, custom_vjp).
+Kimi Delta Attention's S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T.
+See reference.py for the recurrence, chunk.py for the chunkwise WY/UT form, parallel.py for the
+whole-sequence UT form, pallas.py (GPU, Triton) and pallas_tpu.py (TPU, Mosaic) for the Pallas
+kernels (forward and backward, custom_vjp).
 
 impl: "xla" runs the XLA form picked by `mode`; "reference" the token-by-token scan whatever the
 mode; "pallas" the Pallas kernels of kernels.pallas_platform() (interpret mode on CPU, slow and

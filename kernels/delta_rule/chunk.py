@@ -51,7 +51,6 @@ from jaxtyping import Array, Bool, Float, Int
 from kernels.linalg import unit_lower_inverse
 from kernels.segments import document_index
 
-
 SUB_CHUNK = 16
 
 
