@@ -40,6 +40,8 @@ KINDS = {
     "rwkv6": {"kind": "rwkv6", "head_dim": 64},
     "rwkv7": {"kind": "rwkv7", "head_dim": 64},
     "hgrn2": {"kind": "hgrn2", "num_heads": 8},
+    "kda": {"kind": "kda", "num_heads": 8},
+    "gated_deltaproduct": {"kind": "gated_deltaproduct", "num_heads": 8},
 }
 STEPS = 32
 CACHES = {KVCache: ("k", "v"), LatentCache: ("kv",)}  # a cache's per-token arrays: kv_cache_MiB

@@ -21,7 +21,14 @@ tests/layers/conformance.py checks all of this for every registered kind.
 
 from layers.attention import Attention, KVCache
 from layers.conv import ShortConvolution
-from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
+from layers.deltanet import (
+    DeltaNet,
+    DeltaNetState,
+    DeltaProductState,
+    GatedDeltaNet,
+    GatedDeltaProduct,
+    KimiDeltaAttention,
+)
 from layers.gla import GatedLinearAttention, GLAState
 from layers.hgrn2 import HGRN2, HGRN2State
 from layers.linear_attention import LinearAttention, LinearAttentionState

@@ -1,4 +1,5 @@
-"""The (gated) delta rule of DeltaNet and Gated DeltaNet: one entry point, forms chosen by `mode`.
+"""The (gated) delta rule of DeltaNet, Gated DeltaNet and Kimi Delta Attention: one entry point, forms
+chosen by `mode`; product.py runs Gated DeltaProduct's several steps per token on it.
 
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
 
