@@ -44,6 +44,9 @@ KINDS = {
     "rwkv7": {"kind": "rwkv7", "head_dim": 64},
     "s4d": {"kind": "s4d", "state_size": 64},
     "hyena": {"kind": "hyena"},
+    "hgrn2": {"kind": "hgrn2", "num_heads": 8},
+    "kda": {"kind": "kda", "num_heads": 8},
+    "gated_deltaproduct": {"kind": "gated_deltaproduct", "num_heads": 8},
 }
 STEPS = 32
 CACHES = {KVCache: ("k", "v"), LatentCache: ("kv",)}  # a cache's per-token arrays: kv_cache_MiB

@@ -50,10 +50,11 @@ def _inputs(op, T):
         return (q, k, v, 1 - 2.0 ** (-5 - jnp.arange(H, dtype=jnp.float32)))
     if op == "gla":
         return (q, k, v, jax.nn.log_sigmoid(_n(sub, B, T, H, K) + 4) / 16)
-    if op in ("deltanet", "gated_deltanet"):
+    if op in ("deltanet", "gated_deltanet", "kda"):
         nq, nk = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
         beta = jax.nn.sigmoid(_n(sub, B, T, H))
-        g = jax.nn.log_sigmoid(_n(jax.random.fold_in(sub, 1), B, T, H) + 4) if op == "gated_deltanet" else None
+        gate_shape = {"gated_deltanet": (B, T, H), "kda": (B, T, H, K)}.get(op)  # kda: one decay per key channel
+        g = None if gate_shape is None else jax.nn.log_sigmoid(_n(jax.random.fold_in(sub, 1), *gate_shape) + 4)
         return (nq, nk, v, beta, g)
     if op == "wkv6":
         return (q, k, v, -jnp.exp(_n(sub, B, T, H, K) - 2), _n(jax.random.fold_in(sub, 1), H, K, scale=0.1))
@@ -96,6 +97,7 @@ OPS = {  # name -> (function, forms, longest T for the quadratic form)
     "gla": (gla, ("recurrent", "parallel", "chunk"), 512),
     "deltanet": (delta_rule, ("recurrent", "parallel", "chunk"), 2048),
     "gated_deltanet": (delta_rule, ("recurrent", "parallel", "chunk"), 2048),
+    "kda": (delta_rule, ("recurrent", "parallel", "chunk"), 1024),
     "wkv6": (wkv6, ("recurrent", "parallel", "chunk"), 2048),
     "wkv7": (wkv7, ("recurrent", "parallel", "chunk"), 1024),
     "mamba": (selective_scan, ("recurrent", "parallel", "chunk"), 1 << 30),

@@ -22,9 +22,17 @@ tests/layers/conformance.py checks all of this for every registered kind.
 from layers.attention import Attention, HeadMask, KVCache
 from layers.base_conv import BaseConv, BaseConvState
 from layers.conv import ShortConvolution
-from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
+from layers.deltanet import (
+    DeltaNet,
+    DeltaNetState,
+    DeltaProductState,
+    GatedDeltaNet,
+    GatedDeltaProduct,
+    KimiDeltaAttention,
+)
 from layers.fox import ForgettingAttention, FoXCache
 from layers.gla import GatedLinearAttention, GLAState
+from layers.hgrn2 import HGRN2, HGRN2State
 from layers.hyena import Hyena, HyenaState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState

@@ -1,4 +1,4 @@
-"""DeltaNet and Gated DeltaNet token mixers.
+"""The delta-rule token mixers: DeltaNet, Gated DeltaNet, Kimi Delta Attention, Gated DeltaProduct.
 
 DeltaNet: Schlag et al., 2021 ("Linear Transformers Are Secretly Fast Weight Programmers"), with the
 layer of Yang et al., 2024 ("Parallelizing Linear Transformers with the Delta Rule over Sequence
@@ -24,10 +24,39 @@ chunk_size are then unused): the Triton kernels on a GPU, the Mosaic ones on a T
 Decode state: the H x K x V delta-rule state plus the last conv_size - 1 inputs of each short
 convolution (fla's `conv_state`).
 
+Kimi Delta Attention (KDA; Kimi Team, 2025, "Kimi Linear: An Expressive, Efficient Attention
+Architecture", and fla's `KimiDeltaAttention`): Gated DeltaNet with a decay per key channel and a
+low-rank decay and output gate:
+
+    alpha_t = exp(-exp(A_log) * softplus(W_f2 W_f1 x_t + dt_bias))       in (0, 1)^K per head
+    S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T          (decay, then update)
+    y_t = W_o [RMSNorm(o_t) * sigmoid(W_g2 W_g1 x_t + b_g)]
+
+W_f1 (d_model x V) and W_f2 (V x H K) are `f_down`, `f_up`; W_g1, W_g2 (with bias b_g) `g_down`,
+`g_up`; A = exp(A_log) ~ U(1, 16] per head, dt_bias per key channel (H K), as fla. impl="pallas" is
+refused: the delta-rule Pallas kernels take a gate per head (kernels/delta_rule); "auto" runs XLA.
+
+Gated DeltaProduct (Siems et al., 2025, "DeltaProduct: Improving State-Tracking in Linear RNNs via
+Householder Products", and fla's `GatedDeltaProduct`): n = num_householder delta-rule steps per
+token, each with its own key, value and beta from the token (W_k, W_v, w_beta n times as wide), the
+gate once per token:
+
+    S_{t,0} = alpha_t S_{t-1},   S_{t,j} = (I - beta_{t,j} k_{t,j} k_{t,j}^T) S_{t,j-1} + beta_{t,j} k_{t,j} v_{t,j}^T
+    S_t = S_{t,n},   o_t = S_t^T q_t / sqrt(K)
+
+so the state transition is a product of n generalised Householder matrices. It runs on the
+delta-rule op itself: the T tokens become T n sub-steps in a row (the gate on each token's first
+sub-step, log-decay 0 on the others; the query on its last, whose output is the token's), exact in
+every mode and implementation. `chunk_size` then counts sub-steps. allow_neg_eigval (on by default,
+as fla and the paper's best models) doubles beta to (0, 2), so I - beta k k^T has eigenvalues in
+(-1, 1]; use_forget_gate=False drops the gate (alpha_t = 1).
+
 Departures, all named: the key width is set by `head_dim` (default d_model / num_heads) instead of
 fla DeltaNet's `expand_k` (the same width at the default expand_k = 1); `conv_size=0` replaces fla's
-`use_short_conv=False` (SiLU without convolution, as fla does then); no `allow_neg_eigval`, no
-grouped value heads (`num_v_heads`) and no qk activations other than SiLU.
+`use_short_conv=False` (SiLU without convolution, as fla does then); no `allow_neg_eigval` on
+DeltaNet and Gated DeltaNet, no grouped value heads (`num_v_heads`) and no qk activations other than
+SiLU. KDA: head_dim defaults to d_model / num_heads (fla: 128) and has no `safe_gate` / `lower_bound`
+(fla's clamp of the gate for its M = 16 tensor-core path).
 """
 
 import jax
@@ -36,7 +65,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode
-from kernels.delta_rule import delta_rule
+from kernels.delta_rule.product import delta_product
 from layers.conv import ShortConvolution
 from layers.linear import Linear
 from layers.norm import GatedRMSNorm, RMSNorm
@@ -53,7 +82,7 @@ class DeltaNetState:
     conv_v: Float[Array, "B W H*V"] | None  # (B, conv_size - 1, H*V)
 
 
-def _normalize(x: Float[Array, "B T H K"], kind: str) -> Float[Array, "B T H K"]:
+def _normalize(x: Float[Array, "*B K"], kind: str) -> Float[Array, "*B K"]:
     x32 = x.astype(jnp.float32)
     if kind == "l2":
         y = x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + 1e-6)  # fla's l2norm eps
@@ -62,11 +91,29 @@ def _normalize(x: Float[Array, "B T H K"], kind: str) -> Float[Array, "B T H K"]
     return y.astype(x.dtype)
 
 
+def _gate_proj(d_model, width, dtype, rngs):
+    """A projection to a few gate logits per token (beta, the decay's input), kept whole on a mesh."""
+    return Linear(d_model, width, use_bias=False, dtype=dtype, rngs=rngs, kernel_metadata=axes("embed", None))
+
+
+def _decay_params(rngs, num_A: int, num_dt: int, A_low: float):
+    """(A_log, dt_bias) of Mamba-2's decay -exp(A_log) softplus(. + dt_bias), initialised as the official
+    code: A = exp(A_log) ~ U(A_low, 16] (never 0), dt = softplus(dt_bias) log-uniform in [1e-3, 1e-1],
+    floored at 1e-4."""
+    A = A_low + (16.0 - A_low) * (1.0 - jax.random.uniform(rngs.params(), (num_A,)))
+    log_dt = jax.random.uniform(rngs.params(), (num_dt,), minval=jnp.log(1e-3), maxval=jnp.log(1e-1))
+    dt = jnp.maximum(jnp.exp(log_dt), 1e-4)
+    return nnx.Param(jnp.log(A)), nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # softplus^-1(dt)
+
+
 class _DeltaRuleMixer(nnx.Module):
-    """The body both layers share; subclasses add their gate parameters and `_gates(x) -> (beta, g)`."""
+    """The body the layers share; subclasses add their gate parameters and `_gates(x) -> (beta, g)`:
+    beta (B, T, n*H) float32 for n = num_householder keys per token, g (B, T, H), (B, T, H, K) or None."""
+
+    State = DeltaNetState
 
     def __init__(self, d_model, *, num_heads, head_dim, expand_v, conv_size, use_output_gate, qk_norm,
-                 norm_eps, mode, chunk_size, impl, dtype, rngs, name):
+                 norm_eps, mode, chunk_size, impl, dtype, rngs, name, num_householder=1):
         if num_heads < 1 or d_model < 1:
             raise ValueError(f"{name}: num_heads={num_heads} and d_model={d_model} must be positive")
         if head_dim is None:
@@ -88,16 +135,18 @@ class _DeltaRuleMixer(nnx.Module):
         self.d_model, self.num_heads, self.head_dim, self.value_dim = d_model, H, K, V
         self.conv_size, self.qk_norm, self.dtype = conv_size, qk_norm, dtype
         self.mode, self.chunk_size, self.impl = mode, chunk_size, impl
+        n = self.num_householder = num_householder
 
         def linear(i, o, names=COLUMNS):
             return Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
                               kernel_metadata=axes(*names))
 
-        self.q_proj, self.k_proj, self.v_proj = linear(d_model, H * K), linear(d_model, H * K), linear(d_model, H * V)
+        self.q_proj, self.k_proj = linear(d_model, H * K), linear(d_model, n * H * K)
+        self.v_proj = linear(d_model, n * H * V)
         if conv_size:
             self.q_conv = ShortConvolution(H * K, conv_size, rngs=rngs)
-            self.k_conv = ShortConvolution(H * K, conv_size, rngs=rngs)
-            self.v_conv = ShortConvolution(H * V, conv_size, rngs=rngs)
+            self.k_conv = ShortConvolution(n * H * K, conv_size, rngs=rngs)
+            self.v_conv = ShortConvolution(n * H * V, conv_size, rngs=rngs)
         self.g_proj = linear(d_model, H * V) if use_output_gate else None
         self.o_norm = GatedRMSNorm(V, eps=norm_eps) if use_output_gate else RMSNorm(V, eps=norm_eps)
         self.o_proj = linear(H * V, d_model, ROWS)
@@ -106,9 +155,9 @@ class _DeltaRuleMixer(nnx.Module):
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
         recurrent = jnp.zeros((batch_size, self.num_heads, self.head_dim, self.value_dim), jnp.float32)
         if not self.conv_size:
-            return DeltaNetState(recurrent, None, None, None)
+            return self.State(recurrent, None, None, None)
         convs = (c.init_state(batch_size, self.dtype) for c in (self.q_conv, self.k_conv, self.v_conv))
-        return DeltaNetState(recurrent, *convs)
+        return self.State(recurrent, *convs)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
                  ) -> Float[Array, "B T D"]:
@@ -137,21 +186,27 @@ class _DeltaRuleMixer(nnx.Module):
         else:
             q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
             conv_q = conv_k = conv_v = None
+        n = self.num_householder
         q = _normalize(q.reshape(B, T, H, K), self.qk_norm)  # (B, T, H, K)
-        k = _normalize(k.reshape(B, T, H, K), self.qk_norm)
-        v = v.reshape(B, T, H, V)  # (B, T, H, V)
-        beta, g = self._gates(x)  # (B, T, H) float32, g None for plain DeltaNet
-        op = lambda S, q, k, v, beta, g: delta_rule(q, k, v, beta, g, segment_ids=segment_ids, initial_state=S,
-                                                    output_final_state=True, mode=mode, chunk_size=self.chunk_size,
-                                                    impl=self.impl)
+        k = _normalize(k.reshape(B, T, n, H, K), self.qk_norm)  # (B, T, n, H, K)
+        v = v.reshape(B, T, n, H, V)  # (B, T, n, H, V)
+        beta, g = self._gates(x)  # beta (B, T, n*H) float32; g (B, T, H), (B, T, H, K) or None
+        beta = beta.reshape(B, T, n, H)  # (B, T, n, H)
+
+        op = lambda S, q, k, v, beta, g: delta_product(
+            q, k, v, beta, g, segment_ids=segment_ids, initial_state=S, output_final_state=True, mode=mode,
+            chunk_size=self.chunk_size, impl=self.impl)  # kernels/delta_rule/product.py; n = 1: delta_rule
+
         args = (state.recurrent, q, k, v, beta, g)
         o, recurrent = stepwise(op, *args) if steps else op(*args)
-        if self.g_proj is not None:
-            o = self.o_norm(o, self.g_proj(x).reshape(B, T, H, V))
-        else:
-            o = self.o_norm(o)
-        y = self.o_proj(o.reshape(B, T, H * V))  # (B, T, D)
-        return y, (DeltaNetState.stepped if steps else DeltaNetState)(recurrent, conv_q, conv_k, conv_v)
+        y = self.o_proj(self._output(o, x).reshape(B, T, H * V))  # (B, T, D)
+        return y, (self.State.stepped if steps else self.State)(recurrent, conv_q, conv_k, conv_v)
+
+    def _output(self, o: Float[Array, "B T H V"], x: Float[Array, "B T D"]) -> Float[Array, "B T H V"]:
+        """The per-head output norm, gated by SiLU(W_g x) when there is an output gate."""
+        if self.g_proj is None:
+            return self.o_norm(o)
+        return self.o_norm(o, self.g_proj(x).reshape(o.shape))
 
 
 class DeltaNet(_DeltaRuleMixer):
@@ -162,8 +217,7 @@ class DeltaNet(_DeltaRuleMixer):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm=qk_norm, norm_eps=norm_eps, mode=mode,
                          chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="DeltaNet")
-        self.b_proj = Linear(d_model, num_heads, use_bias=False, dtype=dtype, rngs=rngs,
-                                 kernel_metadata=axes("embed", None)) if use_beta else None
+        self.b_proj = _gate_proj(d_model, num_heads, dtype, rngs) if use_beta else None
 
     def _gates(self, x):
         if self.b_proj is None:  # beta = 1: the plain delta rule of Schlag et al.
@@ -179,16 +233,81 @@ class GatedDeltaNet(_DeltaRuleMixer):
                          use_output_gate=use_output_gate, qk_norm="l2", norm_eps=norm_eps, mode=mode,
                          chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="GatedDeltaNet")
         H = num_heads
-        gate = lambda: Linear(d_model, H, use_bias=False, dtype=dtype, rngs=rngs,
-                                  kernel_metadata=axes("embed", None))
-        self.a_proj, self.b_proj = gate(), gate()
-        A = 16.0 * (1.0 - jax.random.uniform(rngs.params(), (H,)))  # U(0, 16], never 0
-        self.A_log = nnx.Param(jnp.log(A))
-        log_dt = jax.random.uniform(rngs.params(), (H,), minval=jnp.log(1e-3), maxval=jnp.log(1e-1))
-        dt = jnp.maximum(jnp.exp(log_dt), 1e-4)
-        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # softplus^-1(dt)
+        self.a_proj, self.b_proj = _gate_proj(d_model, H, dtype, rngs), _gate_proj(d_model, H, dtype, rngs)
+        self.A_log, self.dt_bias = _decay_params(rngs, H, H, A_low=0.0)
 
     def _gates(self, x):
         a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...]  # (B, T, H)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a)  # log alpha_t
         return jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)), g
+
+
+class KimiDeltaAttention(_DeltaRuleMixer):
+    """Kimi Delta Attention: the gated delta rule with a decay per key channel (module docstring)."""
+
+    def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 1.0,
+                 conv_size: int = 4, allow_neg_eigval: bool = False, norm_eps: float = 1e-5, mode: str = "chunk",
+                 chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+        if impl == "pallas":
+            raise ValueError("KimiDeltaAttention: impl='pallas': the delta-rule Pallas kernels take a gate per head, "
+                             "not per key channel; expected 'auto', 'xla' or 'reference'")
+        super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
+                         use_output_gate=False, qk_norm="l2", norm_eps=norm_eps, mode=mode, chunk_size=chunk_size,
+                         impl=impl, dtype=dtype, rngs=rngs, name="KimiDeltaAttention")
+        H, K, V = self.num_heads, self.head_dim, self.value_dim
+        linear = lambda i, o, names, bias=False: Linear(i, o, use_bias=bias, dtype=dtype, rngs=rngs,
+                                                        kernel_metadata=axes(*names), bias_metadata=axes(names[1]))
+        self.f_down, self.f_up = linear(d_model, V, ("embed", None)), linear(V, H * K, (None, "heads"))
+        self.g_down, self.g_up = linear(d_model, V, ("embed", None)), linear(V, H * V, (None, "heads"), bias=True)
+        self.b_proj = _gate_proj(d_model, H, dtype, rngs)
+        self.A_log, self.dt_bias = _decay_params(rngs, H, H * K, A_low=1.0)
+        self.allow_neg_eigval = allow_neg_eigval
+
+    def _gates(self, x):
+        B, T, _ = x.shape
+        f = (self.f_up(self.f_down(x)).astype(jnp.float32) + self.dt_bias[...]).reshape(B, T, self.num_heads, -1)
+        g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f)  # (B, T, H, K): log alpha_t per key channel
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        return (2.0 * beta if self.allow_neg_eigval else beta), g
+
+    def _output(self, o, x):
+        gate = jax.nn.sigmoid(self.g_up(self.g_down(x)).astype(jnp.float32)).reshape(o.shape)
+        return (self.o_norm(o).astype(jnp.float32) * gate).astype(o.dtype)  # RMSNorm(o) * sigmoid(W_g2 W_g1 x)
+
+
+@state
+class DeltaProductState(DeltaNetState):
+    recurrent: Float[Array, "B H K V"]  # (B, H, K, V) float32 delta-rule state
+    conv_q: Float[Array, "B W H*K"] | None  # (B, conv_size - 1, H*K); None when conv_size = 0
+    conv_k: Float[Array, "B W _NHK"] | None  # (B, conv_size - 1, num_householder*H*K)
+    conv_v: Float[Array, "B W _NHV"] | None  # (B, conv_size - 1, num_householder*H*V)
+
+
+class GatedDeltaProduct(_DeltaRuleMixer):
+    """Gated DeltaProduct: num_householder delta-rule steps per token, one gate (module docstring)."""
+
+    State = DeltaProductState
+
+    def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 2.0,
+                 num_householder: int = 2, conv_size: int = 4, use_forget_gate: bool = True,
+                 allow_neg_eigval: bool = True, use_output_gate: bool = True, norm_eps: float = 1e-5,
+                 mode: str = "chunk", chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+        if num_householder < 1:
+            raise ValueError(f"GatedDeltaProduct: num_householder={num_householder} must be >= 1")
+        super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
+                         use_output_gate=use_output_gate, qk_norm="l2", norm_eps=norm_eps, mode=mode,
+                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="GatedDeltaProduct",
+                         num_householder=num_householder)
+        H = num_heads
+        self.b_proj = _gate_proj(d_model, num_householder * H, dtype, rngs)
+        self.a_proj = _gate_proj(d_model, H, dtype, rngs) if use_forget_gate else None
+        self.A_log, self.dt_bias = _decay_params(rngs, H, H, A_low=0.0) if use_forget_gate else (None, None)
+        self.allow_neg_eigval = allow_neg_eigval
+
+    def _gates(self, x):
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # (B, T, n*H)
+        beta = 2.0 * beta if self.allow_neg_eigval else beta
+        if self.a_proj is None:
+            return beta, None
+        a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...]  # (B, T, H)
+        return beta, -jnp.exp(self.A_log[...]) * jax.nn.softplus(a)

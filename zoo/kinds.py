@@ -367,6 +367,53 @@ class GatedDeltaNetConfig(Chunked):
     norm_eps: PosFloat = 1e-5
 
 
+@mixer(layers.HGRN2)
+@dataclass(frozen=True)
+class HGRN2Config(Chunked):
+    """HGRN2 (Qin et al. 2024): gated linear RNN with outer-product state expansion: forget gate with a
+    learned lower bound that starts at layer_id / num_layers, input gate 1 - forget as the key, SiLU
+    query as the output gate (the GLA op); expand_ratio: key width per head (null = d_model / num_heads);
+    conv_size: short convolutions on q, f, i (0 = none)."""
+    KIND: ClassVar[str] = "hgrn2"
+    num_heads: PosInt = 4
+    expand_ratio: PosInt | None = None
+    conv_size: NonNegInt = 0
+    norm_eps: PosFloat = 1e-5
+
+
+@mixer(layers.KimiDeltaAttention)
+@dataclass(frozen=True)
+class KDAConfig(Chunked):
+    """Kimi Delta Attention (Kimi Team 2025, Kimi Linear): the gated delta rule with a decay per key
+    channel from a low-rank projection, sigmoid output gate; allow_neg_eigval: beta in (0, 2).
+    impl pallas is refused (the delta-rule kernels take a gate per head); auto runs XLA."""
+    KIND: ClassVar[str] = "kda"
+    num_heads: PosInt = 4
+    head_dim: PosInt | None = None
+    expand_v: PosFloat = 1.0
+    conv_size: NonNegInt = 4
+    allow_neg_eigval: bool = False
+    norm_eps: PosFloat = 1e-5
+
+
+@mixer(layers.GatedDeltaProduct)
+@dataclass(frozen=True)
+class GatedDeltaProductConfig(Chunked):
+    """Gated DeltaProduct (Siems et al. 2025): num_householder delta-rule steps per token (each its own
+    k, v, beta), the Gated DeltaNet decay once per token; run as T x num_householder sub-steps of the
+    delta-rule op (chunk_size counts sub-steps); allow_neg_eigval: beta in (0, 2)."""
+    KIND: ClassVar[str] = "gated_deltaproduct"
+    num_heads: PosInt = 4
+    head_dim: PosInt | None = None
+    expand_v: PosFloat = 2.0
+    num_householder: PosInt = 2
+    conv_size: NonNegInt = 4
+    use_forget_gate: bool = True
+    allow_neg_eigval: bool = True
+    use_output_gate: bool = True
+    norm_eps: PosFloat = 1e-5
+
+
 @ffn(layers.NoFFN)
 @dataclass(frozen=True)
 class NoFFNConfig(Kind):

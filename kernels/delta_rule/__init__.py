@@ -1,16 +1,23 @@
-"""The (gated) delta rule of DeltaNet and Gated DeltaNet: one entry point, forms chosen by `mode`.
+"""The (gated) delta rule of DeltaNet, Gated DeltaNet and Kimi Delta Attention: one entry point, forms
+chosen by `mode`; product.py runs Gated DeltaProduct's several steps per token on it.
 
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
 
-alpha_t = exp(g_t) (g = None: alpha_t = 1, plain DeltaNet). See reference.py for the recurrence,
-chunk.py for the chunkwise WY/UT form, parallel.py for the whole-sequence UT form, pallas.py (GPU,
-Triton) and pallas_tpu.py (TPU, Mosaic) for the Pallas kernels (forward and backward, custom_vjp).
+alpha_t = exp(g_t) (g = None: alpha_t = 1, plain DeltaNet). g (B, T, H, K) is a per-key-channel decay,
+Kimi Delta Attention's S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T.
+See reference.py for the recurrence, chunk.py for the chunkwise WY/UT form, parallel.py for the
+whole-sequence UT form, pallas.py (GPU, Triton) and pallas_tpu.py (TPU, Mosaic) for the Pallas
+kernels (forward and backward, custom_vjp).
 
 impl: "xla" runs the XLA form picked by `mode`; "reference" the token-by-token scan whatever the
 mode; "pallas" the Pallas kernels of kernels.pallas_platform() (interpret mode on CPU, slow and
 meant for tests), whose chunk is their own block size, not `chunk_size`; "auto" the kernels on
 GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens), the
 XLA form elsewhere. This function is the one dispatch point.
+
+The Pallas kernels take a gate per head only: with a per-channel gate (B, T, H, K), impl="auto" runs
+the XLA form of `mode` (recurrent, chunk and parallel all take it) on every backend, and
+impl="pallas" is a ValueError.
 """
 
 import jax.numpy as jnp
@@ -29,7 +36,7 @@ def delta_rule(
     k: Float[Array, "B T H K"],
     v: Float[Array, "B T H V"],
     beta: Float[Array, "B T H"],
-    g: Float[Array, "B T H"] | None = None,
+    g: Float[Array, "B T H"] | Float[Array, "B T H K"] | None = None,
     *,
     scale: float | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
@@ -40,7 +47,7 @@ def delta_rule(
     impl: str = "auto",
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"] | None]:
     """q, k (B, T, H, K) (the layers L2-normalise them), v (B, T, H, V), beta (B, T, H) in (0, 1),
-    g (B, T, H) log-decay <= 0 or None, initial_state (B, H, K, V). scale defaults to K^-1/2.
+    g (B, T, H) or (B, T, H, K) log-decay <= 0 or None, initial_state (B, H, K, V). scale defaults to K^-1/2.
     Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32 or None).
     segment_ids / initial_state: token 0 continues initial_state (zero when None), every later document
     start restarts from zero (kernels/__init__.py)."""
@@ -50,7 +57,11 @@ def delta_rule(
     kwargs = dict(scale=scale, segment_ids=segment_ids, initial_state=initial_state)
     if impl == "reference":
         mode = "recurrent"
-    if use_pallas(impl, supports(q, k, v)):
+    per_channel = g is not None and g.ndim == 4
+    if impl == "pallas" and per_channel:
+        raise ValueError(f"delta_rule: impl='pallas' takes a gate g (B, T, H) per head; got a per-channel gate "
+                         f"{g.shape}: use impl 'auto', 'xla' or 'reference'")
+    if use_pallas(impl, supports(q, k, v) and not per_channel):
         kernel = delta_rule_pallas_tpu if pallas_platform() == "tpu" else delta_rule_pallas
         o, final = kernel(q, k, v, beta, g, **kwargs)
     elif mode == "recurrent":

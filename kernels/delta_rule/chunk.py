@@ -20,6 +20,23 @@ Only the sequential part, S_0 -> S_C, runs in a lax.scan over chunks; everything
 Every exponent is G_i or G_i - G_j with j <= i, never positive for a decay (g <= 0), so no exp
 overflows however strong the forgetting; fla computes the same differences.
 
+Per-channel decay (Kimi Delta Attention, g (B, T, H, K); reference.py): the same derivation with
+G_i in R^K and the scalar products replaced by decayed ones, as in GLA's chunk form:
+
+    A_ij = beta_i sum_k k_ik k_jk e^{G_ik - G_jk},    (Q K^T * D)_ij -> sum_k q_ik k_jk e^{G_ik - G_jk}
+    W = (I + A)^-1 diag(beta) (K ⊙ Gamma),   O = scale * ((Q ⊙ Gamma) S_0 + P U)
+    S_C = diag(Gamma_C) S_0 + (K ⊙ e^{G_C - G})^T U
+
+Numerical safety: e^{G_i - G_j} is never split into e^{G_i} e^{-G_j} (e^{-G_j} overflows float32
+once a channel has forgotten past e^-88 inside the chunk). `decayed_scores` builds the decayed
+products from sub-chunks of 16 tokens, GLA's secondary chunking (kernels/gla/chunk.py): pairwise,
+(c, c, K), inside a sub-chunk, with the exponent masked to j <= i before exp; across sub-chunks
+through a reference point r between them, e^{G_i - r} e^{r - G_j}, both exponents <= 0. So every
+exponent is <= 0 for g <= 0: nothing overflows, and a factor underflows to 0 only where the true
+product is below float32 range anyway. The decay to the chunk end is a suffix sum of the gates, not
+a difference of prefix sums. Cost: O(C (c + C / c) K) per chunk and head for the decayed products,
+against O(C^2 K) fully pairwise.
+
 Packed documents (exact, no large-negative-decay trick): with d_i the document index of token i,
 every pairwise term (A, Q K^T, D) is multiplied by [d_i == d_j], and the S_0 terms by
 c_i = [no document starts in the chunk at or before i]. The chunk is min(chunk_size, T); the
@@ -34,33 +51,65 @@ from jaxtyping import Array, Bool, Float, Int
 from kernels.linalg import unit_lower_inverse
 from kernels.segments import document_index
 
+SUB_CHUNK = 16
+
+
+def decayed_scores(a, b, g):
+    """P_ij = sum_k a_ik b_jk e^{G_ik - G_jk} for j <= i, 0 for j > i, with G the cumulative sum of
+    g <= 0 along the chunk axis: a, b, g (..., C, K) -> (..., C, C). Sub-chunked as the module
+    docstring says, so every exponent is <= 0."""
+    C, K = a.shape[-2:]
+    c = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    n, lead = C // c, a.shape[:-2]
+    sub = lambda x: x.reshape(*lead, n, c, K)  # (..., n, c, K)
+    a_s, b_s, g_s = sub(a), sub(b), sub(g)
+    G_s = jnp.cumsum(g_s, axis=-2)  # (..., n, c, K): G_i - r, r = G at the end of the previous sub-chunk
+    causal = jnp.tril(jnp.ones((c, c), bool))[:, :, None]  # (c, c, 1)
+    pair = jnp.where(causal, G_s[..., :, None, :] - G_s[..., None, :, :], 0.0)  # (..., n, c, c, K)
+    diag = jnp.einsum("...sik,...sjk,...sijk->...sij", a_s, b_s, jnp.exp(pair)) * causal[..., 0]
+    diag = jnp.einsum("...sij,st->...sitj", diag, jnp.eye(n, dtype=diag.dtype)).reshape(*lead, C, C)
+    G = jnp.cumsum(g, axis=-2)  # (..., C, K)
+    r = jnp.concatenate([jnp.zeros_like(G_s[..., :1, -1, :]), sub(G)[..., :-1, -1, :]], axis=-2)  # (..., n, K)
+    earlier = (jnp.arange(C)[None, :] < (jnp.arange(n) * c)[:, None])[:, :, None]  # (n, C, 1): j before sub-chunk s
+    to_ref = jnp.where(earlier, r[..., :, None, :] - G[..., None, :, :], 0.0)  # (..., n, C, K), <= 0
+    b_off = jnp.where(earlier, b[..., None, :, :] * jnp.exp(to_ref), 0.0)  # (..., n, C, K)
+    off = jnp.einsum("...sik,...sjk->...sij", a_s * jnp.exp(G_s), b_off).reshape(*lead, C, C)
+    return diag + off
+
 
 def intra_chunk_terms(q, k, v, beta, g, doc, first):
     """The chunk-local quantities of the formulas above, for chunks along the second-to-last axis.
 
-    q, k (..., C, K); v (..., C, V); beta, g (..., C); doc (..., C) document index of each token;
-    first (..., C) bool: True where the token belongs to the document the incoming state S_0 belongs
-    to (c_i). All float32; pass q already multiplied by `scale`. Returns (P, Qs, Ut, W, Kd, gamma):
-      P  (..., C, C)  Q K^T * D, causal and same-document
+    q, k (..., C, K); v (..., C, V); beta (..., C); g (..., C) one log-decay per token or (..., C, K)
+    one per key channel; doc (..., C) document index of each token; first (..., C) bool: True where
+    the token belongs to the document the incoming state S_0 belongs to (c_i). All float32; pass q
+    already multiplied by `scale`. Returns (P, Qs, Ut, W, Kd, gamma):
+      P  (..., C, C)  Q K^T * D (or its decayed form), causal and same-document
       Qs (..., C, K)  c * Gamma * Q       (reads S_0)
       Ut (..., C, V)  U~;  W (..., C, K): U = Ut - W S_0
       Kd (..., C, K)  K weighted by the decay to the chunk end, D_{C,j}
-      gamma (...)     c_C Gamma_C, the decay of S_0 across the chunk
+      gamma (..., 1) or (..., K)  c_C Gamma_C, the decay of S_0 across the chunk
     """
     C = q.shape[-2]
-    G = jnp.cumsum(g, axis=-1)  # (..., C)
     causal = jnp.tril(jnp.ones((C, C), bool))
     mask = causal & (doc[..., :, None] == doc[..., None, :])  # (..., C, C): j <= i, same document
-    D = jnp.where(mask, jnp.exp(jnp.where(mask, G[..., :, None] - G[..., None, :], 0.0)), 0.0)
-    A = (beta[..., :, None] * jnp.einsum("...ik,...jk->...ij", k, k) * D) * ~jnp.eye(C, dtype=bool)
-    decay_in = jnp.where(first, jnp.exp(G), 0.0)  # (..., C): c_i Gamma_i
-    rhs = jnp.concatenate([beta[..., None] * v, (beta * decay_in)[..., None] * k], axis=-1)
+    if g.ndim == k.ndim:  # per key channel
+        KK, QK = decayed_scores(k, k, g), decayed_scores(q, k, g)  # (..., C, C)
+        decay_in = jnp.where(first[..., None], jnp.exp(jnp.cumsum(g, axis=-2)), 0.0)  # (..., C, K): c_i Gamma_i
+        suffix = jnp.flip(jnp.cumsum(jnp.flip(g, axis=-2), axis=-2), axis=-2)  # sum_{t >= j} g_t
+        to_end = jnp.concatenate([suffix[..., 1:, :], jnp.zeros_like(suffix[..., :1, :])], axis=-2)  # sum_{t > j}
+        Kd = jnp.where((doc == doc[..., -1:])[..., None], jnp.exp(to_end), 0.0) * k  # (..., C, K)
+    else:
+        G = jnp.cumsum(g, axis=-1)  # (..., C)
+        D = jnp.where(mask, jnp.exp(jnp.where(mask, G[..., :, None] - G[..., None, :], 0.0)), 0.0)
+        KK, QK = jnp.einsum("...ik,...jk->...ij", k, k) * D, jnp.einsum("...ik,...jk->...ij", q, k) * D
+        decay_in = jnp.where(first, jnp.exp(G), 0.0)[..., None]  # (..., C, 1): c_i Gamma_i
+        Kd = D[..., -1, :, None] * k
+    A = jnp.where(mask & ~jnp.eye(C, dtype=bool), beta[..., :, None] * KK, 0.0)
+    rhs = jnp.concatenate([beta[..., None] * v, (beta[..., None] * decay_in) * k], axis=-1)
     sol = unit_lower_inverse(-A) @ rhs  # (I + A)^{-1} rhs
     Ut, W = sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]
-    P = jnp.einsum("...ik,...jk->...ij", q, k) * D
-    Qs = decay_in[..., None] * q
-    Kd = D[..., -1, :, None] * k
-    return P, Qs, Ut, W, Kd, decay_in[..., -1]
+    return jnp.where(mask, QK, 0.0), decay_in * q, Ut, W, Kd, decay_in[..., -1, :]
 
 
 def _heads_first(x, n_pad):
@@ -74,7 +123,7 @@ def delta_rule_chunk(
     k: Float[Array, "B T H K"],
     v: Float[Array, "B T H V"],
     beta: Float[Array, "B T H"],
-    g: Float[Array, "B T H"] | None = None,
+    g: Float[Array, "B T H"] | Float[Array, "B T H K"] | None = None,
     *,
     scale: float,
     segment_ids: Int[Array, "B T"] | None = None,
@@ -100,7 +149,7 @@ def delta_rule_chunk(
     def step(S, xs):  # S: (B, H, K, V), the state entering the chunk
         Ut_n, W_n, Kd_n, gamma_n = xs
         U_n = Ut_n - jnp.einsum("BHCK,BHKV->BHCV", W_n, S)  # (B, H, C, V)
-        S_next = gamma_n[..., None, None] * S + jnp.einsum("BHCK,BHCV->BHKV", Kd_n, U_n)
+        S_next = gamma_n[..., None] * S + jnp.einsum("BHCK,BHCV->BHKV", Kd_n, U_n)  # gamma_n (B, H, K or 1)
         return S_next, (S, U_n)
 
     S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)

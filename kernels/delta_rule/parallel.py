@@ -12,6 +12,8 @@ with G_i the cumulative log-decay from the start of the call and pairwise terms 
 document. Unlike linear attention's parallel form, O is not (Q K^T * M) V: the T x T triangular
 solve is intrinsic to the delta rule. Cost: T x T memory per head and O(T^2 (K + V)) work, no scan
 at all, so it suits short sequences on wide hardware.
+With a per-channel gate (g (B, T, H, K), Kimi Delta Attention) the decayed products are chunk.py's
+sub-chunked ones over the whole sequence: O(T (16 + T / 16) K) memory per head.
 """
 
 import jax.numpy as jnp
@@ -26,7 +28,7 @@ def delta_rule_parallel(
     k: Float[Array, "B T H K"],
     v: Float[Array, "B T H V"],
     beta: Float[Array, "B T H"],
-    g: Float[Array, "B T H"] | None = None,
+    g: Float[Array, "B T H"] | Float[Array, "B T H K"] | None = None,
     *,
     scale: float,
     segment_ids: Int[Array, "B T"] | None = None,
@@ -42,5 +44,5 @@ def delta_rule_parallel(
     S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     U = Ut - jnp.einsum("BHTK,BHKV->BHTV", W, S0)  # (B, H, T, V)
     o = jnp.einsum("BHTK,BHKV->BHTV", Qs, S0) + jnp.einsum("BHTS,BHSV->BHTV", P, U)
-    final = gamma[..., None, None] * S0 + jnp.einsum("BHTK,BHTV->BHKV", Kd, U)
+    final = gamma[..., None] * S0 + jnp.einsum("BHTK,BHTV->BHKV", Kd, U)
     return jnp.moveaxis(o, 1, 2).astype(q.dtype), final

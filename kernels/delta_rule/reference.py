@@ -11,6 +11,14 @@ i.e. the state first decays (alpha_t), then the value stored under key k_t, k_t^
 is moved a fraction beta_t of the way towards v_t. Code names: `g` = log alpha_t (g = None means
 alpha_t = 1, plain DeltaNet), `beta` = beta_t, `state` = S (B, H, K, V).
 
+Kimi Delta Attention (Kimi Team, 2025, "Kimi Linear: An Expressive, Efficient Attention
+Architecture", and fla's `fla/ops/kda/naive.py`) has a per-channel decay, g (B, T, H, K): each key
+row of the state decays at its own rate, first, then the delta update reads the decayed state:
+
+    S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T
+
+The scalar gate is the case alpha_t = a_t 1: both are "decay, then update" (a scalar commutes).
+
 Packed documents: at t >= 1 where segment_ids changes, S_{t-1} is replaced by zero before the update.
 """
 
@@ -26,17 +34,19 @@ def delta_rule_step(
     k: Float[Array, "B H K"],
     v: Float[Array, "B H V"],
     beta: Float[Array, "B H"],
-    g: Float[Array, "B H"] | None,
+    g: Float[Array, "B H"] | Float[Array, "B H K"] | None,
     state: Float[Array, "B H K V"],
     scale: float,
 ) -> tuple[Float[Array, "B H V"], Float[Array, "B H K V"]]:
-    """One token of the recurrence, in float32; used by the scan below and by decoding."""
+    """One token of the recurrence, in float32; used by the scan below and by decoding. g: (B, H) one
+    log-decay per head, (B, H, K) one per key channel, or None."""
     q, k, v, beta = (x.astype(jnp.float32) for x in (q, k, v, beta))
     state = state.astype(jnp.float32)
     if g is not None:
-        state = jnp.exp(g.astype(jnp.float32))[..., None, None] * state  # alpha_t S_{t-1}
+        alpha = jnp.exp(g.astype(jnp.float32))
+        state = (alpha[..., None] if g.ndim == k.ndim else alpha[..., None, None]) * state  # diag(alpha_t) S_{t-1}
     recalled = jnp.einsum("BHK,BHKV->BHV", k, state)  # k_t^T alpha_t S_{t-1}
-    # alpha (I - beta k k^T) S + beta k v^T  ==  alpha S + beta k (v - k^T alpha S)^T
+    # (I - beta k k^T) alpha S + beta k v^T  ==  alpha S + beta k (v - k^T alpha S)^T
     state = state + jnp.einsum("BHK,BHV->BHKV", k, beta[..., None] * (v - recalled))
     o = jnp.einsum("BHK,BHKV->BHV", q, state) * scale
     return o, state
@@ -47,7 +57,7 @@ def delta_rule_recurrent(
     k: Float[Array, "B T H K"],
     v: Float[Array, "B T H V"],
     beta: Float[Array, "B T H"],
-    g: Float[Array, "B T H"] | None = None,
+    g: Float[Array, "B T H"] | Float[Array, "B T H K"] | None = None,
     *,
     scale: float,
     segment_ids: Int[Array, "B T"] | None = None,

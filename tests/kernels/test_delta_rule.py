@@ -1,4 +1,5 @@
-"""The chunk and parallel delta rule (gated and plain) against the token-by-token reference."""
+"""The chunk and parallel delta rule (plain, gated per head, and gated per key channel as Kimi Delta
+Attention) against the token-by-token reference, and the reference against the paper's equations."""
 
 from functools import partial
 
@@ -19,16 +20,21 @@ def l2norm(x):
 
 
 def make_inputs(seed, B, T, H, K, V, gated):
+    """gated: False (no decay), True (one per head, (B, T, H)) or "channel" (one per key channel,
+    (B, T, H, K), with channel 0 forgetting at e^-40 a token: e^{-G} would overflow within a chunk)."""
     # numpy, not jax.random: threefry costs seconds of XLA compile per shape on a 2-core CPU
     r = np.random.default_rng(seed)
     sigmoid = lambda z: 1 / (1 + np.exp(-z))
+    if gated == "channel":
+        g = np.log(sigmoid(2 * r.standard_normal((B, T, H, K)) + 2))
+        g[..., 0] = -40.0
     x = dict(
         q=l2norm(r.standard_normal((B, T, H, K))),  # as the layers feed the op
         k=l2norm(r.standard_normal((B, T, H, K))),
         v=r.standard_normal((B, T, H, V)),
         beta=sigmoid(r.standard_normal((B, T, H))),
         # log-decays between about -6 and -0.01: strong forgetting is where exp() would overflow
-        g=np.log(sigmoid(2 * r.standard_normal((B, T, H)) + 2)) if gated else None,
+        g=g if gated == "channel" else np.log(sigmoid(2 * r.standard_normal((B, T, H)) + 2)) if gated else None,
         initial_state=r.standard_normal((B, H, K, V)),
     )
     return {a: None if x[a] is None else jnp.asarray(x[a], jnp.float32) for a in x}
@@ -61,6 +67,8 @@ CASES = [  # (seed, B, T, H, K, V, chunk, gated, segments)
     (0, 2, 63, 2, 16, 8, 16, True, True),
     (1, 1, 63, 2, 8, 16, 16, False, True),
     (2, 2, 1, 2, 8, 8, 16, True, False),
+    (3, 2, 63, 2, 16, 8, 32, "channel", True),  # C = 32: two sub-chunks of the decayed products
+    (4, 1, 1, 2, 8, 8, 16, "channel", False),
 ]
 
 
@@ -86,6 +94,32 @@ def test_modes_match_reference(seed, B, T, H, K, V, chunk, gated, segs):
         assert_close(o, o_ref, 1e-4, f"{mode} o")
         assert_close(S, S_ref, 1e-4, f"{mode} final state")
         assert_tree_close(grads, g_ref, 1e-4, f"{mode} grad")
+
+
+@pytest.mark.parametrize("gated", [False, True, "channel"])
+@pytest.mark.parametrize("T", [1, 7])
+def test_reference_matches_explicit_loop(T, gated):
+    """The reference against a plain float64 loop over the papers' equations (DeltaNet; Gated DeltaNet;
+    Kimi Delta Attention: S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,
+    o_t = scale S_t^T q_t), with a document start at t = 3, so that it cannot drift."""
+    K, V = 4, 3
+    x = make_inputs(6, 1, T, 1, K, V, gated)
+    seg = jnp.asarray((np.arange(T) >= 3)[None], jnp.int32)
+    o, S = jax.jit(partial(delta_rule_recurrent, scale=0.5))(x["q"], x["k"], x["v"], x["beta"], x["g"],
+                                                              segment_ids=seg, initial_state=x["initial_state"])
+    q, k, v, beta = (np.asarray(x[a], np.float64)[0, :, 0] for a in ("q", "k", "v", "beta"))
+    alpha = np.ones((T, K)) if x["g"] is None else np.exp(np.asarray(x["g"], np.float64)[0, :, 0])
+    alpha = alpha[:, None] if alpha.ndim == 1 else alpha  # (T, 1) per head or (T, K) per channel
+    state = np.asarray(x["initial_state"], np.float64)[0, 0]
+    outs = []
+    for t in range(T):
+        if t == 3:  # document start: the state resets
+            state = np.zeros_like(state)
+        decayed = np.diag(np.broadcast_to(alpha[t], (K,))) @ state
+        state = (np.eye(K) - beta[t] * np.outer(k[t], k[t])) @ decayed + beta[t] * np.outer(k[t], v[t])
+        outs.append(0.5 * state.T @ q[t])
+    assert_close(np.asarray(o)[0, :, 0], np.stack(outs), 1e-5, "o")
+    assert_close(np.asarray(S)[0, 0], state, 1e-5, "S")
 
 
 def test_reset_is_not_a_continuation():
@@ -136,3 +170,6 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="chunk_size"):
         jax.eval_shape(partial(delta_rule, chunk_size=0), *args)
     assert jax.eval_shape(delta_rule, *args)[1] is None
+    per_channel = jnp.zeros(x["q"].shape, jnp.float32)
+    with pytest.raises(ValueError, match="per-channel gate"):
+        jax.eval_shape(partial(delta_rule, impl="pallas"), *args, per_channel)

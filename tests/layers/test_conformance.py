@@ -36,6 +36,9 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
                    "gate_lora_dim": 4}),
     "deltanet": (16, {"num_heads": 2}),
     "gated_deltanet": (16, {"num_heads": 2, "head_dim": 4}),
+    "kda": (16, {"num_heads": 2, "head_dim": 4, "expand_v": 2.0, "allow_neg_eigval": True}),
+    "gated_deltaproduct": (16, {"num_heads": 2, "head_dim": 4, "num_householder": 3}),
+    "hgrn2": (16, {"num_heads": 2, "expand_ratio": 4, "conv_size": 4}),
     "rwkv6_channel_mix": (32, {"hidden_dim": 64}),
     "rwkv7_channel_mix": (32, {"hidden_dim": 64}),
 }

@@ -1,13 +1,13 @@
-"""DeltaNet and Gated DeltaNet: what is specific to them (the protocol of both runs in
-test_conformance.py): DeltaNet without a short convolution, with the output gate, beta = 1 and
-sum-normalised q, k; constructor errors."""
+"""The delta-rule layers: what is specific to them (the protocol of each runs in test_conformance.py):
+DeltaNet without a short convolution, with the output gate, beta = 1 and sum-normalised q, k; Gated
+DeltaProduct without its gate, conv and output gate; constructor errors."""
 
 import jax
 import pytest
 from flax import nnx
 
 from kernels import MODES
-from layers.deltanet import DeltaNet, GatedDeltaNet
+from layers.deltanet import DeltaNet, GatedDeltaNet, GatedDeltaProduct, KimiDeltaAttention
 from tests.layers.conformance import B, check_mixer
 
 D = 16
@@ -21,6 +21,12 @@ def test_deltanet_variant():
     assert state.conv_q is None and state.recurrent.shape == (B, 2, 8, 8)
 
 
+def test_deltaproduct_variant():
+    make = lambda **kw: GatedDeltaProduct(D, num_heads=2, num_householder=2, conv_size=0, use_forget_gate=False,
+                                          use_output_gate=False, chunk_size=8, rngs=nnx.Rngs(0), **kw)
+    check_mixer(make, D, MODES)
+
+
 def test_bad_shapes():
     with pytest.raises(ValueError, match="num_heads=3 does not divide d_model=16"):
         DeltaNet(16, num_heads=3, rngs=nnx.Rngs(0))
@@ -30,3 +36,7 @@ def test_bad_shapes():
         GatedDeltaNet(16, mode="fused_recurrent", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="qk_norm"):
         DeltaNet(16, qk_norm="l1", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_householder=0"):
+        GatedDeltaProduct(16, num_householder=0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="per head, not per key channel"):
+        KimiDeltaAttention(16, impl="pallas", rngs=nnx.Rngs(0))
