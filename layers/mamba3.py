@@ -30,9 +30,9 @@ pair 2n with 2n + 1: a fixed permutation of B's and C's channels, so the same fa
 official checkpoints would need their B, C columns, norm weights and biases permuted; the state
 keeps x_{t-1} and B̄_{t-1} in float32 (the official in the model's dtype); the linear layers use
 Flax's lecun-normal init instead of PyTorch's U(±1/sqrt(fan_in)). The training path's forms come from
-the op (kernels/mamba3: a token-by-token scan, or the recurrence rewritten exactly onto GLA's chunk,
-parallel or Pallas forms); `decode` runs the op's single-token step (`mamba3_step`) for T = 1 and
-steps=True, the chunk form for T > 1.
+the op (kernels/mamba3: a token-by-token scan, or the recurrence rewritten exactly as linear attention
+with a scalar decay, in SSD's chunked or quadratic form or on GLA's Pallas kernels); `decode` runs the
+op's single-token step (`mamba3_step`) for T = 1 and steps=True, the chunk form for T > 1.
 """
 
 import math

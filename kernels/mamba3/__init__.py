@@ -11,12 +11,13 @@ angle rates (zero for the channels left unrotated), D (H,); the carried state is
 
 Forms, all exact and computing the same function and final state:
 - "recurrent": token-by-token lax.scan (reference.py, the truth);
-- "chunk", "parallel": the recurrence rewritten exactly as gated linear attention (trapezoid.py) on
-  GLA's chunked or quadratic XLA form.
+- "chunk", "parallel": the recurrence rewritten exactly as linear attention with a scalar decay per
+  head and token (trapezoid.py), in its chunked SSD form (chunk.py) or its quadratic form (parallel.py).
 
-Mamba-2's SSD op (kernels/ssd) is not reused: its decay exp(Δ A) and its input weight Δ come from one
+Mamba-2's SSD op (kernels/ssd) is not called: its decay exp(Δ A) and its input weight Δ come from one
 Δ and one A per head, while here A_t varies per token and the input weight is the trapezoid's γ + ν
-(trapezoid.py); writing one through the other would divide by Δ A. GLA decouples the two.
+(trapezoid.py); writing one through the other would divide by Δ A, which is as small as Δ A_floor.
+chunk.py and parallel.py are SSD's two forms with the decay and the input given apart.
 
 impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan whatever the mode;
 "pallas" the rewrite on GLA's Pallas kernels in their scalar-gate mode (Triton on GPU, Mosaic on

@@ -67,7 +67,7 @@ def weights(seed, inputs, carry):
 
 CASES = [  # (B, T, H, P, N, chunk_size, segment rows or None)
     (2, 37, 2, 4, 8, 16, [[0] * 16 + [1] * 5 + [2] * 16, [3] + [4] * 36]),  # starts at a chunk edge, at t = 1
-    (1, 40, 1, 3, 4, 32, [[0] * 21 + [1] * 19]),  # two GLA sub-chunks per chunk
+    (1, 40, 1, 3, 4, 32, [[0] * 21 + [1] * 19]),  # a ragged second chunk
     (1, 1, 2, 2, 4, 16, None),
 ]
 
