@@ -26,6 +26,7 @@ KINDS = {
     "mha": {"kind": "attention", "num_heads": 8},
     "gqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 2},
     "mqa": {"kind": "attention", "num_heads": 8, "num_kv_heads": 1},
+    "fox": {"kind": "fox", "num_heads": 8},
     # DeepSeek-V2's proportions (head_dim 128, kv_lora_rank 512 = 4 x 128, rope_dim 64 = 128 / 2) at head_dim 32
     "mla": {"kind": "mla", "num_heads": 8, "kv_lora_rank": 128, "rope_dim": 16},
     "moba": {"kind": "moba", "num_heads": 8, "block_size": 64, "top_k": 3},
@@ -42,6 +43,8 @@ KINDS = {
     "mamba3": {"kind": "mamba3", "head_dim": 64, "state_size": 64},  # mamba2's state size (its default)
     "rwkv6": {"kind": "rwkv6", "head_dim": 64},
     "rwkv7": {"kind": "rwkv7", "head_dim": 64},
+    "s4d": {"kind": "s4d", "state_size": 64},
+    "hyena": {"kind": "hyena"},
 }
 STEPS = 32
 CACHES = {KVCache: ("k", "v"), LatentCache: ("kv",)}  # a cache's per-token arrays: kv_cache_MiB

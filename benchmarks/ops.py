@@ -2,12 +2,14 @@
 
     python -m benchmarks.ops [--ops gla mamba ...] [--lengths 512 1024 2048 4096 8192]
 
-B=1, H=4, head dim 64 (Mamba: Dm=256, N=16; SSD and Mamba-3: P=64, N=64), float32, jitted; each figure is the
+B=1, H=4, head dim 64 (Mamba: Dm=256, N=16; SSD and Mamba-3: P=64, N=64; S4D: Dm=256, N=32 complex modes, the
+paper's state size 64; long_conv, Hyena's long convolution: D=256), float32, jitted; each figure is the
 minimum of 5 runs after a compile, the runs of all of an op's forms and lengths interleaved. fwd+bwd
-is the gradient of sum(o) with respect to every floating input. A quadratic ("parallel") form is
-skipped where its (T, T) intermediates would not fit in memory ("-"). The ratio columns divide by the
-chunk form's time in the same run; chunk_fwdbwd_vs_T/2 is the chunk form's growth from the previous
-(half) length, 2.0 when linear.
+is the gradient of sum(o) with respect to every floating input. A quadratic form ("parallel", or
+long_conv's "masked", the dense Toeplitz it runs for packed documents) is skipped where its (T, T)
+intermediates would not fit in memory ("-"). The ratio columns divide by the op's last form (chunk,
+or fft for s4d and long_conv) in the same run; chunk_fwdbwd_vs_T/2 (fft_...) is that form's growth from
+the previous (half) length, 2.0 when linear.
 """
 
 import argparse
@@ -19,8 +21,10 @@ from benchmarks.common import print_table, save_json, timeit
 from kernels.delta_rule import delta_rule
 from kernels.gla import gla
 from kernels.linear_attention import linear_attention
+from kernels.long_conv import long_conv
 from kernels.mamba3 import mamba3
 from kernels.retention import retention
+from kernels.s4d import s4d
 from kernels.selective_scan import selective_scan
 from kernels.ssd import ssd
 from kernels.wkv6 import wkv6
@@ -73,7 +77,23 @@ def _inputs(op, T):
         return (_n(ks[0], B, T, H, K), jax.nn.softplus(_n(ks[1], B, T, H) - 3), -jnp.exp(_n(ks[2], B, T, H, scale=0.5)),
                 jax.nn.sigmoid(_n(ks[3], B, T, H)), _n(ks[4], B, T, H, 64), _n(ks[5], B, T, H, 64),
                 jnp.pi * jnp.tanh(_n(ks[6], B, T, H, 32)), jnp.ones((H,)))
+    if op == "s4d":
+        Dm, N = H * K, 32
+        ks = jax.random.split(sub, 3)
+        A_imag = jnp.pi * jnp.broadcast_to(jnp.arange(N, dtype=jnp.float32), (Dm, N))  # S4D-Lin
+        A = jax.lax.complex(jnp.full((Dm, N), -0.5), A_imag)
+        C = jax.lax.complex(_n(ks[1], Dm, N), _n(ks[2], Dm, N)) * 0.5 ** 0.5
+        dt = jnp.exp(jax.random.uniform(ks[0], (Dm,), jnp.float32, jnp.log(1e-3), jnp.log(1e-1)))
+        return (_n(key, B, T, Dm), A, dt, C, jnp.ones((Dm,)))
+    if op == "long_conv":
+        t = jnp.arange(T, dtype=jnp.float32)[:, None]
+        return (_n(key, B, T, H * K), _n(sub, T, H * K) * jnp.exp(-t / T * jnp.linspace(1, 10, H * K)))
     raise KeyError(op)
+
+
+def _long_conv(u, k, *, mode):
+    """long_conv under the benchmark's (o, state) = fn(..., mode=form): "masked" is its dense form."""
+    return long_conv(u, k, impl="reference" if mode == "masked" else "xla"), None
 
 
 OPS = {  # name -> (function, forms, longest T for the quadratic form)
@@ -87,7 +107,10 @@ OPS = {  # name -> (function, forms, longest T for the quadratic form)
     "mamba": (selective_scan, ("recurrent", "parallel", "chunk"), 1 << 30),
     "mamba2": (ssd, ("recurrent", "parallel", "chunk"), 1024),
     "mamba3": (mamba3, ("recurrent", "parallel", "chunk"), 1024),
+    "s4d": (s4d, ("recurrent", "fft"), 0),
+    "long_conv": (_long_conv, ("masked", "fft"), 1024),
 }
+QUADRATIC = ("parallel", "masked")
 
 
 def _jitted(fn, args, mode):
@@ -113,7 +136,7 @@ def measure(op: str, lengths: list[int], repeats: int = 5) -> list[dict]:
     shared machine other work only ever adds time, and interleaving exposes every form to it alike."""
     fn, forms, max_parallel = OPS[op]
     cases = {(T, form): _jitted(fn, _inputs(op, T), form)
-             for T in lengths for form in forms if form != "parallel" or T <= max_parallel}
+             for T in lengths for form in forms if form not in QUADRATIC or T <= max_parallel}
     best = {key: [float("inf")] * 2 for key in cases}
     for _ in range(repeats):
         for key, (f, fb, xs) in cases.items():
@@ -125,11 +148,12 @@ def measure(op: str, lengths: list[int], repeats: int = 5) -> list[dict]:
         for form in forms:
             f, fb = best.get((T, form), ("-", "-"))
             row[f"{form}_fwd_ms"], row[f"{form}_fwdbwd_ms"] = [x if x == "-" else round(1e3 * x, 2) for x in (f, fb)]
-        for form in forms:
-            if form != "chunk" and row[f"{form}_fwdbwd_ms"] != "-":
-                row[f"{form}/chunk_fwdbwd"] = round(row[f"{form}_fwdbwd_ms"] / row["chunk_fwdbwd_ms"], 2)
+        base = forms[-1]  # chunk, or fft
+        for form in forms[:-1]:
+            if row[f"{form}_fwdbwd_ms"] != "-":
+                row[f"{form}/{base}_fwdbwd"] = round(row[f"{form}_fwdbwd_ms"] / row[f"{base}_fwdbwd_ms"], 2)
         if rows and 2 * rows[-1]["T"] == T:  # linear in T would be 2.0
-            row["chunk_fwdbwd_vs_T/2"] = round(row["chunk_fwdbwd_ms"] / rows[-1]["chunk_fwdbwd_ms"], 2)
+            row[f"{base}_fwdbwd_vs_T/2"] = round(row[f"{base}_fwdbwd_ms"] / rows[-1][f"{base}_fwdbwd_ms"], 2)
         rows.append(row)
         print(row, flush=True)
     return rows

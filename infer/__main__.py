@@ -25,6 +25,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="a Hugging Face folder's parameter and compute dtype (default: %(default)s)")
     p.add_argument("overrides", nargs="*", help="config overrides (dotted.key=value), only with a YAML config")
+    p.add_argument("--config", default=None, help="a run folder's model built from this YAML config instead of its "
+                   "own, with the same parameters (per-head attention masks from python -m train.calibrate)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to generate per prompt (default: %(default)s)")
@@ -54,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load(source: str, overrides, dtype: str):
+def load(source: str, overrides, dtype: str, config=None):
     """(model, tokenizer or None) from a Hugging Face folder, a run folder or a YAML config (random weights)."""
     from flax import nnx
 
@@ -67,8 +69,8 @@ def load(source: str, overrides, dtype: str):
         print(f"# {source}: Hugging Face {zoo.hf.read_config(source)['architectures'][0]}", file=sys.stderr)
         return zoo.hf.load(source, dtype=dtype)
     if Path(source).is_dir():
-        _, model, step = load_model(source)
-        print(f"# {source}, checkpoint step {step}", file=sys.stderr)
+        _, model, step = load_model(source, config=config)
+        print(f"# {source}, checkpoint step {step}" + (f", config {config}" if config else ""), file=sys.stderr)
         return model, None
     cfg = zoo.load_config(source, overrides)
     print(f"# {source}: random weights", file=sys.stderr)
@@ -84,7 +86,9 @@ def main(argv=None):
         if Path(args.source).is_dir() and args.overrides:
             raise ValueError(f"overrides {' '.join(args.overrides)}: a run folder is loaded with the config it was "
                              "trained with; overrides apply to a YAML config (random weights)")
-        model, tokenizer = load(args.source, args.overrides, args.dtype)
+        if args.config and not Path(args.source).is_dir():
+            raise ValueError(f"--config {args.config}: builds a run folder's model; {args.source} is not one")
+        model, tokenizer = load(args.source, args.overrides, args.dtype, args.config)
         draft = load(args.draft, [], args.dtype)[0] if args.draft else None
         tree = tuple(int(w) for w in args.tree.split(",")) if args.tree else None
         prompts = args.prompt or ["\n"]

@@ -20,9 +20,12 @@ tests/layers/conformance.py checks all of this for every registered kind.
 """
 
 from layers.attention import Attention, HeadMask, KVCache
+from layers.base_conv import BaseConv, BaseConvState
 from layers.conv import ShortConvolution
 from layers.deltanet import DeltaNet, DeltaNetState, GatedDeltaNet
+from layers.fox import ForgettingAttention, FoXCache
 from layers.gla import GatedLinearAttention, GLAState
+from layers.hyena import Hyena, HyenaState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
@@ -37,3 +40,4 @@ from layers.retnet import MultiScaleRetention, RetentionState
 from layers.rotary import apply_rotary
 from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
 from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix
+from layers.s4d import S4D, S4DState

@@ -32,6 +32,16 @@ resets. Feature maps phi (F is the feature dim the op sees):
   initialised to the identity (W = I, b = 0). Departure: the paper's code applies a softmax to each
   half separately; we follow flash-linear-attention's single softmax over both halves (without its
   factor 2 on z).
+- "taylor": Based (Arora et al., 2024, "Simple linear attention language models balance the
+  recall-throughput tradeoff"): the second-order Taylor expansion of exp, phi(x) = [1, x', x' ⊗ x' / sqrt(2)]
+  with x' = x d^-1/4 (d = qk_dim, as the official TaylorExp: its x / d^1/4 and (x ⊗ x) / (sqrt(2) sqrt(d))),
+  so phi(q) . phi(k) = 1 + s + s^2 / 2 with s = q . k / sqrt(d). Departure (exact): only the
+  symmetric half of x' ⊗ x' is kept, the diagonal x'_i^2 / sqrt(2) and x'_i x'_j for i < j, which
+  gives the same dot products with F = 1 + d + d (d + 1) / 2 instead of 1 + d + d^2 (153 for
+  Based's d = 16, not 273). 1 + s + s^2 / 2 > 0, so the normaliser is never zero.
+
+`qk_dim` is the per-head width of the query and key projections the feature map reads (None = the
+head dim K): Based projects them to a small feature_dim (16) and keeps values at K.
 
 The query scale is 1: with the normaliser it cancels. `impl` picks the op's implementation ("auto",
 "reference", "xla" or "pallas", see kernels/linear_attention) on every path: the training call, a
@@ -46,6 +56,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -57,7 +68,7 @@ from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import check_steps, rollback, state, stepwise
 
-FEATURE_MAPS = ("identity", "elu", "relu", "performer", "cosformer", "hedgehog")
+FEATURE_MAPS = ("identity", "elu", "relu", "performer", "cosformer", "hedgehog", "taylor")
 
 
 @state
@@ -87,13 +98,13 @@ def orthogonal_random_features(key: jax.Array, num_features: int, dim: int) -> F
 class LinearAttention(nnx.Module):
     """Args: num_heads (divides d_model; head dim K = d_model / num_heads), feature_map (one of
     FEATURE_MAPS), normalize (divide by phi(q) z + eps), num_features (performer's m; None = K),
-    cosformer_max_len (cosformer's M), eps, mode ("recurrent" | "chunk" | "parallel"), chunk_size,
-    impl ("auto" | "reference" | "xla" | "pallas", the op's implementation), dtype (compute dtype;
-    parameters stay float32)."""
+    qk_dim (per-head width of q and k; None = K), cosformer_max_len (cosformer's M), eps, mode
+    ("recurrent" | "chunk" | "parallel"), chunk_size, impl ("auto" | "reference" | "xla" | "pallas", the
+    op's implementation), dtype (compute dtype; parameters stay float32)."""
 
     def __init__(self, d_model: int, *, num_heads: int = 4, feature_map: str = "elu", normalize: bool = True,
-                 num_features: int | None = None, cosformer_max_len: int = 2048, eps: float = 1e-6,
-                 mode: str = "chunk", chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32,
+                 num_features: int | None = None, qk_dim: int | None = None, cosformer_max_len: int = 2048,
+                 eps: float = 1e-6, mode: str = "chunk", chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32,
                  rngs: nnx.Rngs):
         if d_model % num_heads:
             raise ValueError(f"num_heads={num_heads} does not divide d_model={d_model}")
@@ -104,18 +115,20 @@ class LinearAttention(nnx.Module):
         check_mode(mode, chunk_size, "LinearAttention")
         if num_features is not None and num_features < 1:
             raise ValueError(f"num_features={num_features} must be >= 1")
+        if qk_dim is not None and qk_dim < 1:
+            raise ValueError(f"qk_dim={qk_dim} must be >= 1")
         if cosformer_max_len < 1:
             raise ValueError(f"cosformer_max_len={cosformer_max_len} must be >= 1")
         check_impl(impl, "LinearAttention")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
         self.feature_map, self.normalize, self.eps = feature_map, normalize, eps
         self.cosformer_max_len, self.mode, self.chunk_size, self.dtype = cosformer_max_len, mode, chunk_size, dtype
-        self.impl = impl
-        linear = lambda names: Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs,
-                                          kernel_metadata=axes(*names))
-        self.q_proj, self.k_proj, self.v_proj = linear(COLUMNS), linear(COLUMNS), linear(COLUMNS)
-        self.o_proj = linear(ROWS)
-        K, H = self.head_dim, num_heads
+        self.impl, self.qk_dim = impl, qk_dim or self.head_dim
+        K, H = self.qk_dim, num_heads  # K: the width phi reads
+        linear = lambda n_in, n_out, names: Linear(n_in, n_out, use_bias=False, dtype=dtype, rngs=rngs,
+                                                   kernel_metadata=axes(*names))
+        self.q_proj, self.k_proj = linear(d_model, H * K, COLUMNS), linear(d_model, H * K, COLUMNS)
+        self.v_proj, self.o_proj = linear(d_model, d_model, COLUMNS), linear(d_model, d_model, ROWS)
         self.num_features = num_features or K
         if feature_map == "performer":
             self.features = RandomFeatures(orthogonal_random_features(rngs.params(), self.num_features, K))
@@ -127,14 +140,15 @@ class LinearAttention(nnx.Module):
 
     @property
     def feature_dim(self) -> int:
-        return {"performer": self.num_features, "cosformer": 2 * self.head_dim,
-                "hedgehog": 2 * self.head_dim}.get(self.feature_map, self.head_dim)
+        d = self.qk_dim
+        return {"performer": self.num_features, "cosformer": 2 * d, "hedgehog": 2 * d,
+                "taylor": 1 + d + d * (d + 1) // 2}.get(self.feature_map, d)
 
     def redraw_features(self, key: jax.Array) -> None:
         """Performer only: draw a new random projection (between training steps; see the module doc)."""
         if self.feature_map != "performer":
             raise ValueError(f"redraw_features needs feature_map='performer', not {self.feature_map!r}")
-        self.features[...] = orthogonal_random_features(key, self.num_features, self.head_dim)
+        self.features[...] = orthogonal_random_features(key, self.num_features, self.qk_dim)
 
     def _phi(self, x: Float[Array, "B T H K"], pos: Int[Array, "B T"], is_query: bool) -> Float[Array, "B T H F"]:
         x = x.astype(jnp.float32)
@@ -145,7 +159,7 @@ class LinearAttention(nnx.Module):
         if self.feature_map == "relu":
             return jax.nn.relu(x)
         if self.feature_map == "performer":
-            x = x * self.head_dim ** -0.25
+            x = x * self.qk_dim ** -0.25
             logits = jnp.einsum("bthk,mk->bthm", x, self.features[...]) - 0.5 * jnp.sum(x * x, -1, keepdims=True)
             if is_query and self.normalize:  # cancels between numerator and denominator
                 logits = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
@@ -154,6 +168,11 @@ class LinearAttention(nnx.Module):
             angle = (math.pi / (2 * self.cosformer_max_len)) * pos.astype(jnp.float32)[:, :, None, None]
             r = jax.nn.relu(x)
             return jnp.concatenate([r * jnp.cos(angle), r * jnp.sin(angle)], axis=-1)
+        if self.feature_map == "taylor":
+            x = x * self.qk_dim ** -0.25
+            i, j = np.triu_indices(self.qk_dim)  # the symmetric half of x ⊗ x, diagonal included
+            x2 = x[..., i] * x[..., j] * np.where(i == j, 2 ** -0.5, 1.0).astype(np.float32)
+            return jnp.concatenate([jnp.ones_like(x[..., :1]), x, x2], axis=-1)
         w, b = (self.hedgehog_q, self.hedgehog_q_bias) if is_query else (self.hedgehog_k, self.hedgehog_k_bias)
         z = jnp.einsum("bthk,hkf->bthf", x, w[...]) + b[...]
         return jax.nn.softmax(jnp.concatenate([z, -z], axis=-1), axis=-1)
@@ -182,7 +201,8 @@ class LinearAttention(nnx.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         x = x.astype(self.dtype)
-        q, k, v = (p(x).reshape(B, T, H, K) for p in (self.q_proj, self.k_proj, self.v_proj))  # (B, T, H, K)
+        q, k = (p(x).reshape(B, T, H, self.qk_dim) for p in (self.q_proj, self.k_proj))  # (B, T, H, qk_dim)
+        v = self.v_proj(x).reshape(B, T, H, K)  # (B, T, H, K)
         pos = positions_in_document(segment_ids, B, T, start=state.pos)  # (B, T)
         phi_q, phi_k = (self._phi(a, pos, is_query).astype(self.dtype) for a, is_query in ((q, True), (k, False)))
         if self.normalize:

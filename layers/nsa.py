@@ -124,9 +124,9 @@ class NativeSparseAttention(BlockSparse):
         chosen = jnp.repeat(jnp.where(chosen == cur[:, None, None, None], -1, chosen), H // G, axis=2)  # (B, 1, H, n)
         o_slc = attend_blocks(q, cache.k, cache.v, i[:, None], start[:, None], chosen, ls, scale, own=(k, v))
         # Sliding window: the w - 1 slots before the token (of its document) and the token itself.
-        in_doc = (jnp.arange(w - 1)[None] >= w - 1 - p[:, None])[:, None]  # (B, 1, w-1)
+        in_doc = (jnp.arange(w - 1)[None] >= w - 1 - p[:, None])[:, None, None]  # (B, 1, 1, w-1): (B, H, T, S)
         parts = [(take(cache.k, before(w)), take(cache.v, before(w)), in_doc),
-                 (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.ones((1, 1, 1), bool))]
+                 (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.ones((1, 1, 1, 1), bool))]
         o_win = attention_dense_parts(q, parts, scale)
         o_cmp = jnp.moveaxis(o_cmp, 3, 1).reshape(B, 1, H, -1)  # (B, 1, H, V)
         o = sum(gates[..., c:c + 1] * a.astype(jnp.float32) for c, a in enumerate((o_cmp, o_slc, o_win)))

@@ -30,7 +30,7 @@ import yaml
 from flax import nnx
 from jax.sharding import Mesh
 
-from zoo.config import from_dict
+from zoo.config import from_dict, load_config
 from zoo.model import LanguageModel
 from zoo.sharding import init_on_mesh
 
@@ -163,11 +163,13 @@ def prune(mngr: ocp.CheckpointManager, keep: int):
     mngr.reload()
 
 
-def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None):
+def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, config=None):
     """(config, model with the latest (or given) checkpoint's parameters, step) from a run folder.
     On a `mesh` each parameter is read straight into its shards there (by the logical axes its layer
     names, zoo/sharding.py), whichever mesh wrote the checkpoint; without one, onto the default
-    device. The config is the one saved with the checkpoint (config.yaml for older runs)."""
+    device. The config is the one saved with the checkpoint (config.yaml for older runs), or `config`
+    (a YAML path), a model with the same parameters built otherwise: per-head attention masks from
+    train/calibrate.py; a config whose parameters differ is refused, naming the first difference."""
     run_dir = Path(run_dir)
     mngr = manager(run_dir / "checkpoints", create=False)
     if not (run_dir / "checkpoints").is_dir() or not mngr.all_steps():
@@ -179,6 +181,8 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None):
         except (OSError, yaml.YAMLError) as e:
             raise ValueError(f"{run_dir}: no readable config (checkpoints without one, config.yaml: {e})") from None
     cfg = from_dict(saved)
+    if config is not None:
+        cfg = _same_parameters(cfg, load_config(config), config)
     build = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))
     if mesh is None:
         graphdef, params, rest = nnx.split(build(), nnx.Param, ...)
@@ -197,3 +201,15 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None):
     if "rest" in targets:
         nnx.replace_by_pure_dict(rest, restored["rest"])
     return cfg, nnx.merge(graphdef, params, rest), step
+
+
+def _same_parameters(saved, cfg, where):
+    """cfg, after checking that its model has the parameter names and shapes of the saved config's."""
+    shapes = lambda c: {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(
+        nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: LanguageModel(c.model, rngs=nnx.Rngs(0))), nnx.Param)))}
+    a, b = shapes(saved), shapes(cfg)
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            raise ValueError(f"{where}: parameter {name} is {b.get(name)} there and {a.get(name)} in the checkpoint; "
+                             "the config must build the saved parameters")
+    return cfg

@@ -92,6 +92,42 @@ class AttentionConfig(Mixer):
         super().check(d_model, path)
 
 
+@mixer(layers.ForgettingAttention)
+@dataclass(frozen=True)
+class FoXConfig(Mixer):
+    """Forgetting attention (FoX, Lin et al. 2025): softmax attention whose logits get c_i - c_j, c the
+    cumulative log of a per-head forget gate sigmoid(x . w_f + b_f); num_kv_heads below num_heads is
+    GQA; rope_base: null = no positional encoding (FoX's default); qk_norm, output_norm, output_gate:
+    the Pro block's per-head RMSNorms of q and k and of the output, and sigmoid output gate."""
+    KIND: ClassVar[str] = "fox"
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    rope_base: PosFloat | None = None
+    qk_norm: bool = False
+    output_norm: bool = False
+    output_gate: bool = False
+    norm_eps: PosFloat = 1e-6
+
+    def check(self, d_model: int, path: str):
+        if d_model % self.num_heads and self.head_dim is None:
+            raise ValueError(f"{path}.num_heads: {self.num_heads} does not divide model.d_model={d_model}")
+        kv = self.num_kv_heads
+        if kv is not None and self.num_heads % kv:
+            raise ValueError(f"{path}.num_kv_heads: {kv} does not divide {path}.num_heads={self.num_heads}")
+        super().check(d_model, path)
+
+
+@mixer(layers.BaseConv)
+@dataclass(frozen=True)
+class BaseConvConfig(Kind):
+    """Based's gated short convolution (Arora et al. 2024): y = (silu(conv(u)) * g) W_out with [u, g] =
+    x W_in, u and g expand * d_model / 2 wide, a causal depthwise conv of kernel_size taps."""
+    KIND: ClassVar[str] = "base_conv"
+    expand: PosInt = 4
+    kernel_size: PosInt = 3
+
+
 @mixer(layers.MultiHeadLatentAttention)
 @dataclass(frozen=True)
 class MLAConfig(Mixer):
@@ -167,13 +203,15 @@ class NSAConfig(Mixer):
 @dataclass(frozen=True)
 class LinearAttentionConfig(Chunked):
     """Linear attention (Katharopoulos et al. 2020) with a feature map: identity, elu (elu+1), relu,
-    performer (FAVOR+), cosformer (relu + cos re-weighting), hedgehog (learned); normalize adds the
-    denominator q . sum(k)."""
+    performer (FAVOR+), cosformer (relu + cos re-weighting), hedgehog (learned), taylor (Based's
+    second-order Taylor expansion of exp); normalize adds the denominator q . sum(k); qk_dim: the
+    per-head width of q and k the feature map reads (null = d_model / num_heads; Based uses 16)."""
     KIND: ClassVar[str] = "linear_attention"
     num_heads: PosInt = 4
-    feature_map: Literal["identity", "elu", "relu", "performer", "cosformer", "hedgehog"] = "elu"
+    feature_map: Literal["identity", "elu", "relu", "performer", "cosformer", "hedgehog", "taylor"] = "elu"
     normalize: bool = True
     num_features: PosInt | None = None
+    qk_dim: PosInt | None = None
     cosformer_max_len: PosInt = 2048
     eps: PosFloat = 1e-6
 
@@ -258,6 +296,43 @@ class Mamba3Config(Chunked):
     dt_init_floor: PosFloat = 1e-4
     A_floor: PosFloat = 1e-4
     norm_eps: PosFloat = 1e-5
+
+
+@mixer(layers.S4D)
+@dataclass(frozen=True)
+class S4DConfig(Mixer):
+    """S4D (Gu, Gupta, Goel & Ré 2022): a diagonal linear time-invariant SSM per channel, state_size N
+    (N/2 complex conjugate pairs), init lin (S4D-Lin, A_n = -1/2 + i π n) or inv (S4D-Inv), log Δ
+    uniform in [dt_min, dt_max], GELU, then output glu (linear to 2 d_model and a GLU) or linear; mode
+    fft (the SSM's kernel applied by FFT, O(T log T)) or recurrent; decode is the recurrence."""
+    KIND: ClassVar[str] = "s4d"
+    state_size: PosInt = 64
+    init: Literal["lin", "inv"] = "lin"
+    dt_min: PosFloat = 0.001
+    dt_max: PosFloat = 0.1
+    output: Literal["glu", "linear"] = "glu"
+    mode: Literal["recurrent", "fft"] = "fft"
+
+
+@mixer(layers.Hyena)
+@dataclass(frozen=True)
+class HyenaConfig(Mixer):
+    """Hyena (Poli et al. 2023): order N long convolutions with implicit filters, each gated by a projection,
+    z = x_n * (h_n conv z + b_n z), after a short convolution (short_conv_size) of the N + 1 projections;
+    filter h_n(t) = exp window (decay_fast, decay_slow, decay_target) times an FFN (filter_order wide, sine
+    activations of frequency filter_sine_freq, filter_inner_layers hidden layers) of positional features
+    (filter_emb_dim, odd) with positions normalised by model.max_seq_len; training by FFT; decoding
+    caches each long convolution's inputs (grows with the context, O(context) per token)."""
+    KIND: ClassVar[str] = "hyena"
+    order: PosInt = 2
+    filter_order: PosInt = 64
+    filter_emb_dim: PosInt = 33
+    filter_sine_freq: PosFloat = 14.0
+    filter_inner_layers: NonNegInt = 2
+    short_conv_size: PosInt = 3
+    decay_fast: PosFloat = 0.3
+    decay_slow: PosFloat = 1.5
+    decay_target: PosFloat = 1e-2
 
 
 @mixer(layers.RWKV6TimeMix)

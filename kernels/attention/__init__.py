@@ -8,6 +8,9 @@
 - "auto": the Pallas kernels on GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the
   call (not decode-sized calls of T <= 16 queries), the XLA forms elsewhere.
 
+A `decay` (a logit bias decay_i - kv_decay_j per head, reference.py; Forgetting attention's cumulative
+log forget gate) runs the XLA forms whatever `impl` but "reference": no Pallas kernel takes it yet.
+
 The Pallas kernels express causality, segments and one sliding window for every head; a call with
 sinks, dilation, growth or per-head windows runs the XLA forms whatever `impl` says ("pallas"
 included): never a wrong result.
@@ -20,7 +23,7 @@ from jax import lax
 from kernels import check_impl, pallas_platform, use_pallas
 from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention, supports
 from kernels.attention.pallas_tpu import flash_attention_tpu
-from kernels.attention.reference import attention_reference, visible
+from kernels.attention.reference import attention_reference, decay_bias, heads_first_decay, visible
 from kernels.attention.xla import DENSE_MAX, attention_dense_parts, attention_xla
 
 __all__ = ["attention", "attention_cached", "attention_reference", "attention_xla", "flash_attention",
@@ -29,7 +32,7 @@ __all__ = ["attention", "attention_cached", "attention_reference", "attention_xl
 
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,
               causal=True, window=None, scale=None, impl="auto", kv_heads_first=False, sinks=None, dilation=None,
-              growth=None, q_doc_positions=None):
+              growth=None, q_doc_positions=None, decay=None, kv_decay=None):
     """q (B, T, H, K), k/v (B, S, G, K|V) with G dividing H -> o (B, T, H, V). See reference.py.
     With kv_heads_first, k/v are (B, G, S, K|V), a KV cache's layout (the XLA forms read it as is).
 
@@ -40,7 +43,8 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
     head (H,), static or traced (reference.py). Sinks and growth count from the queries' positions in
     their documents, q_doc_positions (B|1, T): by default from each document's start for packed
     self-attention (default positions, T = S), else the query positions. A query that sees no key
-    returns zeros."""
+    returns zeros. decay (B, T, H) / kv_decay
+    (B, S, H) float32, kv_decay defaulting to decay: the bias decay_i - kv_decay_j of the logits."""
     check_impl(impl, "attention")
     G = k.shape[1 if kv_heads_first else 2]
     if q.shape[2] % G:
@@ -49,10 +53,12 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
                   kv_positions=kv_positions, causal=causal, window=window, scale=scale)
     band = dict(sinks=sinks, dilation=dilation, growth=growth, q_doc_positions=q_doc_positions)
     ks, vs = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if kv_heads_first else (k, v)  # (B, S, G, K)
-    flash = (window is None or isinstance(window, int)) and sinks is None and dilation is None and growth is None
+    flash = (window is None or isinstance(window, int)) and sinks is None and dilation is None and growth is None \
+        and decay is None
     if flash and use_pallas(impl, supports(q, ks, vs)):  # (an unused transpose costs nothing: XLA drops it)
         kernel = flash_attention_tpu if pallas_platform() == "tpu" else flash_attention
         return kernel(q, ks, vs, **kwargs)
+    kwargs.update(decay=decay, kv_decay=kv_decay)
     if impl == "reference":
         return attention_reference(q, ks, vs, **kwargs, **band)
     return attention_xla(q, k, v, **kwargs, **band, kv_heads_first=kv_heads_first)
@@ -60,7 +66,7 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
 
 def attention_cached(q, k, v, cache_k, cache_v, *, cache_length, segment_ids=None, cache_segment_ids=None,
                      window=None, scale=None, impl="auto", sinks=None, dilation=None, growth=None,
-                     doc_positions=None, cache_positions=None):
+                     doc_positions=None, cache_positions=None, decay=None, cache_decay=None):
     """A decode step's causal attention: T new queries q (B, T, H, K) with their own keys and values
     k, v (B, T, G, K|V), against a KV cache (B, G, S, K|V), heads first, whose slots [0, cache_length[b])
     hold the earlier tokens of row b (slot s at position s); its new tokens are at positions
@@ -68,7 +74,8 @@ def attention_cached(q, k, v, cache_k, cache_v, *, cache_length, segment_ids=Non
     different numbers of tokens, as after a speculative round that kept more drafts in one row.
     segment_ids (B, T) and cache_segment_ids (B, S) mask across documents. window, sinks, dilation and
     growth are `attention`'s; doc_positions (B, T), the new tokens' positions inside their documents,
-    is needed with sinks or growth.
+    is needed with sinks or growth. decay (B, T, H) is the new tokens' (as queries and as keys),
+    cache_decay (B, H, S) float32 the slots' (see `attention`).
 
     cache_positions (B, S): the position of each slot's token, for a cache whose slots are not in
     position order (a ring buffer, layers/attention.py); a slot whose position is negative or at least
@@ -97,16 +104,24 @@ def attention_cached(q, k, v, cache_k, cache_v, *, cache_length, segment_ids=Non
         own = visible(slots, slots, segment_ids, None, True, *band.values(), doc_positions)
         seen = visible(slots, cache_pos, segment_ids, cache_segment_ids, True, *band.values(), doc_positions)
         parts = [(cache_k, cache_v, seen), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), own)]
-        return attention_dense_parts(q, parts, scale)
+        biases = None
+        if decay is not None:
+            G = cache_k.shape[1]
+            qd = heads_first_decay(decay, G)[..., :, None]  # (B, G, R, T, 1)
+            biases = [qd - cache_decay.reshape(B, G, -1, S)[..., None, :], decay_bias(decay, decay, G)]
+        return attention_dense_parts(q, parts, scale, biases)
     kw = dict(segment_ids=segment_ids, scale=scale, impl=impl, q_positions=slots, kv_heads_first=True,
-              q_doc_positions=doc_positions, **band)
+              q_doc_positions=doc_positions, decay=decay, **band)
     if cache_positions is not None:  # a ring: the cache beside the new keys, since writing could overwrite
         kc, vc = (jnp.concatenate([c, x.transpose(0, 2, 1, 3)], axis=2) for c, x in ((cache_k, k), (cache_v, v)))
+        kv_decay = None if decay is None else jnp.concatenate([cache_decay.transpose(0, 2, 1), decay], axis=1)
         return attention(q, kc, vc, kv_segment_ids=jnp.concatenate([cache_segment_ids, segment_ids], axis=1),
-                         kv_positions=jnp.concatenate([cache_pos, slots], axis=1), **kw)
+                         kv_positions=jnp.concatenate([cache_pos, slots], axis=1), kv_decay=kv_decay, **kw)
     kc, vc = (write_rows(c, x.transpose(0, 2, 1, 3), length, 2) for c, x in ((cache_k, k), (cache_v, v)))
     seg = write_rows(cache_segment_ids, segment_ids, length, 1)
-    return attention(q, kc, vc, kv_segment_ids=seg, **kw)
+    kv_decay = None if decay is None else write_rows(cache_decay, decay.transpose(0, 2, 1), length, 2)  # (B, H, S)
+    return attention(q, kc, vc, kv_segment_ids=seg, kv_decay=None if decay is None else kv_decay.transpose(0, 2, 1),
+                     **kw)
 
 
 UNROLL_ROWS = 16

@@ -1,6 +1,6 @@
 """Reference softmax attention (Vaswani et al., 2017) with the masks the zoo needs.
 
-    o_i = sum_j softmax_j(q_i . k_j * scale + mask_ij) v_j
+    o_i = sum_j softmax_j(q_i . k_j * scale + decay_i - kv_decay_j + mask_ij) v_j
 
 mask_ij is 0 where key j is visible from query i, -inf elsewhere (`visible`): causal (p_j <= p_i),
 segments (same segment id), and a band of keys, which may differ per query head h. With the
@@ -32,6 +32,7 @@ fast forms (xla.py, the Pallas kernels) are tested against: it materialises the 
 autodiff differentiates its masked softmax as written.
 """
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
@@ -54,22 +55,39 @@ def attention_reference(
     dilation: int | tuple | Int[Array, "#H"] | None = None,
     growth: float | tuple | Float[Array, "#H"] | None = None,
     q_doc_positions: Int[Array, "#B T"] | None = None,
+    decay: Float[Array, "B T H"] | None = None,
+    kv_decay: Float[Array, "B S H"] | None = None,
 ) -> Float[Array, "B T H V"]:
     B, T, H, K = q.shape
     S, G = k.shape[1], k.shape[2]
     scale = K ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, G, H // G, K)  # (B, T, G, R, K)
     s = jnp.einsum("BTGRK,BSGK->BGRTS", qg, k, preferred_element_type=jnp.float32) * scale
+    if decay is not None:
+        s = s + decay_bias(decay, decay if kv_decay is None else kv_decay, G)
     qp, kp = default_positions(T, S, q_positions, kv_positions)
     qdp = doc_positions(T, S, q_positions, kv_positions, segment_ids, qp, q_doc_positions)
     mask = grouped(visible(qp, kp, segment_ids, kv_segment_ids, causal, window, sinks, dilation, growth, qdp), G)
     s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    # The shift cancels in the softmax, so no gradient goes through it (through the max of a row with -inf
+    # entries and a decay, XLA on CPU at the tests' optimisation level returned NaN gradients).
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
     o = jnp.einsum("BGRTS,BSGV->BTGRV", p, v.astype(jnp.float32))
     return o.reshape(B, T, H, v.shape[-1]).astype(q.dtype)
+
+
+def heads_first_decay(decay: Float[Array, "B T H"], G: int) -> Float[Array, "B G R T"]:
+    """A decay (B, T, H) in the layout of the logits, the R query heads of each kv head together."""
+    B, T, H = decay.shape
+    return decay.astype(jnp.float32).reshape(B, T, G, H // G).transpose(0, 2, 3, 1)  # (B, G, R, T)
+
+
+def decay_bias(decay: Float[Array, "B T H"], kv_decay: Float[Array, "B S H"], G: int) -> Float[Array, "B G R T S"]:
+    """decay_i - kv_decay_j, the logits' bias (module docstring)."""
+    return heads_first_decay(decay, G)[..., :, None] - heads_first_decay(kv_decay, G)[..., None, :]
 
 
 def default_positions(T: int, S: int, q_positions, kv_positions):

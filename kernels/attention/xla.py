@@ -14,6 +14,11 @@ function, arguments and masks as reference.py, in two forms:
   flash attention's backward (Dao, 2023): per block pair, P = exp(S - lse) recomputed, dV += P^T dO,
   dS = P (dO V^T - rowsum(dO o O)), dQ += dS K, dK += dS^T Q.
 
+A `decay` (reference.py: logits + decay_i - kv_decay_j) is added to the logits where they are made, in
+both forms; the dense form differentiates it by autodiff, the blocked backward adds d kv_decay_j -=
+colsum(dS) (dS the logits' gradient, before `scale`). d decay_i = rowsum(dS) is exactly zero (a shift of
+a query's logits cancels in its softmax; the query's term only keeps the logits small, c_i - c_j <= 0).
+
 `attention_xla` takes the blocked form when the (T, S) scores of a row would exceed DENSE_MAX
 entries. Key positions in slot order (the default, and every KV cache) make the blocks a query
 block needs one contiguous range, which the loop visits alone (cost proportional to the keys it
@@ -44,7 +49,14 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from kernels.attention.reference import default_positions, doc_positions, grouped, visible
+from kernels.attention.reference import (
+    decay_bias,
+    default_positions,
+    doc_positions,
+    grouped,
+    heads_first_decay,
+    visible,
+)
 
 NEG = -1e30  # finite: a row that sees no key stays free of NaN (its output is zeroed separately)
 DENSE_MAX = 128 * 128  # scores per (row, head) above which the blocked form is used
@@ -56,9 +68,10 @@ def attention_xla(q: Float[Array, "B T H K"], k: Array, v: Array, *,
                   segment_ids: Int[Array, "B T"] | None = None, kv_segment_ids: Int[Array, "B S"] | None = None,
                   q_positions: Int[Array, "#B T"] | None = None, kv_positions: Int[Array, "#B S"] | None = None,
                   causal: bool = True, window=None, scale: float | None = None, kv_heads_first: bool = False,
-                  sinks=None, dilation=None, growth=None,
-                  q_doc_positions: Int[Array, "#B T"] | None = None) -> Float[Array, "B T H V"]:
-    """k, v: (B, S, G, K|V), or (B, G, S, K|V) with kv_heads_first. The masks of reference.py."""
+                  sinks=None, dilation=None, growth=None, q_doc_positions: Int[Array, "#B T"] | None = None,
+                  decay: Float[Array, "B T H"] | None = None,
+                  kv_decay: Float[Array, "B S H"] | None = None) -> Float[Array, "B T H V"]:
+    """k, v: (B, S, G, K|V), or (B, G, S, K|V) with kv_heads_first. The masks and the decay of reference.py."""
     kt, vt = (k, v) if kv_heads_first else (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))  # (B, G, S, K)
     T, S = q.shape[1], kt.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -67,11 +80,14 @@ def attention_xla(q: Float[Array, "B T H K"], k: Array, v: Array, *,
     band = (window, sinks, dilation, growth)
     qdp = None if sinks is None and growth is None else \
         doc_positions(T, S, q_positions, kv_positions, segment_ids, qp, q_doc_positions)
+    kv_decay = decay if kv_decay is None else kv_decay
     if T * S > DENSE_MAX:
         arrays = tuple(None if x is None else jnp.asarray(x) for x in band)
+        qc, kc = (None, None) if decay is None else (heads_first_decay(d, kt.shape[1]) for d in (decay, kv_decay))
         return attention_blocked(q, kt, vt, qp, kp, segment_ids, kv_seg, qdp, arrays, causal, _skip(*band), scale,
-                                 kv_positions is None)
-    return attention_dense(q, kt, vt, visible(qp, kp, segment_ids, kv_seg, causal, *band, qdp), scale)
+                                 kv_positions is None, qc, kc)
+    bias = None if decay is None else decay_bias(decay, kv_decay, kt.shape[1])
+    return attention_dense(q, kt, vt, visible(qp, kp, segment_ids, kv_seg, causal, *band, qdp), scale, bias)
 
 
 def _skip(window, sinks, dilation, growth):
@@ -96,19 +112,24 @@ def _tokens_first(o, dtype):
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, G * R, V).astype(dtype)  # (B, T, H, V)
 
 
-def attention_dense(q, kt, vt, mask: Array, scale: float):
-    """kt, vt heads first (B, G, S, K|V); mask (B|1, H|1, T, S): True where a query sees a key."""
-    return attention_dense_parts(q, [(kt, vt, mask)], scale)
+def attention_dense(q, kt, vt, mask: Array, scale: float, bias: Array | None = None):
+    """kt, vt heads first (B, G, S, K|V); mask (B|1, H|1, T, S): True where a query sees a key; bias
+    (B, G, R, T, S) float32 added to the logits (a decay), or None."""
+    return attention_dense_parts(q, [(kt, vt, mask)], scale, None if bias is None else [bias])
 
 
-def attention_dense_parts(q, parts, scale: float):
+def attention_dense_parts(q, parts, scale: float, biases: list | None = None):
     """attention_dense with the keys in parts [(kt, vt, mask)], one softmax over all of them: a decode
-    step reads its KV cache as it was before the step and its own keys beside it (`attention_cached`)."""
+    step reads its KV cache as it was before the step and its own keys beside it (`attention_cached`).
+    biases: one (B, G, R, T, S_i) logit bias per part, or None."""
     G = parts[0][0].shape[1]
     qt = _heads_first(q, G)
     masks = [grouped(m, G) for _, _, m in parts]  # (B|1, G|1, R|1, T, S_i)
-    s = [jnp.where(m, jnp.einsum("BGRTK,BGSK->BGRTS", qt, kt, preferred_element_type=jnp.float32) * scale, NEG)
-         for (kt, _, _), m in zip(parts, masks)]
+    logits = [jnp.einsum("BGRTK,BGSK->BGRTS", qt, kt, preferred_element_type=jnp.float32) * scale
+              for kt, _, _ in parts]
+    if biases is not None:
+        logits = [x + b for x, b in zip(logits, biases)]
+    s = [jnp.where(m, x, NEG) for x, m in zip(logits, masks)]
     p = jax.nn.softmax(jnp.concatenate(s, axis=-1), axis=-1)
     o, at = 0.0, 0
     for (_, vt, _), si in zip(parts, s):
@@ -189,12 +210,13 @@ def _mask(qp, kp, kvalid, qseg, kvseg, qdp, band, i, j, bq, bk, causal, G):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def attention_blocked(q, kt, vt, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, in_order):
+def attention_blocked(q, kt, vt, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, in_order, qc=None, kc=None):
     """q (B, T, H, K), kt/vt heads first (B, G, S, K|V), positions (B|1, T) / (B|1, S), segments
     (B, T) / (B, S) or None, the queries' positions in their documents (B|1, T) or None, band the
     arrays (or None) of window, sinks, dilation, growth; the arguments of attention_xla after defaults
-    are filled in. skip: `_skip`'s static bounds. in_order: key positions ascend with the slots."""
-    return _blocked_fwd(q, kt, vt, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, in_order)[0]
+    are filled in. skip: `_skip`'s static bounds. in_order: key positions ascend with the slots.
+    qc (B, G, R, T) / kc (B, G, R, S): a decay heads first, or None."""
+    return _blocked_fwd(q, kt, vt, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, in_order, qc, kc)[0]
 
 
 def _sizes(T, S):
@@ -202,11 +224,21 @@ def _sizes(T, S):
     return min(b, T), min(b, S)
 
 
-def _blocked_fwd(q, k, v, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, in_order):
+def _logits(qi, kj, scale, qc, kc, i, j, bq, bk):
+    """A block pair's logits (B, G, R, bq, bk) float32: q . k * scale, plus qc_i - kc_j with a decay."""
+    s = jnp.einsum("BGRQK,BGSK->BGRQS", qi, kj, preferred_element_type=jnp.float32) * scale
+    if qc is None:
+        return s
+    qci, kcj = lax.dynamic_slice_in_dim(qc, i * bq, bq, axis=3), lax.dynamic_slice_in_dim(kc, j * bk, bk, axis=3)
+    return s + qci[..., :, None] - kcj[..., None, :]
+
+
+def _blocked_fwd(q, k, v, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, in_order, qc=None, kc=None):
     T, S = q.shape[1], k.shape[2]  # k, v heads first
     bq, bk = _sizes(T, S)
     Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
     qt, kt, vt = _pad(_heads_first(q, k.shape[1]), 3, Tp), _pad(k, 2, Sp), _pad(v, 2, Sp)
+    qcp, kcp = (None, None) if qc is None else (_pad(qc, 3, Tp), _pad(kc, 3, Sp))
     qpp, kpp, kvalid, qs, ks, qds, bounds = _blocks(qp, kp, qseg, kvseg, qdp, T, S, bq, bk)
     B, G, R, _, K = qt.shape
     V = vt.shape[-1]
@@ -218,8 +250,7 @@ def _blocked_fwd(q, k, v, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, i
             m, l, acc = carry
             kj, vj = (lax.dynamic_slice_in_dim(x, j * bk, bk, axis=2) for x in (kt, vt))  # (B, G, bk, K)
             mask = _mask(qpp, kpp, kvalid, qs, ks, qds, band, i, j, bq, bk, causal, G)
-            s = jnp.where(mask, jnp.einsum("BGRQK,BGSK->BGRQS", qi, kj,
-                                           preferred_element_type=jnp.float32) * scale, NEG)
+            s = jnp.where(mask, _logits(qi, kj, scale, qcp, kcp, i, j, bq, bk), NEG)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None]) * mask  # exactly 0 where masked
             a = jnp.exp(m - m_new)
@@ -236,11 +267,11 @@ def _blocked_fwd(q, k, v, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, i
     o, lse = lax.map(query_block, jnp.arange(Tp // bq))  # (nq, B, G, R, bq, V), (nq, B, G, R, bq)
     o = jnp.moveaxis(o, 0, 3).reshape(B, G, R, Tp, V)
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, G, R, Tp)
-    return _tokens_first(o[:, :, :, :T], q.dtype), (q, k, v, qp, kp, qseg, kvseg, qdp, band, o, lse)
+    return _tokens_first(o[:, :, :, :T], q.dtype), (q, k, v, qp, kp, qseg, kvseg, qdp, band, qc, kc, o, lse)
 
 
 def _blocked_bwd(causal, skip, scale, in_order, res, do):
-    q, k, v, qp, kp, qseg, kvseg, qdp, band, o, lse = res  # k, v heads first
+    q, k, v, qp, kp, qseg, kvseg, qdp, band, qc, kc, o, lse = res  # k, v heads first
     T, S = q.shape[1], k.shape[2]
     bq, bk = _sizes(T, S)
     qt = _heads_first(q, k.shape[1])
@@ -249,41 +280,47 @@ def _blocked_bwd(causal, skip, scale, in_order, res, do):
     dot = _pad(_heads_first(do, k.shape[1]).astype(jnp.float32), 3, Tp)  # (B, G, R, Tp, V)
     delta = jnp.sum(dot * o, axis=-1)  # (B, G, R, Tp)
     qpp, kpp, kvalid, qs, ks, qds, bounds = _blocks(qp, kp, qseg, kvseg, qdp, T, S, bq, bk)
+    qcp, kcp = (None, None) if qc is None else (_pad(qc, 3, Tp), _pad(kc, 3, Sp))
     G = k.shape[1]
     sl = lambda x, at, n, axis: lax.dynamic_slice_in_dim(x, at * n, n, axis=axis)
 
     def query_block(carry, i):
-        dk, dv = carry
+        dk, dv, dkc = carry
         qi, doi = sl(qt, i, bq, 3), sl(dot, i, bq, 3)
         lse_i, delta_i = sl(lse, i, bq, 3), sl(delta, i, bq, 3)
 
         def key_block(j, inner):
-            dq_i, dk, dv = inner
+            dq_i, dk, dv, dkc = inner
             kj, vj = sl(kt, j, bk, 2), sl(vt, j, bk, 2)
             mask = _mask(qpp, kpp, kvalid, qs, ks, qds, band, i, j, bq, bk, causal, G)
-            s = jnp.einsum("BGRQK,BGSK->BGRQS", qi, kj, preferred_element_type=jnp.float32) * scale
+            s = _logits(qi, kj, scale, qcp, kcp, i, j, bq, bk)
             p = jnp.exp(jnp.where(mask, s, NEG) - lse_i[..., None]) * mask
             dv_j = jnp.einsum("BGRQS,BGRQV->BGSV", p, doi)
             dp = jnp.einsum("BGRQV,BGSV->BGRQS", doi, vj.astype(jnp.float32))
-            ds = p * (dp - delta_i[..., None]) * scale
+            dl = p * (dp - delta_i[..., None])  # the logits' gradient
+            ds = dl * scale
             dq_i = dq_i + jnp.einsum("BGRQS,BGSK->BGRQK", ds, kj.astype(jnp.float32))
             dk_j = jnp.einsum("BGRQS,BGRQK->BGSK", ds, qi.astype(jnp.float32))
-            add = lambda acc, x: lax.dynamic_update_slice_in_dim(acc, sl(acc, j, bk, 2) + x, j * bk, axis=2)
-            return dq_i, add(dk, dk_j), add(dv, dv_j)
+            add = lambda acc, x, axis: lax.dynamic_update_slice_in_dim(acc, sl(acc, j, bk, axis) + x, j * bk, axis)
+            if qc is not None:  # the decay: d kc_j = -sum_i dl_ij (d qc_i = sum_j dl_ij = 0)
+                dkc = add(dkc, -jnp.sum(dl, axis=-2), 3)
+            return dq_i, add(dk, dk_j, 2), add(dv, dv_j, 2), dkc
 
-        dq_i, dk, dv = _key_loop(bounds, i, causal, skip, in_order, key_block,
-                                 (jnp.zeros(qi.shape, jnp.float32), dk, dv))
-        return (dk, dv), dq_i
+        dq_i, dk, dv, dkc = _key_loop(bounds, i, causal, skip, in_order, key_block,
+                                      (jnp.zeros(qi.shape, jnp.float32), dk, dv, dkc))
+        return (dk, dv, dkc), dq_i
 
     B, G, R, _, K = qt.shape
-    zeros = (jnp.zeros(kt.shape, jnp.float32), jnp.zeros(vt.shape, jnp.float32))
-    (dk, dv), dq = lax.scan(query_block, zeros, jnp.arange(Tp // bq))
+    zeros = (jnp.zeros(kt.shape, jnp.float32), jnp.zeros(vt.shape, jnp.float32),
+             None if qc is None else jnp.zeros(kcp.shape, jnp.float32))
+    (dk, dv, dkc), dq = lax.scan(query_block, zeros, jnp.arange(Tp // bq))
     dq = jnp.moveaxis(dq, 0, 3).reshape(B, G, R, Tp, K)[:, :, :, :T]
     dq = _tokens_first(dq, q.dtype)
     dk, dv = (x[:, :, :S].astype(y.dtype) for x, y in ((dk, k), (dv, v)))
     none = lambda x: None if x is None else jnp.zeros(x.shape, jax.dtypes.float0) \
         if jnp.issubdtype(x.dtype, jnp.integer) else jnp.zeros_like(x)
-    return dq, dk, dv, none(qp), none(kp), none(qseg), none(kvseg), none(qdp), tuple(map(none, band))
+    dqc, dkc = (None, None) if qc is None else (jnp.zeros(qc.shape, jnp.float32), dkc[..., :S])  # (B, G, R, S)
+    return dq, dk, dv, none(qp), none(kp), none(qseg), none(kvseg), none(qdp), tuple(map(none, band)), dqc, dkc
 
 
 attention_blocked.defvjp(_blocked_fwd, _blocked_bwd)

@@ -178,8 +178,9 @@ def check_rollback(r, tol):
                 ring = getattr(got, "token_index", None)
                 at = np.arange(got.doc.shape[1])[None] if ring is None else np.asarray(ring)
                 seen = (at >= 0) & (at < np.asarray(got.index)[:, None])  # (B, S): a ring's slots hold any index
-                # (B, S, ...) as they are, heads first (B, G, S, K) swapped: slots second
-                a, b = ((c if c.ndim <= 3 else np.swapaxes(c, 1, 2))[seen] for c in (a, b))
+                # (B, S, ...) as they are; heads first, (B, G, S, K) or (B, H, S), swapped: slots second
+                S = seen.shape[1]
+                a, b = ((c if c.ndim == 2 or c.shape[1] == S else np.swapaxes(c, 1, 2))[seen] for c in (a, b))
             if np.issubdtype(a.dtype, np.integer):
                 np.testing.assert_array_equal(a, b, what)
             else:

@@ -22,14 +22,17 @@ def randn(seed, shape):
 
 # The registry's run (test_conformance.py) covers elu; the elementwise maps (identity, elu, relu)
 # share all the machinery with the others, so the protocol runs on identity (with the normaliser
-# off; the other three have it on) and test_feature_maps checks every map's formula.
-CONFIGS = [("identity", False), ("performer", True), ("cosformer", True), ("hedgehog", True)]
+# off; the others have it on) and test_feature_maps checks every map's formula. Taylor runs with
+# q and k narrower than the head (Based's small feature_dim).
+CONFIGS = [("identity", False, None), ("performer", True, None), ("cosformer", True, None), ("hedgehog", True, None),
+           ("taylor", True, 3)]
 
 
-@pytest.mark.parametrize("feature_map,normalize", CONFIGS)
-def test_protocol(feature_map, normalize):
+@pytest.mark.parametrize("feature_map,normalize,qk_dim", CONFIGS)
+def test_protocol(feature_map, normalize, qk_dim):
     check_mixer(lambda **kw: LinearAttention(D, num_heads=2, feature_map=feature_map, normalize=normalize,
-                                             chunk_size=8, cosformer_max_len=32, rngs=nnx.Rngs(0), **kw),
+                                             qk_dim=qk_dim, chunk_size=8, cosformer_max_len=32, rngs=nnx.Rngs(0),
+                                             **kw),
                 D, MODES)
 
 
@@ -59,6 +62,18 @@ def test_feature_maps():
     got = np.einsum("bihf,bjhf->bhij", phi(perf, a, False), phi(perf, b, False))
     ratio = got / np.exp(np.einsum("bihk,bjhk->bhij", a, b) / np.sqrt(8))
     assert np.abs(ratio - 1).mean() < 0.02 and np.abs(ratio - 1).max() < 0.1, ratio
+    # Based's Taylor map: phi = [1, x', x' ⊗ x' / sqrt(2)], x' = x d^-1/4, in full (the paper's d^2
+    # entries) has the dot products 1 + s + s^2 / 2, s = q . k / sqrt(d); the layer's symmetric half
+    # gives the same ones with 1 + d + d (d + 1) / 2 features.
+    taylor = make("taylor")
+    got_q, got_k = phi(taylor, x, True), phi(taylor, y)
+    assert got_q.shape[-1] == 1 + 8 + 36 == taylor.feature_dim
+    full = lambda a: np.concatenate([np.ones_like(a[..., :1]), a * 8 ** -0.25,
+                                     (a[..., :, None] * a[..., None, :]).reshape(*a.shape[:-1], 64)
+                                     / (np.sqrt(2) * np.sqrt(8))], axis=-1)
+    s = np.einsum("bihk,bjhk->bhij", x, y) / np.sqrt(8)
+    for a, b, what in [(got_q, got_k, "taylor (symmetric half)"), (full(x), full(y), "taylor (the paper's map)")]:
+        assert_close(np.einsum("bihf,bjhf->bhij", a, b), 1 + s + s ** 2 / 2, what=what)
 
 
 def test_redraw_features():
@@ -76,6 +91,7 @@ def test_constructor_errors():
     for kwargs, msg in [(dict(num_heads=3), "num_heads=3 does not divide d_model=16"),
                         (dict(feature_map="softmax"), "feature_map='softmax'"),
                         (dict(feature_map="identity"), "normalize=False"),
+                        (dict(qk_dim=0), "qk_dim=0"),
                         (dict(mode="fused"), "mode='fused'")]:
         with pytest.raises(ValueError, match=msg):
             LinearAttention(D, rngs=nnx.Rngs(0), **kwargs)

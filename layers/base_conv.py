@@ -1,0 +1,63 @@
+"""Based's gated short convolution, BaseConv (Arora et al., 2024, "Simple linear attention language
+models balance the recall-throughput tradeoff"; the gated convolution of Arora et al., 2023, Zoology).
+
+    [u_t, g_t] = x_t W_in + b_in                u, g in R^{Di}, Di = expand * d_model / 2
+    y_t = (silu(conv(u)_t) ⊙ g_t) W_out + b_out  conv: a short causal depthwise convolution over time
+
+as the official BaseConv (expand_proj = 4 there, so Di = 2 d_model; kernel size 3; no conv bias). It
+mixes only kernel_size neighbouring tokens: Based's cheap local mixer beside its linear attention
+and sliding-window attention. The decode state is the convolution's window, (B, kernel_size - 1, Di)
+(layers/conv.py, which also keeps documents apart).
+"""
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from layers.conv import ShortConvolution
+from layers.linear import Linear
+from layers.shapes import check_input
+from layers.sharding import COLUMNS, ROWS, axes
+from layers.state import check_steps, rollback, state
+
+
+@state
+class BaseConvState:
+    conv: Float[Array, "B W _Di"]  # (B, kernel_size - 1, Di) the convolution's last inputs
+
+
+class BaseConv(nnx.Module):
+    """Args: expand (in_proj's width over d_model: u and g are expand * d_model / 2 wide), kernel_size
+    (the causal convolution's taps), dtype (compute dtype; parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, expand: int = 4, kernel_size: int = 3, dtype=jnp.float32, rngs: nnx.Rngs):
+        if expand * d_model % 2:
+            raise ValueError(f"expand={expand} times d_model={d_model} must be even (u and g split it)")
+        if kernel_size < 1:
+            raise ValueError(f"kernel_size={kernel_size} must be >= 1")
+        self.d_model, self.inner, self.dtype = d_model, expand * d_model // 2, dtype
+        self.in_proj = Linear(d_model, 2 * self.inner, dtype=dtype, rngs=rngs, kernel_metadata=axes(*COLUMNS))
+        self.out_proj = Linear(self.inner, d_model, dtype=dtype, rngs=rngs, kernel_metadata=axes(*ROWS))
+        self.conv = ShortConvolution(self.inner, kernel_size, rngs=rngs)
+
+    def init_state(self, batch_size: int, max_len: int = 0) -> BaseConvState:
+        """max_len is ignored: the state has a fixed size."""
+        return BaseConvState(conv=self.conv.init_state(batch_size, self.dtype))
+
+    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
+                 ) -> Float[Array, "B T D"]:
+        return self.decode(x, self.init_state(x.shape[0]), segment_ids=segment_ids)[0]
+
+    def decode(self, x: Float[Array, "B T D"], state: BaseConvState, *,
+               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
+        """steps=True returns the window after every token, (T, B, W, Di), for `rollback`."""
+        check_input(x, self.d_model, segment_ids, "BaseConv")
+        check_steps(steps, segment_ids, "BaseConv")
+        u, g = jnp.split(self.in_proj(x.astype(self.dtype)), 2, axis=-1)  # (B, T, Di) each
+        u, conv = self.conv.decode(u, state.conv, segment_ids=segment_ids, steps=steps)  # silu(conv(u))
+        y = self.out_proj(u * g)
+        return y, (BaseConvState.stepped(conv=conv) if steps else BaseConvState(conv=conv))
+
+    def rollback(self, stepped: BaseConvState, drop: Int[Array, " B"]) -> BaseConvState:
+        return rollback(stepped, drop)
+
