@@ -40,6 +40,7 @@ KINDS = {
     "gated_deltanet": {"kind": "gated_deltanet", "num_heads": 8},
     "mamba": {"kind": "mamba"},
     "mamba2": {"kind": "mamba2", "head_dim": 64},
+    "mamba3": {"kind": "mamba3", "head_dim": 64, "state_size": 64},  # mamba2's state size (its default)
     "rwkv6": {"kind": "rwkv6", "head_dim": 64},
     "rwkv7": {"kind": "rwkv7", "head_dim": 64},
     "s4d": {"kind": "s4d", "state_size": 64},

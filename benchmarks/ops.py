@@ -2,7 +2,7 @@
 
     python -m benchmarks.ops [--ops gla mamba ...] [--lengths 512 1024 2048 4096 8192]
 
-B=1, H=4, head dim 64 (Mamba: Dm=256, N=16; SSD: P=64, N=64; S4D: Dm=256, N=32 complex modes, the
+B=1, H=4, head dim 64 (Mamba: Dm=256, N=16; SSD and Mamba-3: P=64, N=64; S4D: Dm=256, N=32 complex modes, the
 paper's state size 64; long_conv, Hyena's long convolution: D=256), float32, jitted; each figure is the
 minimum of 5 runs after a compile, the runs of all of an op's forms and lengths interleaved. fwd+bwd
 is the gradient of sum(o) with respect to every floating input. A quadratic form ("parallel", or
@@ -22,6 +22,7 @@ from kernels.delta_rule import delta_rule
 from kernels.gla import gla
 from kernels.linear_attention import linear_attention
 from kernels.long_conv import long_conv
+from kernels.mamba3 import mamba3
 from kernels.retention import retention
 from kernels.s4d import s4d
 from kernels.selective_scan import selective_scan
@@ -72,6 +73,11 @@ def _inputs(op, T):
         ks = jax.random.split(sub, 4)
         return (_n(ks[0], B, T, H, K), jax.nn.softplus(_n(ks[1], B, T, H) - 3), -jnp.arange(1, H + 1.0),
                 _n(ks[2], B, T, 1, 64), _n(ks[3], B, T, 1, 64), jnp.ones((H,)))
+    if op == "mamba3":
+        ks = jax.random.split(sub, 7)
+        return (_n(ks[0], B, T, H, K), jax.nn.softplus(_n(ks[1], B, T, H) - 3), -jnp.exp(_n(ks[2], B, T, H, scale=0.5)),
+                jax.nn.sigmoid(_n(ks[3], B, T, H)), _n(ks[4], B, T, H, 64), _n(ks[5], B, T, H, 64),
+                jnp.pi * jnp.tanh(_n(ks[6], B, T, H, 32)), jnp.ones((H,)))
     if op == "s4d":
         Dm, N = H * K, 32
         ks = jax.random.split(sub, 3)
@@ -102,6 +108,7 @@ OPS = {  # name -> (function, forms, longest T for the quadratic form)
     "wkv7": (wkv7, ("recurrent", "parallel", "chunk"), 1024),
     "mamba": (selective_scan, ("recurrent", "parallel", "chunk"), 1 << 30),
     "mamba2": (ssd, ("recurrent", "parallel", "chunk"), 1024),
+    "mamba3": (mamba3, ("recurrent", "parallel", "chunk"), 1024),
     "s4d": (s4d, ("recurrent", "fft"), 0),
     "long_conv": (_long_conv, ("masked", "fft"), 1024),
 }

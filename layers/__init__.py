@@ -37,6 +37,7 @@ from layers.hyena import Hyena, HyenaState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
+from layers.mamba3 import Mamba3, Mamba3State
 from layers.mla import LatentCache, MultiHeadLatentAttention
 from layers.mlp import MLP, NoFFN
 from layers.moba import MoBA, MoBABlocks

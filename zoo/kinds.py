@@ -279,6 +279,25 @@ class Mamba2Config(Chunked):
     norm_eps: PosFloat = 1e-5
 
 
+@mixer(layers.Mamba3)
+@dataclass(frozen=True)
+class Mamba3Config(Chunked):
+    """Mamba-3 (Lahoti et al. 2026), SISO: exponential-trapezoidal SSM with a complex (data-dependent
+    rotary) state, data-dependent A_t, normed and biased B/C, no conv; rope_fraction: the share of the
+    state's channels rotated; A_floor: the least decay rate -A_t."""
+    KIND: ClassVar[str] = "mamba3"
+    state_size: PosInt = 128
+    expand: PosInt = 2
+    head_dim: PosInt = 64
+    num_groups: PosInt = 1
+    rope_fraction: Annotated[float, Range(0, 1, lo_open=True)] = 0.5
+    dt_min: PosFloat = 0.001
+    dt_max: PosFloat = 0.1
+    dt_init_floor: PosFloat = 1e-4
+    A_floor: PosFloat = 1e-4
+    norm_eps: PosFloat = 1e-5
+
+
 @mixer(layers.S4D)
 @dataclass(frozen=True)
 class S4DConfig(Mixer):

@@ -29,6 +29,7 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
     "gla": (32, {"num_heads": 2, "conv_size": 4}),
     "mamba": (16, {"state_size": 4}),
     "mamba2": (32, {"state_size": 8, "head_dim": 16, "num_groups": 2}),
+    "mamba3": (32, {"state_size": 8, "head_dim": 16, "num_groups": 2}),
     "s4d": (16, {"state_size": 8}),
     "hyena": (16, {"filter_order": 8, "filter_emb_dim": 5, "filter_inner_layers": 1}),
     "rwkv6": (32, {"head_dim": 16, "mix_lora_dim": 4, "decay_lora_dim": 4}),

@@ -1,0 +1,161 @@
+"""Mamba-3 mixer, single-input single-output: Lahoti, Li, Chen, Wang, Bick, Kolter, Dao & Gu, 2026,
+"Mamba-3: Improved Sequence Modeling using State Space Principles" (arXiv:2603.15569), following the
+official `mamba_ssm.modules.mamba3.Mamba3` with is_mimo=False:
+
+    z, x, B, C, dt, a, l, φ = W_in u        widths Di, Di, G N, G N, H, H, H, M  (Di = expand * d_model)
+    B, C = RMSNorm(B) + b_B, RMSNorm(C) + b_C       per group, then per head (the biases are per head)
+    Δ = softplus(dt + dt_bias),  A_t = -max(f(a), A_floor),  λ = σ(l),  θ = π tanh(φ)   per token
+    h_t = α_t h_{t-1} + β_t x_{t-1} B̄_{t-1}^T + γ_t x_t B̄_t^T,  y_t = h_t C̄_t + D x_t     (kernels/mamba3)
+    out = W_out (y ⊙ SiLU(z))
+
+with α = exp(Δ A), β = (1 - λ) Δ α, γ = λ Δ (the exponential-trapezoidal rule), B̄, C̄ = B, C rotated
+by the cumulative angles Θ_t = Θ_{t-1} + Δ_t θ_t (the complex-valued state as data-dependent rotary),
+f(a) = 1 + a for a >= 0 and 1 / (1 - a) below (the official "heavy-tail" activation), H = Di /
+head_dim heads of width P = head_dim, G = num_groups groups of B, C, and M = state_size *
+rope_fraction / 2 angles per token, shared by the heads (each scales them by its own Δ); the other
+N/2 - M channel pairs are not rotated. There is no short convolution: the paper drops it, the
+trapezoid's two taps and the B, C biases standing in for it.
+
+Code name -> paper symbol: `in_proj` W_in (the official order [z, x, B, C, dt, A, trap, angle]),
+`dt_bias` Δ's bias, `A_floor` the floor of -A_t, `B_bias`, `C_bias` the B and C biases (H, N), init 1,
+`B_norm`, `C_norm` the QK-norm-like RMSNorms of B and C (one weight of N, as the official), `D` the
+skip D (H,), `out_proj` W_out. The decode state is the op's carry: `ssm` h (B, H, P, N), `angle` Θ
+(B, H, N/2), `b` the last token's B̄ and `x` its x (the official `ssm_state`, `angle_dt_state`,
+`k_state`, `v_state`), a fixed size; all four restart from zero at a document start.
+
+Departures, all named: no MIMO (the official is_mimo, mimo_rank; this is the paper's SISO Mamba-3);
+no output norm before the gate (the official is_outproj_norm, off by default there too); the rotation
+pairs channel n with n + N/2 (layers/rotary.py's rotate-half layout), where the official SISO kernels
+pair 2n with 2n + 1: a fixed permutation of B's and C's channels, so the same family of functions, but
+official checkpoints would need their B, C columns, norm weights and biases permuted; the state
+keeps x_{t-1} and B̄_{t-1} in float32 (the official in the model's dtype); the linear layers use
+Flax's lecun-normal init instead of PyTorch's U(±1/sqrt(fan_in)). The training path's forms come from
+the op (kernels/mamba3: a token-by-token scan, or the recurrence rewritten exactly as linear attention
+with a scalar decay, in SSD's chunked or quadratic form or on GLA's Pallas kernels); `decode` runs the
+op's single-token step (`mamba3_step`) for T = 1 and steps=True, the chunk form for T > 1.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from kernels import check_impl, check_mode
+from kernels.mamba3 import Mamba3Carry, mamba3, mamba3_step, zero_carry
+from kernels.ssd.reference import heads_from_groups
+from layers.linear import Linear
+from layers.mamba import inverse_softplus_dt
+from layers.norm import RMSNorm
+from layers.shapes import check_input
+from layers.sharding import ROWS, axes
+from layers.state import check_steps, rollback, state, stepwise
+
+
+@state
+class Mamba3State:
+    ssm: Float[Array, "B H P N"]  # (B, H, P, N) float32 SSM state h
+    angle: Float[Array, "B H N//2"]  # (B, H, N/2) float32 cumulative rotation angles Θ, in [0, 2π)
+    b: Float[Array, "B H N"]  # (B, H, N) float32 the last token's rotated B̄ (the trapezoid's second tap)
+    x: Float[Array, "B H P"]  # (B, H, P) float32 the last token's x
+
+
+def heavy_tail(a: Float[Array, "*S"]) -> Float[Array, "*S"]:
+    """1 + a for a >= 0, 1 / (1 - a) below: positive, continuous and differentiable at 0."""
+    return jnp.maximum(a, 0) + 1 / (1 - jnp.minimum(a, 0))
+
+
+class Mamba3(nnx.Module):
+    def __init__(self, d_model: int, *, state_size: int = 128, expand: int = 2, head_dim: int = 64,
+                 num_groups: int = 1, rope_fraction: float = 0.5, chunk_size: int = 64, mode: str = "chunk",
+                 dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4, A_floor: float = 1e-4,
+                 norm_eps: float = 1e-5, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+        if min(d_model, state_size, expand, head_dim, num_groups) < 1:
+            raise ValueError(f"Mamba3: d_model={d_model}, state_size={state_size}, expand={expand}, "
+                             f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")
+        Di = expand * d_model
+        if Di % head_dim:
+            raise ValueError(f"Mamba3: head_dim={head_dim} does not divide expand * d_model = {Di}")
+        H = Di // head_dim
+        if H % num_groups:
+            raise ValueError(f"Mamba3: num_groups={num_groups} does not divide num_heads = expand * d_model / "
+                             f"head_dim = {H}")
+        M = int(state_size * rope_fraction) // 2
+        if state_size % 2 or not 0 < rope_fraction <= 1 or M < 1:
+            raise ValueError(f"Mamba3: need an even state_size and 0 < rope_fraction <= 1 rotating at least one "
+                             f"channel pair, got state_size={state_size}, rope_fraction={rope_fraction}")
+        if not 0 < dt_min <= dt_max:
+            raise ValueError(f"Mamba3: need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
+        if A_floor <= 0:
+            raise ValueError(f"Mamba3: A_floor={A_floor} must be > 0")
+        check_mode(mode, chunk_size, "Mamba3")
+        check_impl(impl, "Mamba3")
+        G, N = num_groups, state_size
+        self.d_model, self.d_inner, self.num_heads, self.head_dim = d_model, Di, H, head_dim
+        self.num_groups, self.state_size, self.num_angles, self.A_floor = G, N, M, A_floor
+        self.mode, self.chunk_size, self.impl, self.dtype = mode, chunk_size, impl, dtype
+
+        def linear(i, o, names):
+            return Linear(i, o, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+                          kernel_metadata=axes(*names))
+
+        # in_proj's output fuses [z, x, B, C, dt, A, λ, θ]: a split over `tensor` would cut between the
+        # quantities, so it stays whole there (the small per-head parameters are replicated).
+        self.in_proj = linear(d_model, 2 * Di + 2 * G * N + 3 * H + M, ("embed", None))
+        self.dt_bias = nnx.Param(inverse_softplus_dt(rngs.params(), (H,), dt_min, dt_max, dt_init_floor))
+        self.B_bias = nnx.Param(jnp.ones((H, N), jnp.float32), **axes(None, None))
+        self.C_bias = nnx.Param(jnp.ones((H, N), jnp.float32), **axes(None, None))
+        self.B_norm, self.C_norm = RMSNorm(N, eps=norm_eps), RMSNorm(N, eps=norm_eps)
+        self.D = nnx.Param(jnp.ones((H,), jnp.float32))
+        self.out_proj = linear(Di, d_model, ROWS)
+
+    def init_state(self, batch_size: int, max_len: int = 0) -> Mamba3State:
+        """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
+        return Mamba3State(*zero_carry(batch_size, self.num_heads, self.head_dim, self.state_size))
+
+    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
+                 ) -> Float[Array, "B T D"]:
+        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
+
+    def decode(self, x: Float[Array, "B T D"], state: Mamba3State, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False) -> tuple[Float[Array, "B T D"], Mamba3State]:
+        """Prefill (T > 1, the chunk form) or one step (T = 1, `mamba3_step`), continuing from `state`;
+        steps=True runs the step token by token and returns the state after every token, for `rollback`."""
+        check_steps(steps, segment_ids, "Mamba3")
+        return self._mix(x, state, segment_ids, "steps" if steps else "step" if x.shape[1] == 1 else "chunk")
+
+    def rollback(self, stepped: Mamba3State, drop: Int[Array, " B"]) -> Mamba3State:
+        return rollback(stepped, drop)
+
+    def _mix(self, x, state: Mamba3State, segment_ids, mode):
+        check_input(x, self.d_model, segment_ids, "Mamba3")
+        Bsz, T, _ = x.shape
+        Di, H, P, G, N, M = (self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size,
+                             self.num_angles)
+        f32 = jnp.float32
+        x = x.astype(self.dtype)
+        cuts = [Di, 2 * Di, 2 * Di + G * N, 2 * Di + 2 * G * N, 2 * Di + 2 * G * N + H, 2 * Di + 2 * G * N + 2 * H,
+                2 * Di + 2 * G * N + 3 * H]
+        z, xs, B, C, dt, a, lam, theta = jnp.split(self.in_proj(x), cuts, axis=-1)
+        xs = xs.reshape(Bsz, T, H, P)  # (B, T, H, P)
+        B, C = (heads_from_groups(norm(v.reshape(Bsz, T, G, N)), H).astype(f32) + bias[...]  # (B, T, H, N)
+                for v, norm, bias in ((B, self.B_norm, self.B_bias), (C, self.C_norm, self.C_bias)))
+        dt = jax.nn.softplus(dt.astype(f32) + self.dt_bias[...])  # (B, T, H)
+        A = -jnp.maximum(heavy_tail(a.astype(f32)), self.A_floor)  # (B, T, H)
+        lam = jax.nn.sigmoid(lam.astype(f32))  # (B, T, H)
+        theta = jnp.pad(math.pi * jnp.tanh(theta.astype(f32)), ((0, 0), (0, 0), (0, N // 2 - M)))  # (B, T, N/2)
+        theta = jnp.broadcast_to(theta[:, :, None], (Bsz, T, H, N // 2))  # (B, T, H, N/2): one per head's Δ
+        carry = Mamba3Carry(state.ssm, state.angle, state.b, state.x)
+        if mode in ("step", "steps"):
+            def step(carry, *token):  # on 1-token slices (B, 1, ...)
+                carry, y = mamba3_step(carry, *(t[:, 0] for t in token), self.D[...])
+                return y[:, None].astype(xs.dtype), carry  # (B, 1, H, P)
+
+            args = (carry, xs, dt, A, lam, B, C, theta)
+            y, carry = stepwise(step, *args) if mode == "steps" else step(*args)
+        else:
+            y, carry = mamba3(xs, dt, A, lam, B, C, theta, self.D[...], segment_ids=segment_ids, initial_state=carry,
+                              output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
+        y = (y.reshape(Bsz, T, Di).astype(f32) * jax.nn.silu(z.astype(f32))).astype(self.dtype)  # (B, T, Di)
+        return self.out_proj(y), (Mamba3State.stepped if mode == "steps" else Mamba3State)(*carry)
