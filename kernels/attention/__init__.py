@@ -9,7 +9,8 @@
   call (not decode-sized calls of T <= 16 queries), the XLA forms elsewhere.
 
 A `decay` (a logit bias decay_i - kv_decay_j per head, reference.py; Forgetting attention's cumulative
-log forget gate) runs the XLA forms whatever `impl` but "reference": no Pallas kernel takes it yet.
+log forget gate) is taken by the GPU kernel (pallas.py); on TPU (pallas_tpu.py does not take it yet) a
+call with a decay runs the XLA forms whatever `impl` but "reference".
 
 The Pallas kernels express causality, segments and one sliding window for every head; a call with
 sinks, dilation, growth or per-head windows runs the XLA forms whatever `impl` says ("pallas"
@@ -53,11 +54,13 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
                   kv_positions=kv_positions, causal=causal, window=window, scale=scale)
     band = dict(sinks=sinks, dilation=dilation, growth=growth, q_doc_positions=q_doc_positions)
     ks, vs = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if kv_heads_first else (k, v)  # (B, S, G, K)
+    tpu = pallas_platform() == "tpu"
     flash = (window is None or isinstance(window, int)) and sinks is None and dilation is None and growth is None \
-        and decay is None
+        and not (decay is not None and tpu)
     if flash and use_pallas(impl, supports(q, ks, vs)):  # (an unused transpose costs nothing: XLA drops it)
-        kernel = flash_attention_tpu if pallas_platform() == "tpu" else flash_attention
-        return kernel(q, ks, vs, **kwargs)
+        if tpu:
+            return flash_attention_tpu(q, ks, vs, **kwargs)
+        return flash_attention(q, ks, vs, **kwargs, decay=decay, kv_decay=kv_decay)
     kwargs.update(decay=decay, kv_decay=kv_decay)
     if impl == "reference":
         return attention_reference(q, ks, vs, **kwargs, **band)
