@@ -236,8 +236,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_
     def body(j, dq):
         sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[sl, :], v_ref[sl, :]  # (bk, K), (bk, V)
-        p = _probs(q, k, qd, _read(kd_ref, sl), lse, _visible(qp, qs, kp_ref[sl], ks_ref[sl], j * bk, bk, cfg),
-                   cfg)
+        mask = _visible(qp, qs, kp_ref[sl], ks_ref[sl], j * bk, bk, cfg)
+        p = _probs(q, k, qd, _read(kd_ref, sl), lse, mask, cfg)  # (bq, bk)
         ds = p * (_dot(do, v, (1, 1), cfg) - delta[:, None])  # (bq, bk)
         return dq + _dot(ds.astype(k.dtype), k, (1, 0), cfg)
 
