@@ -8,12 +8,10 @@
 - "auto": the Pallas kernels on GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the
   call (not decode-sized calls of T <= 16 queries), the XLA forms elsewhere.
 
-A `decay` (a logit bias decay_i - kv_decay_j per head, reference.py; Forgetting attention's cumulative
-log forget gate) runs the XLA forms whatever `impl` but "reference": no Pallas kernel takes it yet.
-
-The Pallas kernels express causality, segments and one sliding window for every head; a call with
-sinks, dilation, growth or per-head windows runs the XLA forms whatever `impl` says ("pallas"
-included): never a wrong result.
+The Pallas kernels express causality, segments, one sliding window for every head and a `decay` (a
+logit bias decay_i - kv_decay_j per head, reference.py; Forgetting attention's cumulative log forget
+gate); a call with sinks, dilation, growth or per-head windows runs the XLA forms whatever `impl` says
+("pallas" included): never a wrong result.
 """
 
 import jax
@@ -50,15 +48,14 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
     if q.shape[2] % G:
         raise ValueError(f"attention: {G} kv heads do not divide {q.shape[2]} query heads")
     kwargs = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                  kv_positions=kv_positions, causal=causal, window=window, scale=scale)
+                  kv_positions=kv_positions, causal=causal, window=window, scale=scale, decay=decay,
+                  kv_decay=kv_decay)
     band = dict(sinks=sinks, dilation=dilation, growth=growth, q_doc_positions=q_doc_positions)
     ks, vs = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if kv_heads_first else (k, v)  # (B, S, G, K)
-    flash = (window is None or isinstance(window, int)) and sinks is None and dilation is None and growth is None \
-        and decay is None
+    flash = (window is None or isinstance(window, int)) and sinks is None and dilation is None and growth is None
     if flash and use_pallas(impl, supports(q, ks, vs)):  # (an unused transpose costs nothing: XLA drops it)
         kernel = flash_attention_tpu if pallas_platform() == "tpu" else flash_attention
         return kernel(q, ks, vs, **kwargs)
-    kwargs.update(decay=decay, kv_decay=kv_decay)
     if impl == "reference":
         return attention_reference(q, ks, vs, **kwargs, **band)
     return attention_xla(q, k, v, **kwargs, **band, kv_heads_first=kv_heads_first)

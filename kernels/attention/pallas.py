@@ -12,7 +12,13 @@ Backward, with P_ij = exp(s_ij - L_i) recomputed from L (never stored):
     D_i = rowsum(dO_i * O_i),   dP_ij = dO_i V_j^T,   dS_ij = P_ij * (dP_ij - D_i)
     dQ_i = scale sum_j dS_ij K_j,   dK_j = scale sum_i dS_ij^T Q_i,   dV_j = sum_i P_ij^T dO_i
 
-Code names: `m`, `l`, `acc` (unnormalised O), `lse` (L), `delta` (D), `p` (P), `ds` (dS). Masks are
+A decay (reference.py; Forgetting attention's cumulative log forget gate) adds qd_i - kd_j to the
+logits s_ij, per query head (with GQA too: kd is per query head, not per kv head). Its gradient:
+d kd_j = -sum_i dS_ij (summed in the dK/dV kernel over its query blocks, per query head), d qd_i = 0
+(a per-query shift cancels in the softmax; qd only keeps the logits small).
+
+Code names: `m`, `l`, `acc` (unnormalised O), `lse` (L), `delta` (D), `p` (P), `ds` (dS), `qd`/`kd`
+(the decay of the queries / keys, rows (bq,) / (bk,) of (B, H, T) / (B, H, S) float32). Masks are
 the reference's (reference.py): key j is visible from query i iff kp_j <= qp_i (causal),
 kp_j > qp_i - window (window) and the segment ids agree; a query that sees no key returns zeros.
 Grouped-query attention: query head h reads kv head h // R (R = H / G) through the BlockSpec index
@@ -117,6 +123,7 @@ class _Config:
     causal: bool
     window: int | None
     segmented: bool
+    decay: bool  # qd, kd are inputs (and d kd an output of the dK/dV kernel)
     kv_len: int  # S before padding: keys at index >= kv_len are padding
     kv_padded: bool
     kv_is_index: bool  # kv_positions is None: key j sits at position j
@@ -149,9 +156,20 @@ def _visible(qp, qs, kp, ks, k0, bk, cfg):
     return functools.reduce(jnp.logical_and, conds) if conds else None
 
 
-def _probs(q, k, lse, mask, cfg):
+def _read(ref, *index):
+    """ref[index], or None for an absent input (no decay)."""
+    return None if ref is None else ref[index]
+
+
+def _logits(q, k, qd, kd, cfg):
+    """(bq, bk) float32 base-2 logits: scale q k^T, plus qd_i - kd_j with a decay (qd, kd not None)."""
+    s = _dot(q, k, (1, 1), cfg) * (cfg.scale * LOG2E)
+    return s if qd is None else s + (qd[:, None] - kd[None, :]) * LOG2E
+
+
+def _probs(q, k, qd, kd, lse, mask, cfg):
     """P = exp2(s - L) (bq, bk) float32, zero where masked."""
-    p = jnp.exp2(_dot(q, k, (1, 1), cfg) * (cfg.scale * LOG2E) - lse[:, None])
+    p = jnp.exp2(_logits(q, k, qd, kd, cfg) - lse[:, None])
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
@@ -176,15 +194,16 @@ def _q_block_range(k0, bk, bq, nq, cfg):
     return lo, hi
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_ref, *, cfg):
+def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, *refs, cfg):
+    qd_ref, kd_ref, o_ref, lse_ref = refs if cfg.decay else (None, None, *refs)
     bq, bk = cfg.blocks[:2]
-    q, qp, qs = q_ref[...], qp_ref[...], qs_ref[...]  # (bq, K), (bq,), (bq,)
+    q, qp, qs, qd = q_ref[...], qp_ref[...], qs_ref[...], _read(qd_ref, ...)  # (bq, K), (bq,) x 3
 
     def body(j, carry):
         acc, m, l = carry  # (bq, V), (bq,), (bq,)
         sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[sl, :], v_ref[sl, :]  # (bk, K), (bk, V)
-        s = _dot(q, k, (1, 1), cfg) * (cfg.scale * LOG2E)  # (bq, bk) base-2 logits
+        s = _logits(q, k, qd, _read(kd_ref, sl), cfg)  # (bq, bk)
         mask = _visible(qp, qs, kp_ref[sl], ks_ref[sl], j * bk, bk, cfg)
         if mask is not None:
             s = jnp.where(mask, s, MASK)
@@ -207,15 +226,18 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, cfg):
+               *refs, cfg):
+    qd_ref, kd_ref, dq_ref = refs if cfg.decay else (None, None, *refs)
     bq, bk = cfg.blocks[4:]
     q, do, qp, qs = q_ref[...], do_ref[...], qp_ref[...], qs_ref[...]  # (bq, K), (bq, V), ...
+    qd = _read(qd_ref, ...)  # (bq,) or None
     lse, delta = lse_ref[...], delta_ref[...]  # (bq,)
 
     def body(j, dq):
         sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[sl, :], v_ref[sl, :]  # (bk, K), (bk, V)
-        p = _probs(q, k, lse, _visible(qp, qs, kp_ref[sl], ks_ref[sl], j * bk, bk, cfg), cfg)
+        mask = _visible(qp, qs, kp_ref[sl], ks_ref[sl], j * bk, bk, cfg)
+        p = _probs(q, k, qd, _read(kd_ref, sl), lse, mask, cfg)  # (bq, bk)
         ds = p * (_dot(do, v, (1, 1), cfg) - delta[:, None])  # (bq, bk)
         return dq + _dot(ds.astype(k.dtype), k, (1, 0), cfg)
 
@@ -225,24 +247,32 @@ def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, cfg):
+                *refs, cfg):
+    qd_ref, kd_ref, dk_ref, dv_ref, dkd_ref = refs if cfg.decay else (None, None, *refs, None)
     bq, bk = cfg.blocks[2:4]
     k, v, kp, ks = k_ref[...], v_ref[...], kp_ref[...], ks_ref[...]  # (bk, K), (bk, V), (bk,), (bk,)
     k0 = pl.program_id(0) * bk
     lo, hi = _q_block_range(k0, bk, bq, q_ref.shape[0] // bq, cfg)
 
     def head(r, carry):  # the R query heads that share this kv head
+        kd = _read(kd_ref, r, slice(None))  # (bk,) or None
+
         def block(i, carry):
-            dk, dv = carry  # (bk, K), (bk, V)
+            dk, dv, *dkd = carry  # (bk, K), (bk, V), and d kd (bk,) with a decay
             sl = pl.ds(pl.multiple_of(i * bq, bq), bq)
             q, do = q_ref[sl, r, :], do_ref[sl, r, :]  # (bq, K), (bq, V)
             mask = _visible(qp_ref[sl], qs_ref[sl], kp, ks, k0, bk, cfg)
-            p = _probs(q, k, lse_ref[r, sl], mask, cfg)  # (bq, bk)
+            p = _probs(q, k, _read(qd_ref, r, sl), kd, lse_ref[r, sl], mask, cfg)  # (bq, bk)
             ds = p * (_dot(do, v, (1, 1), cfg) - delta_ref[r, sl][:, None])
-            return (dk + _dot(ds.astype(q.dtype), q, (0, 0), cfg),
-                    dv + _dot(p.astype(do.dtype), do, (0, 0), cfg))
+            grads = (dk + _dot(ds.astype(q.dtype), q, (0, 0), cfg),
+                     dv + _dot(p.astype(do.dtype), do, (0, 0), cfg))
+            return grads if kd is None else (*grads, dkd[0] - ds.sum(axis=0))
 
-        return fori_loop(lo, hi, block, carry)
+        if kd is None:
+            return fori_loop(lo, hi, block, carry)
+        dk, dv, dkd = fori_loop(lo, hi, block, (*carry, jnp.zeros((bk,), jnp.float32)))
+        dkd_ref[r, :] = dkd
+        return dk, dv
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = fori_loop(0, q_ref.shape[1], head, init)
@@ -258,7 +288,7 @@ def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, name, *args):
     )(*args)
 
 
-def _forward(q, k, v, qp, kp, qs, ks, cfg):
+def _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
     B, T, H, K = q.shape  # padded
     S, G, V = k.shape[1], k.shape[2], v.shape[-1]
     R, bq = H // G, cfg.blocks[0]  # the kernel slices its key blocks out of the whole K/V
@@ -266,15 +296,16 @@ def _forward(q, k, v, qp, kp, qs, ks, cfg):
     kv_all = lambda d: pl.BlockSpec((None, S, None, d), lambda i, b, h: (b, 0, h // R, 0))
     q_row = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
     kv_row = pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
-    return _call(_fwd_kernel, cfg, (T // bq, B, H),
-                 [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row],
-                 [q_blk(V), pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+    h_row = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    specs, args = [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row], [q, k, v, qp, kp, qs, ks]
+    if cfg.decay:  # qd (B, H, T), kd (B, H, S): the query head's rows
+        specs, args = specs + [h_row, pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0))], args + [qd, kd]
+    return _call(_fwd_kernel, cfg, (T // bq, B, H), specs, [q_blk(V), h_row],
                  [jax.ShapeDtypeStruct((B, T, H, V), q.dtype),
-                  jax.ShapeDtypeStruct((B, H, T), jnp.float32)], "flash_attention_fwd",
-                 q, k, v, qp, kp, qs, ks)
+                  jax.ShapeDtypeStruct((B, H, T), jnp.float32)], "flash_attention_fwd", *args)
 
 
-def _backward(q, k, v, qp, kp, qs, ks, do, lse, delta, cfg):
+def _backward(q, k, v, qp, kp, qs, ks, qd, kd, do, lse, delta, cfg):
     B, T, H, K = q.shape
     S, G, V = k.shape[1], k.shape[2], v.shape[-1]
     R = H // G
@@ -284,40 +315,48 @@ def _backward(q, k, v, qp, kp, qs, ks, do, lse, delta, cfg):
     q_row, h_row = (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                     pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)))
     kv_row = pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
-    dq = _call(_dq_kernel, cfg, (T // bq, B, H),
-               [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row, h_row],
-               q_blk(K), jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq",
-               q, k, v, qp, kp, qs, ks, do, lse, delta)
+    specs = [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row, h_row]
+    args = [q, k, v, qp, kp, qs, ks, do, lse, delta]
+    decay = [qd, kd] if cfg.decay else []
+    if cfg.decay:
+        specs.extend([h_row, pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0))])
+    dq = _call(_dq_kernel, cfg, (T // bq, B, H), specs, q_blk(K), jax.ShapeDtypeStruct(q.shape, q.dtype),
+               "flash_attention_dq", *args, *decay)
     bq, bk = cfg.blocks[2:4]  # dK/dV: one program per key block of one kv head, all its R q heads
     q_all = lambda d: pl.BlockSpec((None, T, R, d), lambda j, b, g: (b, 0, g, 0))
     kv_blk = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, b, g: (b, j, g, 0))
     q_row, h_row = (pl.BlockSpec((None, T), lambda j, b, g: (b, 0)),
                     pl.BlockSpec((None, R, T), lambda j, b, g: (b, g, 0)))
     kv_row = pl.BlockSpec((None, bk), lambda j, b, g: (b, j))
-    dk, dv = _call(_dkv_kernel, cfg, (S // bk, B, G),
-                   [q_all(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_all(V), h_row,
-                    h_row],
-                   [kv_blk(K), kv_blk(V)],
-                   [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                   "flash_attention_dkv", q, k, v, qp, kp, qs, ks, do, lse, delta)
-    return dq, dk, dv
+    specs = [q_all(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_all(V), h_row, h_row]
+    out_specs = [kv_blk(K), kv_blk(V)]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if cfg.decay:  # kd and d kd: the R query heads' rows of this key block
+        kd_blk = pl.BlockSpec((None, R, bk), lambda j, b, g: (b, g, j))
+        specs, out_specs = specs + [h_row, kd_blk], out_specs + [kd_blk]
+        out_shape.append(jax.ShapeDtypeStruct(kd.shape, jnp.float32))
+    dk, dv, *dkd = _call(_dkv_kernel, cfg, (S // bk, B, G), specs, out_specs, out_shape,
+                         "flash_attention_dkv", *args, *decay)
+    return dq, dk, dv, *dkd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _flash(q, k, v, qp, kp, qs, ks, cfg):
-    return _forward(q, k, v, qp, kp, qs, ks, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _flash(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
+    return _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg)[0]
 
 
-def _flash_fwd(q, k, v, qp, kp, qs, ks, cfg):
-    o, lse = _forward(q, k, v, qp, kp, qs, ks, cfg)
-    return o, (q, k, v, qp, kp, qs, ks, o, lse)
+def _flash_fwd(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
+    o, lse = _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg)
+    return o, (q, k, v, qp, kp, qs, ks, qd, kd, o, lse)
 
 
 def _flash_bwd(cfg, res, do):
-    q, k, v, qp, kp, qs, ks, o, lse = res
+    q, k, v, qp, kp, qs, ks, qd, kd, o, lse = res
     delta = jnp.einsum("BTHV,BTHV->BHT", o.astype(jnp.float32), do.astype(jnp.float32))
-    dq, dk, dv = _backward(q, k, v, qp, kp, qs, ks, do.astype(o.dtype), lse, delta, cfg)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv, *dkd = _backward(q, k, v, qp, kp, qs, ks, qd, kd, do.astype(o.dtype), lse, delta, cfg)
+    if not cfg.decay:
+        return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, jnp.zeros_like(qd), dkd[0]
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -351,10 +390,12 @@ def flash_attention(
     causal: bool = True,
     window: int | None = None,
     scale: float | None = None,
+    decay: Float[Array, "B T H"] | None = None,
+    kv_decay: Float[Array, "B S H"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B T H V"]:
-    """Same arguments and result as attention_reference; differentiable in q, k and v.
+    """Same arguments and result as attention_reference; differentiable in q, k, v and the decay.
 
     interpret=None runs the kernel in interpret mode everywhere but on GPU.
     """
@@ -368,7 +409,7 @@ def flash_attention(
     Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
     cfg = _Config(
         scale=K ** -0.5 if scale is None else float(scale), causal=causal, window=window,
-        segmented=segment_ids is not None, kv_len=S, kv_padded=Sp != S,
+        segmented=segment_ids is not None, decay=decay is not None, kv_len=S, kv_padded=Sp != S,
         kv_is_index=kv_positions is None, q_offset=S - T if q_positions is None else None,
         blocks=fitted, num_warps=blocks.num_warps or (4 if max(Kp, Vp) <= 64 else 8),
         num_stages=blocks.num_stages, interpret=backend != "gpu" if interpret is None else interpret,
@@ -377,7 +418,10 @@ def flash_attention(
     row = lambda x, n, mode: jnp.pad(jnp.broadcast_to(x, (B, x.shape[1])).astype(jnp.int32),
                                      ((0, 0), (0, n - x.shape[1])), mode=mode)
     pad = lambda x, n, d: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d - x.shape[3])))
+    rows = lambda x, n: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, n - x.shape[1]), (0, 0))).transpose(0, 2, 1)
+    qd, kd = (None, None) if decay is None else \
+        (rows(decay, Tp), rows(decay if kv_decay is None else kv_decay, Sp))  # (B, H, Tp), (B, H, Sp)
     # Padded queries repeat the last position, so a block's min/max position (block skipping) holds.
     o = _flash(pad(q, Tp, Kp), pad(k, Sp, Kp), pad(v, Sp, Vp), row(qp, Tp, "edge"),
-               row(kp, Sp, "constant"), row(qs, Tp, "constant"), row(ks, Sp, "constant"), cfg)
+               row(kp, Sp, "constant"), row(qs, Tp, "constant"), row(ks, Sp, "constant"), qd, kd, cfg)
     return o[:, :T, :, :V]

@@ -13,7 +13,9 @@ dS_ij = P_ij * (dO_i V_j^T - D_i), dQ_i = scale sum_j dS_ij K_j, dK_j = scale su
 dV_j = sum_i P_ij^T dO_i. Code names: `m`, `l`, `acc` (unnormalised O), `lse` (L), `delta` (D),
 `p` (P), `ds` (dS). Masks are the reference's: key j is visible from query i iff kp_j <= qp_i
 (causal), kp_j > qp_i - window (window) and the segment ids agree; a query that sees no key returns
-zeros (and has L = 0).
+zeros (and has L = 0). A decay (reference.py; FoX's cumulative log forget gate) adds qd_i - kd_j to
+s_ij per query head, and the dK/dV kernel returns d kd_j = -sum_i dS_ij per query head (d qd = 0: a
+per-query shift cancels in the softmax), as in pallas.py.
 
 TPU design (one Pallas call per kernel, the reduction axis last and "arbitrary"):
 - forward: grid (B, H, T/bq, S/bk). Each step brings one (bq, K) query block and one (bk, K) key and
@@ -28,7 +30,9 @@ TPU design (one Pallas call per kernel, the reduction axis last and "arbitrary")
   column block h, so no (B, H, T, K) transpose is made.
 - Stored for the backward: q, k, v, o and L as (B, H, T, 1) float32 (4 bytes per query and head).
 - Per-token ints: query positions and segment ids as (B, T, 1) arrays in (bq, 1) blocks, key ones as
-  (B, 1, S) arrays in (1, bk) blocks (lane-dense; bk a multiple of 128 or the whole padded S).
+  (B, 1, S) arrays in (1, bk) blocks (lane-dense; bk a multiple of 128 or the whole padded S). The
+  decay per query head likewise: qd (B, H, T, 1) like L, kd and d kd (B, H, 1, S) in (1, bk) blocks;
+  d kd (1, bk) float32 accumulates in scratch over the query blocks of one query head r.
 
 Block skipping: when q_positions and kv_positions are both None (positions are the index, queries
 the last T of the S keys), the causal and window bounds give, from the program ids alone, the range
@@ -93,6 +97,7 @@ class _Config:
     causal: bool
     window: int | None
     segmented: bool
+    decay: bool  # qd, kd are inputs (and d kd an output of the dK/dV kernel)
     kv_len: int  # S before padding: keys at index >= kv_len are padding
     kv_padded: bool
     q_offset: int | None  # both positions None: query t sits at t + q_offset, key j at j; else None
@@ -163,14 +168,20 @@ def _visible(qp, qs, kp, ks, k0, cfg):
     return functools.reduce(jnp.logical_and, conds) if conds else None
 
 
-def _probs(q, k, lse, mask, cfg):
+def _logits(q, k, qd_ref, kd_ref, cfg):
+    """(bq, bk) float32 logits: scale q k^T, plus qd_i - kd_j with a decay (refs (bq, 1), (1, bk))."""
+    s = _dot(q, k, cfg, trans_b=True) * cfg.scale
+    return s if qd_ref is None else s + (qd_ref[...] - kd_ref[...])
+
+
+def _probs(q, k, qd_ref, kd_ref, lse, mask, cfg):
     """P = exp(s - L) (bq, bk) float32, zero where masked."""
-    p = jnp.exp(_dot(q, k, cfg, trans_b=True) * cfg.scale - lse)
+    p = jnp.exp(_logits(q, k, qd_ref, kd_ref, cfg) - lse)
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_ref,
-                m_scr, l_scr, acc_scr, *, cfg):
+def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, *refs, cfg):
+    qd_ref, kd_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs if cfg.decay else (None, None, *refs)
     bq, bk = cfg.blocks[:2]
     i, j, nk = pl.program_id(2), pl.program_id(3), cfg.padded[1] // cfg.blocks[1]
 
@@ -182,7 +193,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_
 
     def step():
         v = v_ref[...]  # (bk, V)
-        s = _dot(q_ref[...], k_ref[...], cfg, trans_b=True) * cfg.scale  # (bq, bk)
+        s = _logits(q_ref[...], k_ref[...], qd_ref, kd_ref, cfg)  # (bq, bk)
         mask = _visible(qp_ref[...], qs_ref[...], kp_ref[...], ks_ref[...], j * bk, cfg)
         if mask is not None:
             s = jnp.where(mask, s, MASK)
@@ -208,7 +219,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, dq_scr, *, cfg):
+               *refs, cfg):
+    qd_ref, kd_ref, dq_ref, dq_scr = refs if cfg.decay else (None, None, *refs)
     bq, bk = cfg.blocks[4:]
     i, j, nk = pl.program_id(2), pl.program_id(3), cfg.padded[1] // bk
 
@@ -219,7 +231,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_
     def step():
         k = k_ref[...]  # (bk, K)
         mask = _visible(qp_ref[...], qs_ref[...], kp_ref[...], ks_ref[...], j * bk, cfg)
-        p = _probs(q_ref[...], k, lse_ref[...], mask, cfg)  # (bq, bk)
+        p = _probs(q_ref[...], k, qd_ref, kd_ref, lse_ref[...], mask, cfg)  # (bq, bk)
         ds = p * (_dot(do_ref[...], v_ref[...], cfg, trans_b=True) - delta_ref[...])
         dq_scr[...] += _dot(ds.astype(k.dtype), k, cfg)
 
@@ -231,7 +243,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, dk_scr, dv_scr, *, cfg):
+                *refs, cfg):
+    qd_ref, kd_ref, dk_ref, dv_ref, dkd_ref, dk_scr, dv_scr, dkd_scr = \
+        refs if cfg.decay else (None, None, *refs[:2], None, *refs[2:], None)
     bq, bk = cfg.blocks[2:4]
     j, r, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
     nr, nq = cfg.heads[0] // cfg.heads[1], cfg.padded[0] // bq
@@ -241,15 +255,27 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
+    if cfg.decay:  # d kd is per query head: its own sum over the query blocks of head r
+        @pl.when(i == 0)
+        def _init_decay():
+            dkd_scr[...] = jnp.zeros(dkd_scr.shape, jnp.float32)
+
     def step():
         q, do = q_ref[...], do_ref[...]  # (bq, K), (bq, V)
         mask = _visible(qp_ref[...], qs_ref[...], kp_ref[...], ks_ref[...], j * bk, cfg)
-        p = _probs(q, k_ref[...], lse_ref[...], mask, cfg)  # (bq, bk)
+        p = _probs(q, k_ref[...], qd_ref, kd_ref, lse_ref[...], mask, cfg)  # (bq, bk)
         ds = p * (_dot(do, v_ref[...], cfg, trans_b=True) - delta_ref[...])
         dv_scr[...] += _dot(p.T.astype(do.dtype), do, cfg)  # (bk, V)
         dk_scr[...] += _dot(ds.T.astype(q.dtype), q, cfg)  # (bk, K)
+        if cfg.decay:
+            dkd_scr[...] -= ds.sum(axis=0, keepdims=True)  # (1, bk)
 
     _when_live(i, _q_range(j, bq, bk, nq, cfg), step)
+
+    if cfg.decay:
+        @pl.when(i == nq - 1)
+        def _store_decay():
+            dkd_ref[...] = dkd_scr[...]
 
     @pl.when((r == nr - 1) & (i == nq - 1))
     def _store():
@@ -268,15 +294,17 @@ def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, scratch, semantics,
 
 def _specs(bq, bk, q_index, kv_index):
     """BlockSpecs of q-like (B, T, H*D), kv-like (B, S, G*D) and row (B, T, 1), (B, 1, S),
-    (B, H, T, 1) operands, from the grid's (batch, query block, query head) and (batch, key block,
-    kv head) index functions."""
+    (B, H, T, 1), (B, H, 1, S) operands, from the grid's (batch, query block, query head) and (batch,
+    key block, kv head) index functions."""
     q_blk = lambda d: pl.BlockSpec((None, bq, d), q_index)
     kv_blk = lambda d: pl.BlockSpec((None, bk, d), kv_index)
     q_row = pl.BlockSpec((None, bq, 1), lambda *ids: (*q_index(*ids)[:2], 0))
     kv_row = pl.BlockSpec((None, 1, bk), lambda *ids: (kv_index(*ids)[0], 0, kv_index(*ids)[1]))
     h_row = pl.BlockSpec((None, None, bq, 1), lambda *ids: (q_index(*ids)[0], q_index(*ids)[2],
                                                            q_index(*ids)[1], 0))
-    return q_blk, kv_blk, q_row, kv_row, h_row
+    hk_row = pl.BlockSpec((None, None, 1, bk), lambda *ids: (kv_index(*ids)[0], q_index(*ids)[2], 0,
+                                                            kv_index(*ids)[1]))
+    return q_blk, kv_blk, q_row, kv_row, h_row, hk_row
 
 
 def _fq_specs(cfg, bq, bk):
@@ -288,64 +316,69 @@ def _fq_specs(cfg, bq, bk):
                   lambda b, h, i, j: (b, kv_block(i, j), div(h, H // G)))
 
 
-def _forward(q, k, v, qp, kp, qs, ks, cfg):
+def _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
     B, T, _ = q.shape  # padded; q (B, T, H*K), k (B, S, G*K), v (B, S, G*V)
     (H, G), (bq, bk) = cfg.heads, cfg.blocks[:2]
     K, V, S = q.shape[2] // H, v.shape[2] // G, k.shape[1]
-    q_blk, kv_blk, q_row, kv_row, h_row = _fq_specs(cfg, bq, bk)
-    return _call(_fwd_kernel, cfg, (B, H, T // bq, S // bk),
-                 [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row],
-                 [q_blk(V), h_row],
+    q_blk, kv_blk, q_row, kv_row, h_row, hk_row = _fq_specs(cfg, bq, bk)
+    specs, args = [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row], [q, k, v, qp, kp, qs, ks]
+    if cfg.decay:  # qd (B, H, T, 1), kd (B, H, 1, S)
+        specs, args = specs + [h_row, hk_row], args + [qd, kd]
+    return _call(_fwd_kernel, cfg, (B, H, T // bq, S // bk), specs, [q_blk(V), h_row],
                  [jax.ShapeDtypeStruct((B, T, H * V), q.dtype),
                   jax.ShapeDtypeStruct((B, H, T, 1), jnp.float32)],
                  [(bq, 1), (bq, 1), (bq, V)], ("parallel", "parallel", "parallel", "arbitrary"),
-                 "flash_attention_tpu_fwd", q, k, v, qp, kp, qs, ks)
+                 "flash_attention_tpu_fwd", *args)
 
 
-def _backward(q, k, v, qp, kp, qs, ks, do, lse, delta, cfg):
+def _backward(q, k, v, qp, kp, qs, ks, qd, kd, do, lse, delta, cfg):
     B, T, _ = q.shape
     (H, G), R = cfg.heads, cfg.heads[0] // cfg.heads[1]
     K, V, S = q.shape[2] // H, v.shape[2] // G, k.shape[1]
+    args, decay = [q, k, v, qp, kp, qs, ks, do, lse, delta], [qd, kd] if cfg.decay else []
     bq, bk = cfg.blocks[4:]  # dQ: the forward's grid, accumulating over key blocks
-    q_blk, kv_blk, q_row, kv_row, h_row = _fq_specs(cfg, bq, bk)
-    dq = _call(_dq_kernel, cfg, (B, H, T // bq, S // bk),
-               [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row, h_row],
+    q_blk, kv_blk, q_row, kv_row, h_row, hk_row = _fq_specs(cfg, bq, bk)
+    specs = [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row, h_row]
+    dq = _call(_dq_kernel, cfg, (B, H, T // bq, S // bk), specs + [h_row, hk_row][:len(decay)],
                q_blk(K), jax.ShapeDtypeStruct(q.shape, q.dtype), [(bq, K)],
-               ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_tpu_dq",
-               q, k, v, qp, kp, qs, ks, do, lse, delta)
+               ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_tpu_dq", *args, *decay)
     bq, bk = cfg.blocks[2:4]  # dK/dV: grid (B, G, S/bk, R, T/bq), accumulating over r and i
     nq = T // bq
     q_block = lambda j, i: _clamp(i, _q_range(j, bq, bk, nq, cfg))
-    q_blk, kv_blk, q_row, kv_row, h_row = _specs(
+    q_blk, kv_blk, q_row, kv_row, h_row, hk_row = _specs(
         bq, bk, lambda b, g, j, r, i: (b, q_block(j, i), g * R + r),
         lambda b, g, j, r, i: (b, j, g))
-    dk, dv = _call(_dkv_kernel, cfg, (B, G, S // bk, R, nq),
-                   [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row,
-                    h_row],
-                   [kv_blk(K), kv_blk(V)],
-                   [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                   [(bk, K), (bk, V)], ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
-                   "flash_attention_tpu_dkv", q, k, v, qp, kp, qs, ks, do, lse, delta)
-    return dq, dk, dv
+    specs = [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row, h_row]
+    out_specs, scratch = [kv_blk(K), kv_blk(V)], [(bk, K), (bk, V)]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if cfg.decay:  # d kd (B, H, 1, S): the block of query head g R + r
+        specs, out_specs, scratch = specs + [h_row, hk_row], out_specs + [hk_row], scratch + [(1, bk)]
+        out_shape.append(jax.ShapeDtypeStruct(kd.shape, jnp.float32))
+    dk, dv, *dkd = _call(_dkv_kernel, cfg, (B, G, S // bk, R, nq), specs, out_specs, out_shape, scratch,
+                         ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+                         "flash_attention_tpu_dkv", *args, *decay)
+    return dq, dk, dv, *dkd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _flash(q, k, v, qp, kp, qs, ks, cfg):
-    return _forward(q, k, v, qp, kp, qs, ks, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _flash(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
+    return _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg)[0]
 
 
-def _flash_fwd(q, k, v, qp, kp, qs, ks, cfg):
-    o, lse = _forward(q, k, v, qp, kp, qs, ks, cfg)
-    return o, (q, k, v, qp, kp, qs, ks, o, lse)
+def _flash_fwd(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
+    o, lse = _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg)
+    return o, (q, k, v, qp, kp, qs, ks, qd, kd, o, lse)
 
 
 def _flash_bwd(cfg, res, do):
-    q, k, v, qp, kp, qs, ks, o, lse = res
+    q, k, v, qp, kp, qs, ks, qd, kd, o, lse = res
     B, T, H = o.shape[0], o.shape[1], cfg.heads[0]
     prod = o.astype(jnp.float32) * do.astype(jnp.float32)  # (B, T, H*V)
     delta = jnp.moveaxis(prod.reshape(B, T, H, -1).sum(-1), 2, 1)[..., None]  # (B, H, T, 1)
-    dq, dk, dv = _backward(q, k, v, qp, kp, qs, ks, do.astype(o.dtype), lse, delta, cfg)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv, *dkd = _backward(q, k, v, qp, kp, qs, ks, qd, kd, do.astype(o.dtype), lse, delta, cfg)
+    if not cfg.decay:
+        return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, jnp.zeros_like(qd), dkd[0]
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -368,10 +401,12 @@ def flash_attention_tpu(
     causal: bool = True,
     window: int | None = None,
     scale: float | None = None,
+    decay: Float[Array, "B T H"] | None = None,
+    kv_decay: Float[Array, "B S H"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B T H V"]:
-    """Same arguments and result as attention_reference; differentiable in q, k and v.
+    """Same arguments and result as attention_reference; differentiable in q, k, v and the decay.
 
     interpret=None runs the TPU interpreter everywhere but on a TPU.
     """
@@ -390,7 +425,7 @@ def flash_attention_tpu(
     Kp, Vp = (d if interpret else -(-d // 128) * 128 for d in (K, V))
     cfg = _Config(
         scale=K ** -0.5 if scale is None else float(scale), causal=causal, window=window,
-        segmented=segment_ids is not None, kv_len=S, kv_padded=Sp != S,
+        segmented=segment_ids is not None, decay=decay is not None, kv_len=S, kv_padded=Sp != S,
         q_offset=S - T if q_positions is None and kv_positions is None else None,
         heads=(H, G), blocks=fitted, padded=(Tp, Sp), interpret=interpret,
         exact=q.dtype == jnp.float32)
@@ -399,7 +434,11 @@ def flash_attention_tpu(
     kv_row = lambda x: jnp.pad(jnp.broadcast_to(x, (B, S)).astype(jnp.int32), ((0, 0), (0, Sp - S)))
     pad = lambda x, n, d: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d - x.shape[3])))
     heads = lambda x: x.reshape(*x.shape[:2], -1)  # (B, T, H, D) -> (B, T, H*D), free
+    rows = lambda x, n: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, n - x.shape[1]), (0, 0))).transpose(0, 2, 1)
+    qd, kd = (None, None) if decay is None else \
+        (rows(decay, Tp)[..., None], rows(decay if kv_decay is None else kv_decay, Sp)[:, :, None])
+    # qd (B, H, Tp, 1), kd (B, H, 1, Sp)
     o = _flash(heads(pad(q, Tp, Kp)), heads(pad(k, Sp, Kp)), heads(pad(v, Sp, Vp)),
                q_row(qp)[..., None], kv_row(kp)[:, None], q_row(qs)[..., None], kv_row(ks)[:, None],
-               cfg)
+               qd, kd, cfg)
     return o.reshape(B, Tp, H, Vp)[:, :T, :, :V]

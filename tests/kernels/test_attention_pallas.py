@@ -1,4 +1,4 @@
-"""Pallas flash attention against the XLA reference: outputs and dq, dk, dv.
+"""Pallas flash attention against the XLA reference: outputs and dq, dk, dv (and the decay's gradients).
 
 On CPU the kernel runs in interpret mode with 16-row blocks, so tiny shapes still cross several
 blocks, ragged tails and skipped blocks. Tests marked `gpu` run the compiled kernel and skip on CPU.
@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from kernels import IMPLS
-from kernels.attention import attention
+from kernels.attention import attention, attention_cached
 from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention
 from kernels.attention.reference import attention_reference
 from layers import Attention
@@ -70,7 +70,65 @@ def test_matches_reference_float32(case):
     _compare(q, k, v, ct, kw, 1e-4)
 
 
-def test_decode_style_call_with_cache_positions_and_documents():
+def _decay(B, S, H, seed):
+    """FoX's decay (B, S, H) float32: cumulative log forget gates log sigmoid(x) of random x."""
+    x = np.random.default_rng(seed).standard_normal((B, S, H)).astype(np.float32) + 1.0
+    return jnp.asarray(np.cumsum(-np.logaddexp(0.0, -x), axis=1))
+
+
+def _with_decay(attn, q, k, v, decay, kv_decay, ct, kw):
+    o, vjp = jax.vjp(lambda q, k, v, d, kd: attn(q, k, v, decay=d, kv_decay=kd, **kw), q, k, v, decay, kv_decay)
+    return o, *vjp(ct)
+
+
+# (B, T, S, H, G, causal, window, packed, own kv_decay): ragged T over 16-row blocks with GQA 4, a
+# window and packed documents; T = 1 and T = 9 queries (the last of S keys) with their own kv_decay;
+# a non-causal call (keys after the query: positive biases), all heads on one kv head.
+DECAY_CASES = {
+    "ragged-gqa4-window-packed": (2, 37, 37, 8, 2, True, 9, True, False),
+    "T1-against-longer-keys": (1, 1, 21, 2, 1, True, 5, False, True),
+    "T9-against-longer-keys-gqa2": (2, 9, 40, 4, 2, True, None, False, True),
+    "noncausal-G1-packed": (1, 21, 21, 2, 1, False, None, True, False),
+}
+
+
+@pytest.mark.parametrize("case", DECAY_CASES)
+def test_decay_matches_reference(case):
+    """o, dq, dk, dv, d decay and d kv_decay against the reference; with its own kv_decay, d decay is 0
+    (a query's shift cancels in its softmax), else the decay is both and its gradient d kv_decay's."""
+    B, T, S, H, G, causal, window, packed, cross = DECAY_CASES[case]
+    q, k, v, ct = _inputs(B, T, S, H, G, 16, 8, seed=60)
+    c = _decay(B, S, H, seed=61)
+    decay, kv_decay = (c[:, S - T:], c) if cross else (c, None)
+    kw = dict(causal=causal, window=window, segment_ids=_packed(B, T, 62) if packed else None)
+    got = jax.jit(partial(_with_decay, partial(flash_attention, block_sizes=BS), kw=kw))(q, k, v, decay, kv_decay, ct)
+    want = jax.jit(partial(_with_decay, attention_reference, kw=kw))(q, k, v, decay, kv_decay, ct)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "d decay", "d kv_decay"), got, want):
+        if cross and name == "d decay":
+            assert float(jnp.abs(a).max()) == 0.0 and float(jnp.abs(b).max()) < 1e-5, name
+        elif b is not None:
+            assert_close(a, b, 1e-4, name)
+
+
+def test_decay_through_attention_cached():
+    """A FoX decode step as layers.ForgettingAttention makes it: 3 new tokens at slots index[b] of a
+    24-slot cache (stale slots past them), impl="pallas" (the kernel, write-then-attend) against
+    impl="reference" on the outputs and the gradients of q, k, v and the new tokens' decay."""
+    B, T, S, H, G, K, index = 2, 3, 24, 4, 2, 16, jnp.array([17, 9], jnp.int32)
+    q, k, v, ct = _inputs(B, T, T, H, G, K, K, seed=70)
+    ck, cv = (jnp.asarray(np.random.default_rng(s).standard_normal((B, G, S, K), np.float32)) for s in (71, 72))
+    c = _decay(B, S + T, H, seed=73)  # (B, S + T, H): the new tokens' decay follows each row's cache
+    new = jnp.stack([c[b, i:i + T] for b, i in enumerate(index.tolist())])  # (B, T, H)
+
+    def grads(impl):
+        f = partial(attention_cached, cache_k=ck, cache_v=cv, cache_length=index, impl=impl,
+                    cache_decay=jnp.swapaxes(c[:, :S], 1, 2))  # (B, H, S)
+        step = lambda q, k, v, d: f(q, k, v, decay=d)
+        return jax.jit(lambda *a: (step(*a), *jax.vjp(step, *a)[1](ct)))(q, k, v, new)
+
+    for name, a, b in zip(("o", "dq", "dk", "dv", "d decay"), grads("pallas"), grads("reference")):
+        assert_close(a, b, 1e-4, name)
+
     """As layers.Attention.decode calls it: 3 new queries at cache slots 20..22 against a 40-slot
     cache whose unwritten slots hold document -1; row 1's last query starts a document that has no
     key yet except itself, and row 0's queries belong to a document absent from the cache."""
@@ -101,8 +159,10 @@ def test_bfloat16_within_bf16_tolerance_of_float32_reference():
 
 def test_dispatch():
     q = jnp.zeros((1, 32, 2, 16))  # T > 16: not decode-sized, so "auto" on GPU takes the kernel
-    jaxpr = lambda impl: str(jax.make_jaxpr(partial(attention, impl=impl))(q, q, q))
+    jaxpr = lambda impl, **kw: str(jax.make_jaxpr(partial(attention, impl=impl, **kw))(q, q, q))
     assert "pallas_call" in jaxpr("pallas")
+    assert "pallas_call" in jaxpr("pallas", decay=jnp.zeros((1, 32, 2)))
+    assert "pallas_call" not in jaxpr("pallas", sinks=2, window=4)  # never a wrong result: XLA
     assert ("pallas_call" in jaxpr("auto")) == ON_GPU  # CPU: "auto" is the XLA reference
     assert "pallas_call" not in jaxpr("xla")
     assert IMPLS == ("auto", "reference", "xla", "pallas")
@@ -115,11 +175,11 @@ def test_dispatch():
 def test_lowers_for_cuda_through_triton():
     """Without a GPU: the three kernels (forward, dQ, dK/dV) lower to Triton for CUDA with the GPU
     block sizes (power-of-two tiles, every primitive has a Triton rule), here for bf16 GQA with a
-    window, packed documents and ragged T, and for a decode-sized call with cache positions."""
+    window, packed documents, a decay and ragged T, and for a decode-sized call with cache positions."""
     gpu_blocks = partial(flash_attention, block_sizes=default_block_sizes("gpu"), interpret=False)
     q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in ((2, 300, 8, 64), (2, 300, 2, 64), (2, 300, 2, 64)))
     seg = jnp.zeros((2, 300), jnp.int32)
-    for query, kw in ((q, dict(window=100, segment_ids=seg)),
+    for query, kw in ((q, dict(window=100, segment_ids=seg, decay=jnp.zeros((2, 300, 8)))),
                       (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
                                       kv_segment_ids=seg))):
         f = partial(_out_and_grads, partial(gpu_blocks, **kw), kw={})

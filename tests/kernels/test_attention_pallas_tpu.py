@@ -1,4 +1,4 @@
-"""Pallas TPU flash attention against the XLA reference: outputs and dq, dk, dv.
+"""Pallas TPU flash attention against the XLA reference: outputs and dq, dk, dv (and the decay's gradients).
 
 Off a TPU the kernels run in the TPU interpreter (which randomises the order of "parallel" grid
 points and fills scratch with NaN, so a missing initialisation or a cross-step dependence fails);
@@ -13,9 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels.attention import attention
 from kernels.attention.pallas_tpu import BlockSizes, flash_attention_tpu
+from kernels.attention.reference import attention_reference
 from tests.kernels.test_attention_pallas import _compare as _compare_kernel
-from tests.kernels.test_attention_pallas import _inputs, _out_and_grads
+from tests.kernels.test_attention_pallas import _decay, _inputs, _out_and_grads, _with_decay
+from tests.util import assert_close
 
 BS8, BS16 = BlockSizes(8, 8, 8, 8, 8, 8), BlockSizes(16, 16, 16, 16, 16, 16)
 
@@ -77,6 +80,41 @@ def test_bfloat16_within_bf16_tolerance_of_float32_reference():
     _compare(q, k, v, ct, dict(window=9, segment_ids=_packed(1, 21, 6)), 2e-2, BS8)
 
 
+# (B, T, S, H, G, causal, window, packed, own kv_decay, blocks): ragged T with GQA 2, a window and
+# packed documents; T = 5 queries (the last of S = 21 keys, a block boundary inside) with their own
+# kv_decay; non-causal on one kv head (positive biases of later keys).
+DECAY_CASES = {
+    "ragged-gqa2-window-packed": (1, 21, 21, 4, 2, True, 9, True, False, BS8),
+    "T5-against-longer-keys": (1, 5, 21, 2, 1, True, 7, False, True, BS8),
+    "noncausal-G1": (1, 19, 19, 2, 1, False, None, False, False, BS16),
+}
+
+
+@pytest.mark.parametrize("case", DECAY_CASES)
+def test_decay_matches_reference(case):
+    """o, dq, dk, dv, d decay and d kv_decay against the reference (see test_attention_pallas.py)."""
+    B, T, S, H, G, causal, window, packed, cross, blocks = DECAY_CASES[case]
+    q, k, v, ct = _inputs(B, T, S, H, G, 16, 8, seed=80)
+    c = _decay(B, S, H, seed=81)
+    decay, kv_decay = (c[:, S - T:], c) if cross else (c, None)
+    kw = dict(causal=causal, window=window, segment_ids=_packed(B, T, 82) if packed else None)
+    kernel = partial(flash_attention_tpu, block_sizes=blocks, interpret=True)
+    got = jax.jit(partial(_with_decay, kernel, kw=kw))(q, k, v, decay, kv_decay, ct)
+    want = jax.jit(partial(_with_decay, attention_reference, kw=kw))(q, k, v, decay, kv_decay, ct)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "d decay", "d kv_decay"), got, want):
+        if cross and name == "d decay":
+            assert float(jnp.abs(a).max()) == 0.0 and float(jnp.abs(b).max()) < 1e-5, name
+        elif b is not None:
+            assert_close(a, b, 1e-4, name)
+
+
+def test_decay_is_routed_to_the_tpu_kernel(monkeypatch):
+    monkeypatch.setenv("ZOO_PALLAS_PLATFORM", "tpu")
+    q = jnp.zeros((1, 32, 2, 16))
+    f = partial(attention, impl="pallas", decay=jnp.zeros((1, 32, 2)))
+    assert "pallas_call" in str(jax.make_jaxpr(f)(q, q, q))
+
+
 def test_block_sizes_are_validated():
     with pytest.raises(ValueError, match="block_q_dkv"):
         BlockSizes(block_q_dkv=48)
@@ -87,14 +125,15 @@ def test_block_sizes_are_validated():
 
 def test_lowers_for_tpu_through_mosaic():
     """Without a TPU: the three kernels (forward, dQ, dK/dV) lower to Mosaic with the default block
-    sizes, in bf16 with D = 128: GQA with a window and packed documents (blocks skipped), and a
-    decode-sized call with cache positions (every block visited)."""
+    sizes, in bf16 with D = 128: GQA with a window, packed documents and a decay (blocks skipped), and
+    a decode-sized call with cache positions and its own kv_decay (every block visited)."""
     q, k = jnp.zeros((1, 1024, 2, 128), jnp.bfloat16), jnp.zeros((1, 1024, 1, 128), jnp.bfloat16)
     seg = jnp.zeros((1, 1024), jnp.int32)
     tpu = partial(flash_attention_tpu, interpret=False)
-    for query, kw in ((q, dict(window=300, segment_ids=seg)),
+    for query, kw in ((q, dict(window=300, segment_ids=seg, decay=jnp.zeros((1, 1024, 2)))),
                       (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
-                                      kv_segment_ids=seg))):
+                                      kv_segment_ids=seg, decay=jnp.zeros((1, 3, 2)),
+                                      kv_decay=jnp.zeros((1, 1024, 2))))):
         f = partial(_out_and_grads, partial(tpu, **kw), kw={})
         text = jax.jit(f).trace(query, k, k, query).lower(lowering_platforms=("tpu",)).as_text()
         assert text.count("tpu_custom_call") == 3
