@@ -55,8 +55,8 @@ class FoXCache(KVCache):
 class ForgettingAttention(nnx.Module):
     """Args: num_heads, num_kv_heads (None = num_heads; GQA/MQA below it), head_dim (None = d_model /
     num_heads), rope_base (None = no positional encoding, as FoX), qk_norm, output_norm, output_gate
-    (the Pro block's parts), norm_eps, impl ("auto" | "reference" | "xla"; the attention op's: a decay
-    never runs the Pallas kernels), dtype (compute dtype; parameters stay float32)."""
+    (the Pro block's parts), norm_eps, impl ("auto" | "reference" | "xla" | "pallas"; the attention op's:
+    the Pallas flash kernels take the decay), dtype (compute dtype; parameters stay float32)."""
     grows_with_context = True  # the KV cache holds max_len slots
 
     def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
