@@ -18,7 +18,7 @@ from flax import nnx
 
 from benchmarks.common import print_table, save_json, timeit, tree_bytes
 from infer.generate import DECODE_OPTIONS
-from layers import KVCache, LatentCache
+from layers import FoXCache, KVCache, LatentCache
 from zoo import LanguageModel
 from zoo.config import from_dict
 
@@ -50,7 +50,7 @@ KINDS = {
     "gated_deltaproduct": {"kind": "gated_deltaproduct", "num_heads": 8},
 }
 STEPS = 32
-CACHES = {KVCache: ("k", "v"), LatentCache: ("kv",)}  # a cache's per-token arrays: kv_cache_MiB
+CACHES = {KVCache: ("k", "v"), FoXCache: ("k", "v", "c"), LatentCache: ("kv",)}  # per-token arrays: kv_cache_MiB
 
 
 @functools.partial(jax.jit, static_argnums=0)
