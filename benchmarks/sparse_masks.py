@@ -9,13 +9,16 @@ batches the calibration did not see:
 - retrieval at growing distances: a validation window of the training length L whose last n = 12
   tokens repeat the 12 tokens that started d tokens earlier; the accuracy of the greedy prediction of
   copied tokens 2..12 (each needs the token d positions back), per distance d;
-- the effective context of each: the largest tested d at which its copy accuracy stays at least 90%
-  of the full model's at that d (MoA's measure, on this model's copying instead of long-document
-  retrieval), and the ratio calibrated / uniform that the paper puts at up to 3.9x.
+- the effective context of each: the largest tested d at which its accuracy stays at least 90% of the
+  full model's at that d (MoA's measure, on this model's copying or recall instead of long-document
+  retrieval), and at least 50%; the ratio calibrated / uniform of each (the paper's: up to 3.9x).
+A task run (MQAR, e.g.) reports held-out accuracy instead of loss, and retrieval by distance is
+the accuracy on the scored queries grouped by how far back their key's value sits (powers of two).
 Written to runs/bench/sparse_masks.json.
 """
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -26,6 +29,7 @@ from flax import nnx
 from benchmarks.common import print_table, save_json
 from train.calibrate import Mask, _arrays, attention_layers, calibrate, uniform
 from train.data import Batches, load_streams
+from train.tasks import TaskBatches
 from zoo.checkpoint import load_model
 
 N_COPY = 12
@@ -54,16 +58,34 @@ def copies(cfg, distances, rows: int, seed: int) -> dict:
     return out
 
 
+def recalls(cfg, batches: int, seed: int) -> dict:
+    """Task runs: d -> (x, positions, targets) of the held-out queries whose key's value sits d back,
+    d rounded up to a power of two (from test batches past the calibration's)."""
+    source = TaskBatches(dataclasses.replace(cfg.data.task, num_test_examples=64 * 16), cfg.train.seq_len, seed)
+    out = {}
+    for i in range(2 * batches, 2 * batches + 8):
+        b = source.val_batch(i, 16)
+        for r, t in zip(*np.nonzero(b["mask"])):
+            back = t - np.flatnonzero(b["x"][r, :t] == b["x"][r, t])  # the earlier occurrences of the key
+            if len(back):
+                d = 1 << int(np.ceil(np.log2(max(1, back[-1] - 1))))  # the value sits back[-1] - 1 back
+                out.setdefault(d, []).append((b["x"][r], t, b["y"][r, t]))
+    return {d: (np.stack([e[0] for e in v]), np.array([e[1] for e in v]), np.array([e[2] for e in v]))
+            for d, v in sorted(out.items())}
+
+
 def copy_accuracy(graphdef, state, masks, tests) -> dict:
     acc = {}
     for d, (x, at, target) in tests.items():
         pred = np.asarray(_predict(graphdef, state, _arrays(masks), jnp.asarray(x)))
-        acc[d] = float((pred[:, at] == target).mean())
+        hit = pred[:, at] == target if target.ndim == 2 else pred[np.arange(len(at)), at] == target  # text: (rows, n)
+        acc[d] = float(hit.mean())
     return acc
 
 
-def effective(acc: dict, full: dict) -> int:
-    ok = [d for d in acc if acc[d] >= 0.9 * full[d]]
+def effective(acc: dict, full: dict, frac: float) -> int:
+    """The largest tested distance at which acc keeps `frac` of the full model's accuracy there."""
+    ok = [d for d in acc if acc[d] >= frac * full[d]]
     return max(ok) if ok else 0
 
 
@@ -77,30 +99,40 @@ def main(argv=None):
     args = p.parse_args(argv)
     cfg, model, _ = load_model(args.run_dir)
     L, H, n_layers = cfg.train.seq_len, attention_layers(model)[0].num_heads, len(attention_layers(model))
-    distances = [d for d in (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if d <= L - N_COPY]
-    tests = copies(cfg, distances, args.copies, args.seed)
+    task = cfg.data.task is not None
+    if task:
+        tests = recalls(cfg, args.batches, args.seed)
+    else:
+        tests = copies(cfg, [d for d in (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if d <= L - N_COPY],
+                       args.copies, args.seed)
+    distances = list(tests)
+    metric = "val_accuracy" if task else "val_loss"
     model.eval()
     graphdef, state = nnx.split(model)
     full = copy_accuracy(graphdef, state, [[Mask()] * H] * n_layers, tests)
-    rows = [{"masks": "full", "density": 1.0, "val_loss": None, **{f"copy@{d}": round(a, 3) for d, a in full.items()},
-             "effective": effective(full, full)}]
+    rows = [{"masks": "full", "density": 1.0, metric: None, **{f"copy@{d}": round(a, 3) for d, a in full.items()},
+             "effective_90": effective(full, full, 0.9), "effective_50": effective(full, full, 0.5)}]
     for budget in args.densities:
         r = calibrate(args.run_dir, budget, args.batches, seed=args.seed, log=print)
-        rows[0]["val_loss"] = r["full_loss"]
+        key = "accuracy" if task else "loss"
+        rows[0][metric] = r[f"full_{key}"]
         calibrated = [[Mask(**m) for m in layer] for layer in r["masks"]]
         for name, masks, dens, loss in (
                 (f"uniform window {r['uniform_window']}", [[uniform(L, budget)] * H] * n_layers, r["uniform_density"],
-                 r["uniform_loss"]),
-                ("calibrated per head", calibrated, r["density"], r["calibrated_loss"])):
+                 r[f"uniform_{key}"]),
+                ("calibrated per head", calibrated, r["density"], r[f"calibrated_{key}"])):
             acc = copy_accuracy(graphdef, state, masks, tests)
-            rows.append({"masks": name, "density": dens, "val_loss": loss,
-                         **{f"copy@{d}": round(a, 3) for d, a in acc.items()}, "effective": effective(acc, full)})
-        u, c = rows[-2]["effective"], rows[-1]["effective"]
-        rows[-1]["vs_uniform"] = round(c / u, 2) if u else None
+            rows.append({"masks": name, "density": dens, metric: loss,
+                         **{f"copy@{d}": round(a, 3) for d, a in acc.items()},
+                         **{f"effective_{p}": effective(acc, full, p / 100) for p in (90, 50)}})
+        for p in (90, 50):
+            u, c = rows[-2][f"effective_{p}"], rows[-1][f"effective_{p}"]
+            rows[-1][f"ratio_{p}"] = round(c / u, 2) if u else None
         print("# budget", budget, "calibrated masks:", r["masks"])
-    print(f"# {args.run_dir}: L = {L}, {n_layers} layers x {H} heads; copy@d: accuracy of copying 11 tokens "
-          f"from d back")
-    print_table(rows, ["masks", "density", "val_loss", *[f"copy@{d}" for d in distances], "effective", "vs_uniform"])
+    what = "recalling a value up to d back" if task else f"copying {N_COPY - 1} tokens from d back"
+    print(f"# {args.run_dir}: L = {L}, {n_layers} layers x {H} heads; copy@d: accuracy of {what}")
+    print_table(rows, ["masks", "density", metric, *[f"copy@{d}" for d in distances], "effective_90", "ratio_90",
+                       "effective_50", "ratio_50"])
     save_json("sparse_masks", rows)
 
 
