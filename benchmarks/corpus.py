@@ -63,7 +63,7 @@ def generate(folder: Path, mb: float, seed: int = 0):
 
 def prepare(folder: Path, workers: int, tokenizer: str, cache: Path) -> dict:
     overrides = [f"data.corpus={folder}", "data.val_fraction=0.01", f"data.workers={workers}",
-                 f"data.tokenizer={tokenizer}"]
+                 f"data.tokenizer={tokenizer}", "model.vocab_size=null"]
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "train.prepare", "configs/transformer.yaml", *overrides],
                          cwd=ROOT, env={**ENV, "ZOO_CACHE": str(cache)}, capture_output=True, text=True)

@@ -293,12 +293,16 @@ def bits_per_byte(loss: float, prepared: Prepared) -> float:
     return loss * prepared.tokens_per_byte("val") / math.log(2)
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.prepare", description="Tokenise a config's corpus into "
                                 "memory-mapped shards under $ZOO_CACHE (python -m train does it on demand).")
     p.add_argument("config", help="a YAML run config")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. data.corpus=/data/text data.workers=8")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.data.task is not None:
