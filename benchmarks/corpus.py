@@ -15,8 +15,8 @@ are alike. A corpus already there is reused.
    4096-token BPE) and the big one (bytes): MB of input text per second of tokenising (the BPE's
    training is timed apart), process start included.
 2. Peak resident memory (ru_maxrss of the child, os.wait4) of `python -m train` for 20 steps of
-   configs/transformer.yaml on each corpus, prepared beforehand: the shards are read through np.memmap
-   window by window, so it should not grow with the corpus.
+   configs/transformer.yaml on each corpus, prepared beforehand: the shards are read window by window
+   (os.pread), so it should not grow with the corpus.
 3. configs/transformer.yaml on Shakespeare with bytes and with a 2048-token BPE for the same steps,
    batch and sequence length (so about the same training time, both printed): validation bits per byte.
 """
@@ -96,11 +96,11 @@ def compare(steps: int, cache: Path) -> list[dict]:
     rows = []
     for name, tok in (("bytes", "{kind: bytes}"), ("bpe-2048", "{kind: bpe, vocab_size: 2048}")):
         run_dir = ROOT / "runs" / "corpus" / f"shakespeare-{name}-{steps}"
-        cmd = [sys.executable, "-m", "train", "configs/transformer.yaml", f"data.tokenizer={tok}",
-               f"train.steps={steps}", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
-               "train.sample_tokens=0", "model.vocab_size=null", f"train.run_dir={run_dir}"]
-        subprocess.run([sys.executable, "-m", "train.prepare", *cmd[3:5]], cwd=ROOT, check=True,
+        data = ["configs/transformer.yaml", f"data.tokenizer={tok}", "model.vocab_size=null"]
+        subprocess.run([sys.executable, "-m", "train.prepare", *data], cwd=ROOT, check=True,
                        env={**ENV, "ZOO_CACHE": str(cache)}, capture_output=True)  # not timed
+        cmd = [sys.executable, "-m", "train", *data, f"train.steps={steps}", f"train.eval_every={steps}",
+               f"train.checkpoint_every={steps}", "train.sample_tokens=0", f"train.run_dir={run_dir}"]
         t0 = time.perf_counter()
         subprocess.run(cmd, cwd=ROOT, env={**ENV, "ZOO_CACHE": str(cache)}, check=True, capture_output=True)
         last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
@@ -117,6 +117,7 @@ def main():
     p.add_argument("--big-mb", type=float, default=2048)
     p.add_argument("--bpe-mb", type=float, default=20)
     p.add_argument("--compare-steps", type=int, default=300, help="0: skip part 3")
+    p.add_argument("--skip", nargs="*", default=[], choices=("throughput", "memory"), help="parts not to run")
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args()
     if args.generate:
@@ -129,11 +130,14 @@ def main():
         print(f"# corpus {folder}: {time.perf_counter() - t0:.0f} s to generate (0 if it was there)", flush=True)
     bpe = base / f"words-{args.bpe_mb:g}MB"
     generate(bpe, args.bpe_mb)
-    rows = [prepare(small, args.workers, "{kind: bytes}", cache), prepare(bpe, args.workers, "{kind: bpe}", cache),
-            prepare(big, args.workers, "{kind: bytes}", cache)]
-    print_table(rows, list(rows[0]))
-    memory = [peak_memory(f, cache, base / f"run-{f.name}") for f in (small, big)]
-    print_table(memory, list(memory[0]))
+    rows = [] if "throughput" in args.skip else [prepare(small, args.workers, "{kind: bytes}", cache),
+                                                  prepare(bpe, args.workers, "{kind: bpe}", cache),
+                                                  prepare(big, args.workers, "{kind: bytes}", cache)]
+    if rows:
+        print_table(rows, list(rows[0]))
+    memory = [] if "memory" in args.skip else [peak_memory(f, cache, base / f"run-{f.name}") for f in (small, big)]
+    if memory:
+        print_table(memory, list(memory[0]))
     quality = compare(args.compare_steps, cache) if args.compare_steps else []
     if quality:
         print_table(quality, list(quality[0]))

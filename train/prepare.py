@@ -32,13 +32,15 @@ import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from train.corpus import check_split, corpus_files, documents, is_validation, pieces, split_documents
-from train.data import Batches, Stream, cache_dir
+from train.data import Batches, NpyFile, Stream, cache_dir
 from zoo import tokenizer as tokenizers_lib
 from zoo.config import DataConfig, load_config, to_dict
 
@@ -68,7 +70,7 @@ class Prepared:
     def stream(self, split: str) -> Stream:
         shards = []
         for s in self.meta["splits"][split]["shards"]:
-            arr = np.load(self.folder / s["file"], mmap_mode="r")
+            arr = NpyFile(self.folder / s["file"])
             if len(arr) != s["tokens"]:
                 raise ValueError(f"{self.folder / s['file']}: {len(arr)} tokens, meta.json says {s['tokens']}; the "
                                  "cache was changed after it was written: delete the folder and prepare again")
@@ -86,7 +88,8 @@ class Prepared:
 
 def cache_key(data: DataConfig, files: list[tuple[Path, str]]) -> str:
     rule = data.val_docs if data.val_fraction is None else data.val_fraction
-    h = hashlib.sha256(repr((VERSION, data.corpus, rule, data.packing, data.text_field, data.invalid_utf8,
+    corpus = data.corpus if data.corpus == "shakespeare" else str(Path(data.corpus).resolve())
+    h = hashlib.sha256(repr((VERSION, corpus, rule, data.packing, data.text_field, data.invalid_utf8,
                              data.shard_dtype, data.shard_mb, to_dict(data.tokenizer))).encode())
     for f, name in files:
         try:
@@ -243,9 +246,15 @@ def _build(folder: Path, data: DataConfig, files, log):
             for job in jobs:
                 advance(_tokenise_unit(job)["input_bytes"])
         else:
-            with multiprocessing.get_context("spawn").Pool(workers, initializer=_quiet_worker) as pool:
-                for out in pool.imap_unordered(_tokenise_unit, jobs):
-                    advance(out["input_bytes"])
+            spawn = multiprocessing.get_context("spawn")  # not fork: the parent may run jax's threads
+            try:
+                with ProcessPoolExecutor(workers, mp_context=spawn, initializer=_quiet_worker) as pool:
+                    for out in pool.map(_tokenise_unit, jobs):
+                        advance(out["input_bytes"])
+            except BrokenProcessPool:
+                raise ValueError("data.workers: a tokenising process died (out of memory, killed, or started from a "
+                                 "script without `if __name__ == '__main__':`, which multiprocessing's spawn needs); "
+                                 "data.workers=1 tokenises in this process") from None
     seconds = time.perf_counter() - t1
     stats = [json.loads((folder / f"unit-{i:05d}.json").read_text()) for i in range(len(units))]
     held = _held(data)  # the validation documents in val_docs' order, as the in-memory stream had them

@@ -68,7 +68,7 @@ def test_shards_read_as_the_in_memory_stream_bitwise_in_losses(shard_run, tmp_pa
     in_memory = {s: np.frombuffer("".join(p.strip("\n") + "\0" for t in texts for p in t.split("\n\n") if p.strip())
                                   .encode(), np.uint8) for s, texts in expected.items()}  # the byte path's stream
     for s in ("train", "val"):
-        np.testing.assert_array_equal(np.concatenate(corpus.stream(s).shards), in_memory[s])
+        np.testing.assert_array_equal(corpus.stream(s).tokens(), in_memory[s])
     monkeypatch.setattr(prepare_module.Prepared, "stream", lambda self, s: Stream([in_memory[s]]))
     run(config(tmp_path, root / "corpus", tmp_path / "run"), tmp_path / "run", log=lambda _: None)
     a, b = metrics(root / "run"), metrics(tmp_path / "run")
@@ -112,7 +112,7 @@ def test_sigkill_during_prepare_leaves_nothing_complete_and_a_rerun_finishes(tmp
     monkeypatch.setenv("ZOO_CACHE", str(tmp_path / "fresh"))
     fresh = prepare(cfg.data, log=lambda _: None)
     for s in ("train", "val"):
-        np.testing.assert_array_equal(np.concatenate(finished.stream(s).shards), np.concatenate(fresh.stream(s).shards))
+        np.testing.assert_array_equal(finished.stream(s).tokens(), fresh.stream(s).tokens())
     again = []
     monkeypatch.setenv("ZOO_CACHE", str(tmp_path / "cache"))
     prepare(cfg.data, log=again.append)
@@ -136,7 +136,7 @@ def test_bpe_round_trips_every_training_document_and_a_run_uses_it(tmp_path, cap
     training = [docs[n] for n in ("doc0", "doc2", "doc3")] + [r["text"] for r in lines] + [odd]
     for text in training:
         assert encoder.decode(encoder.encode(text, add_special_tokens=False).ids) == text
-    stream = np.concatenate(corpus.stream("train").shards)
+    stream = corpus.stream("train").tokens()
     assert corpus.eod == 0 and stream.dtype == np.uint16 and stream.max() < 300
     assert (stream == 0).sum() == len(training)  # the end token only between documents, never from text
     run(cfg, tmp_path / "run", log=lambda _: None)
@@ -196,6 +196,6 @@ def test_a_hashed_split_is_by_document_and_the_same_everywhere(tmp_path):
     counts = {s: corpus.meta["splits"][s]["docs"] for s in ("train", "val")}
     assert counts["train"] + counts["val"] == 200 and 20 < counts["val"] < 60
     assert len(corpus.meta["splits"]["train"]["shards"]) > 2  # the JSONL file was cut into pieces at line ends
-    val = np.concatenate(corpus.stream("val").shards).tobytes().decode().split("\0")[:-1]
-    train = np.concatenate(corpus.stream("train").shards).tobytes().decode().split("\0")[:-1]
+    val = corpus.stream("val").tokens().tobytes().decode().split("\0")[:-1]
+    train = corpus.stream("train").tokens().tobytes().decode().split("\0")[:-1]
     assert sorted(val + train) == sorted(r["text"] for r in rows)  # whole documents, each in one split

@@ -72,7 +72,7 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
 def test_validation_shares_no_play_with_training(tmp_path):
     cfg = tiny(tmp_path).data
     corpus = prepare(cfg)
-    train, val = (np.concatenate(corpus.stream(s).shards).tobytes() for s in ("train", "val"))
+    train, val = (corpus.stream(s).tokens().tobytes() for s in ("train", "val"))
     assert cfg.val_docs == ("hamlet", "tempest", "julius_caesar")
     for line in (b"Nay, answer me: stand, and unfold yourself.", b"Friends, Romans, countrymen",
                  b"We are such stuff\nAs dreams are made on"):
