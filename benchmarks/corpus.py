@@ -24,6 +24,7 @@ are alike. A corpus already there is reused.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -79,6 +80,7 @@ def prepare(folder: Path, workers: int, tokenizer: str, cache: Path) -> dict:
 
 
 def peak_memory(folder: Path, cache: Path, run_dir: Path) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a finished one
     cmd = [sys.executable, "-m", "train", "configs/transformer.yaml", f"data.corpus={folder}", "data.val_fraction=0.01",
            "train.steps=20", "train.eval_every=20", "train.checkpoint_every=1000", "train.sample_tokens=0",
            f"train.run_dir={run_dir}"]
@@ -96,6 +98,7 @@ def compare(steps: int, cache: Path) -> list[dict]:
     rows = []
     for name, tok in (("bytes", "{kind: bytes}"), ("bpe-2048", "{kind: bpe, vocab_size: 2048}")):
         run_dir = ROOT / "runs" / "corpus" / f"shakespeare-{name}-{steps}"
+        shutil.rmtree(run_dir, ignore_errors=True)
         data = ["configs/transformer.yaml", f"data.tokenizer={tok}", "model.vocab_size=null"]
         subprocess.run([sys.executable, "-m", "train.prepare", *data], cwd=ROOT, check=True,
                        env={**ENV, "ZOO_CACHE": str(cache)}, capture_output=True)  # not timed
