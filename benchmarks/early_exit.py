@@ -36,7 +36,7 @@ from flax import nnx
 import infer
 from benchmarks.common import print_table, save_json
 from infer import early_exit
-from train.data import Batches, load_streams
+from train.prepare import prepare
 from zoo.checkpoint import load_model
 
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
@@ -174,7 +174,7 @@ def main():
     if not model.exit_layers:
         raise SystemExit(f"{args.run_dir} has no exits (model.exits); train configs/early_exit.yaml first")
     model.eval()
-    batch = Batches(*load_streams(cfg.data), seq_len=args.length, seed=0, packing=False).val_batch(0, args.rows)
+    batch = prepare(cfg.data).batches(seq_len=args.length, seed=0, packing=False).val_batch(0, args.rows)
     x, y = jnp.asarray(batch["x"]), jnp.asarray(batch["y"])
     graphdef, params = nnx.split(model)
     print(f"\n{args.run_dir} step {step}; device: {jax.devices()[0].device_kind}, jax {jax.__version__}")

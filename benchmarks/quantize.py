@@ -33,7 +33,7 @@ import infer
 from benchmarks.common import print_table, save_json
 from infer.quantize import quantize, weight_bytes
 from layers import KVCache
-from train.data import Batches, load_streams
+from train.prepare import prepare
 from zoo.checkpoint import load_model
 
 SETTINGS = {  # name -> quantize() arguments (None: the float32 model itself)
@@ -96,7 +96,7 @@ def main():
         t0 = time.perf_counter()
         models[name] = model if kwargs is None else quantize(model, **kwargs)
         quantize_s[name] = time.perf_counter() - t0
-    batch = Batches(*load_streams(cfg.data), seq_len=args.length, seed=0, packing=False).val_batch(0, args.rows)
+    batch = prepare(cfg.data).batches(seq_len=args.length, seed=0, packing=False).val_batch(0, args.rows)
     x, y = jnp.asarray(batch["x"]), jnp.asarray(batch["y"])
     rows = []
     for name, m in models.items():

@@ -18,8 +18,8 @@ import jax
 
 from benchmarks.common import print_table, save_json
 from train import optim
-from train.data import Batches, load_streams
 from train.loop import batch_placer, init_state, make_train_step
+from train.prepare import prepare
 from zoo.config import MeshConfig, from_dict
 from zoo.sharding import as_numpy, bytes_per_device, describe, make_mesh
 
@@ -34,7 +34,7 @@ def parse(mesh: str) -> MeshConfig:
     return MeshConfig(**{"data": 1, **{k: int(v) for k, v in (part.split("=") for part in mesh.split())}})
 
 
-def measure(arch: str, mesh_name: str, args, streams) -> dict:
+def measure(arch: str, mesh_name: str, args, corpus) -> dict:
     ffn = {"kind": "moe", "num_experts": 8, "top_k": 2} if arch == "moe" else {"kind": "mlp"}
     cfg = from_dict({"model": {"d_model": args.d_model, "num_layers": 2, "max_seq_len": args.seq_len, "mixer": MIXER,
                                "ffn": ffn},
@@ -46,7 +46,7 @@ def measure(arch: str, mesh_name: str, args, streams) -> dict:
         graphdef, params, rest, opt_state, shardings = init_state(cfg, tx, mesh)
         step = make_train_step(graphdef, tx, (*shardings, jax.sharding.NamedSharding(mesh, jax.P())))
         train_batch, _ = batch_placer(cfg, mesh)
-        batches = Batches(*streams, seq_len=args.seq_len, seed=0, packing=False)
+        batches = corpus.batches(seq_len=args.seq_len, seed=0, packing=False)
         held = {"params": max(bytes_per_device(params).values()), "opt": max(bytes_per_device(opt_state).values())}
         times = []
         for i in range(args.steps + 1):  # the first call compiles
@@ -69,8 +69,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     args = ap.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
-    streams = load_streams(from_dict({}).data)
-    rows = [measure(arch, mesh, args, streams) for arch, meshes in MESHES.items() for mesh in meshes]
+    corpus = prepare(from_dict({}).data)
+    rows = [measure(arch, mesh, args, corpus) for arch, meshes in MESHES.items() for mesh in meshes]
     print_table(rows, list(rows[0]))
     save_json("sharding", rows)
 

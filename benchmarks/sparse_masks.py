@@ -28,7 +28,7 @@ from flax import nnx
 
 from benchmarks.common import print_table, save_json
 from train.calibrate import Mask, _arrays, attention_layers, calibrate, uniform
-from train.data import Batches, load_streams
+from train.prepare import prepare
 from train.tasks import TaskBatches
 from zoo.checkpoint import load_model
 
@@ -47,7 +47,7 @@ def _predict(graphdef, state, masks: dict, x):
 def copies(cfg, distances, rows: int, seed: int) -> dict:
     """d -> (x, positions, targets): validation windows whose last N_COPY tokens repeat those d back."""
     L = cfg.train.seq_len
-    source = Batches(*load_streams(cfg.data), seq_len=L, seed=seed, packing=False)
+    source = prepare(cfg.data).batches(seq_len=L, seed=seed, packing=False)
     x0 = np.asarray(source.val_batch(10_000, rows)["x"])  # far from the calibration's batches
     out = {}
     for d in distances:

@@ -22,7 +22,7 @@ from flax import nnx
 
 import infer
 from benchmarks.common import print_table, save_json
-from train.data import Batches, load_streams
+from train.prepare import prepare
 from zoo.checkpoint import load_model
 
 
@@ -62,7 +62,7 @@ def main():
           f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     print("verify pass / one-token step: " + ", ".join(f"{T} tokens {ms / cost[1]:.2f}x ({ms:.2f} ms)"
                                                       for T, ms in cost.items()))
-    windows = Batches(*load_streams(cfg.data), seq_len=args.prompt_length, seed=0,
+    windows = prepare(cfg.data).batches(seq_len=args.prompt_length, seed=0,
                       packing=False).val_batch(0, max(args.batches))["x"]  # held-out text
 
     settings = [("greedy", {})]

@@ -69,9 +69,9 @@ def load(source: str, overrides, dtype: str, config=None):
         print(f"# {source}: Hugging Face {zoo.hf.read_config(source)['architectures'][0]}", file=sys.stderr)
         return zoo.hf.load(source, dtype=dtype)
     if Path(source).is_dir():
-        _, model, step = load_model(source, config=config)
+        cfg, model, step = load_model(source, config=config)
         print(f"# {source}, checkpoint step {step}" + (f", config {config}" if config else ""), file=sys.stderr)
-        return model, None
+        return model, zoo.tokenizer.for_run(source, cfg.data.tokenizer)  # bytes, or the run's tokenizer.json
     cfg = zoo.load_config(source, overrides)
     print(f"# {source}: random weights", file=sys.stderr)
     return zoo.LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), None

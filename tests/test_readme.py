@@ -75,6 +75,10 @@ def test_shell_command_parses_and_its_config_loads(words):
             assert not args.overrides, "a folder takes no overrides"
         else:
             assert args.source.startswith("runs/") and not args.overrides, "a run folder takes no overrides"
+    elif program == "train.prepare":
+        from train.prepare import parser
+        args = parser().parse_args(argv)
+        load_config(ROOT / args.config, args.overrides)
     elif program == "train.sweep":
         from train import sweep
         sweep.cells(sweep.load_grid(ROOT / sweep.grid_path(sweep.parser().parse_args(argv))))  # every cell loads

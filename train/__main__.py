@@ -10,13 +10,13 @@ import dataclasses
 import os
 import sys
 
-from zoo.config import DataConfig, ExitsConfig, MeshConfig, ModelConfig, TrainConfig, load_config
+from zoo.config import DataConfig, ExitsConfig, MeshConfig, ModelConfig, TokenizerConfig, TrainConfig, load_config
 from zoo.registry import FFNS, MIXERS
 
 
 def _help() -> str:
     parts = ["Config sections (YAML keys; override any with dotted.key=value):"]
-    for cls in (ModelConfig, ExitsConfig, DataConfig, TrainConfig, MeshConfig):
+    for cls in (ModelConfig, ExitsConfig, DataConfig, TokenizerConfig, TrainConfig, MeshConfig):
         parts.append("  " + " ".join(cls.__doc__.split()))
         parts.append("    defaults: " + ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls)
                                                   if f.default is not dataclasses.MISSING))

@@ -43,7 +43,7 @@ from flax import nnx
 
 from kernels.attention.reference import visible
 from layers import Attention
-from train.data import Batches, load_streams
+from train.prepare import prepare
 from train.tasks import TaskBatches
 from zoo.checkpoint import load_model
 from zoo.config import to_dict
@@ -114,7 +114,7 @@ class Evaluator:
         L, task = cfg.train.seq_len, cfg.data.task
         model.eval()
         source = TaskBatches(dataclasses.replace(task, num_test_examples=(start + n) * batch_size), L, seed) \
-            if task else Batches(*load_streams(cfg.data), seq_len=L, seed=seed, packing=False)
+            if task else prepare(cfg.data).batches(L, seed, packing=False)
         self.batches = [source.val_batch(i, batch_size) for i in range(start, start + n)]
         self.graphdef, self.state = nnx.split(model)
         self.H = attention_layers(model)[0].num_heads

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from train.data import Batches, load_streams
+from train.prepare import prepare
 from train.tasks import TaskBatches
 from zoo.checkpoint import load_model
 
@@ -38,14 +38,14 @@ def extrapolate(model, cfg, factors=(1, 2, 4, 8, 16), batches: int = 4, batch_si
     """One row per factor: tokens, loss per bucket of train.seq_len positions (text) or accuracy (task)."""
     L, task = cfg.train.seq_len, cfg.data.task
     model.eval()
-    streams = None if task else load_streams(cfg.data)
+    corpus = None if task else prepare(cfg.data)
     rows = []
     for f in factors:
         if task:  # a test set at this length, batches x batch_size examples
             source = TaskBatches(dataclasses.replace(task, num_test_examples=batches * batch_size), f * L,
                                  cfg.train.seed)
         else:
-            source = Batches(*streams, seq_len=f * L, seed=cfg.train.seed, packing=cfg.data.packing)
+            source = corpus.batches(f * L, cfg.train.seed, cfg.data.packing)
         sums, counts, correct = np.zeros(f), np.zeros(f), 0.0
         for i in range(batches):
             b = source.val_batch(i, batch_size)

@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -34,8 +35,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import infer
 from train import optim
-from train.data import Batches, cache_dir, load_streams, process_rows
+from train.data import Batches, cache_dir, process_rows
 from train.exits import fit_exit_classifiers
+from train.prepare import bits_per_byte, prepare
 from train.resume import check_run_dir, differences, metrics_upto
 from train.tasks import TaskBatches
 from zoo import checkpoint
@@ -175,7 +177,7 @@ def plot(run_dir: Path):
     ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], label="train")
     val = [r for r in rows if "val_loss" in r]
     ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
-    ax.set(xlabel="tokens", ylabel="loss (nats/byte)", title=run_dir.name)
+    ax.set(xlabel="tokens", ylabel="loss (nats/token)", title=run_dir.name)
     ax.legend()
     fig.tight_layout()
     fig.savefig(run_dir / "loss.png", dpi=100)
@@ -241,10 +243,13 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
     train_batch, val_batch = batch_placer(cfg, mesh)
     commit = check_run_dir(run_dir, cfg, allow_config_change, log)
     task = cfg.data.task
-    batches = TaskBatches(task, t.seq_len, t.seed) if task else \
-        Batches(*load_streams(cfg.data), seq_len=t.seq_len, seed=t.seed, packing=cfg.data.packing)
+    corpus = None if task else prepare(cfg.data, log)  # tokenised into shards once, then read from the cache
+    batches = TaskBatches(task, t.seq_len, t.seed) if task else corpus.batches(t.seq_len, t.seed, cfg.data.packing)
+    tokenizer = None if task else corpus.tokenizer()
     if primary:
         commit()
+        if corpus and (corpus.folder / "tokenizer.json").is_file():  # python -m infer reads it from the run folder
+            shutil.copyfile(corpus.folder / "tokenizer.json", run_dir / "tokenizer.json")
 
     tx = optim.optimizer(t)
     graphdef, params, rest, opt_state, (param_sh, rest_sh, opt_sh) = init_state(cfg, tx, mesh)
@@ -305,16 +310,17 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
         sums = np.sum([jax.tree.map(as_numpy, eval_fn(params, rest, val_batch(batches, i))) for i in range(n)], axis=0)
         loss = float(sums[0] / sums[1])
         out = {"val_loss": loss, "val_accuracy": float(sums[2] / sums[1])} if task else \
-            {"val_loss": loss, "val_bpb": loss / math.log(2)}
+            {"val_loss": loss, "val_bpb": bits_per_byte(loss, corpus)}
         if t.sample_tokens and not task:
             model = nnx.merge(graphdef, params, rest)
-            out["sample"] = infer.generate_text(model, ["\n"], max_new_tokens=t.sample_tokens,
+            out["sample"] = infer.generate_text(model, ["\n"], max_new_tokens=t.sample_tokens, tokenizer=tokenizer,
                                                 temperature=0.8, top_k=40, seed=t.seed)[0]
         return out
 
     last, step_time, eval_time, wall0 = {}, 0.0, 0.0, time.perf_counter()
     window_start, window_tokens = wall0, 0
     bar = _progress_bar(t.steps, start) if log is print else None
+    unit = "byte" if cfg.data.tokenizer.kind == "bytes" else "token"
     if bar:
         log = bar.console.print
     metrics_out = metrics_path.open("a") if primary else open(os.devnull, "w")
@@ -357,7 +363,7 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
                         last["stopped_early"] = final = True
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
-                val = (f"  val {last['val_loss']:.4f} nats/byte ({last['val_bpb']:.3f} bpb)" if "val_bpb" in last
+                val = (f"  val {last['val_loss']:.4f} nats/{unit} ({last['val_bpb']:.3f} bpb)" if "val_bpb" in last
                        else f"  val {last['val_loss']:.4f}  accuracy {last['val_accuracy']:.4f}" if "val_loss" in last
                        else "")
                 log(f"step {step:>6}/{t.steps}  loss {last['loss']:.4f}  lr {last['lr']:.2e}  "

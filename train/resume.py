@@ -5,7 +5,8 @@ changes silently.
 - A run with checkpoints resumes only under the config it was written with (the one saved in its
   newest intact checkpoint; config.yaml for older runs). Keys that do not change what the run
   computes may differ freely and are printed (logging, evaluation and checkpoint cadence, samples,
-  the mesh, a mixer's impl, mode and chunk size: every mode and impl computes the same function).
+  the mesh, a mixer's impl, mode and chunk size: every mode and impl computes the same function; the
+  processes and shard size of the prepare step: the token streams are the same).
   Any other difference (the model, the data, the learning rate, the number of steps...) stops the
   run with an error naming each key, unless the user passes --allow-config-change; then the
   changes are printed, and config.yaml is rewritten with the previous one kept beside it.
@@ -23,7 +24,8 @@ from zoo.checkpoint import manager, newest_meta
 from zoo.config import Config, from_dict, to_dict
 
 SAFE = ("train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
-        "train.keep_checkpoints", "train.sample_tokens", "train.run_dir", "train.on_nonfinite", "train.mesh.")
+        "train.keep_checkpoints", "train.sample_tokens", "train.run_dir", "train.on_nonfinite", "train.mesh.",
+        "data.workers", "data.shard_mb")  # how the corpus is tokenised, not into what
 SAFE_SUFFIXES = (".impl", ".mode", ".chunk_size")
 
 

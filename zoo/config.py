@@ -87,20 +87,48 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class TokenizerConfig:
+    """data.tokenizer: kind (bytes: one token per UTF-8 byte, vocabulary 256, byte 0 ends a document;
+    bpe: a byte-level BPE vocabulary trained on the training split by the `tokenizers` library; file:
+    an existing tokenizer.json); vocab_size (bpe: the vocabulary, special tokens included); special_tokens
+    (bpe: extra tokens kept whole, e.g. for fine-tuning formats); end_of_document (bpe, file: the token
+    appended after every document, the stop token of generation); path (file: the tokenizer.json).
+    The tokenizer a run used is saved in its folder as tokenizer.json (bpe, file)."""
+    kind: Literal["bytes", "bpe", "file"] = "bytes"
+    vocab_size: Annotated[int, Range(lo=257)] = 4096
+    special_tokens: tuple[str, ...] = ()
+    end_of_document: str = "<|endoftext|>"
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    """data: corpus (`shakespeare`, or a folder of *.txt files, one document each); val_docs
-    (the documents held out for validation: whole plays, never random windows); packing (split
-    documents at blank lines, join them with the end byte and give each window `segment_ids`, so no
-    token attends or recurs across a boundary; off: plain windows of the stream, as nanoGPT);
-    invalid_utf8 (a corpus file that is not UTF-8 text, binary or latin-1: refuse names it and
-    stops; skip leaves it out and reports it); task (a synthetic task instead of the corpus, picked by
-    `kind`: mqar, selective_copying, induction_heads, in_context_recall, noisy_recall, fuzzy_recall,
-    memorization, compression (with model.head: pooled_decoder); zoo/tasks.py; its examples have
-    train.seq_len tokens and its held-out accuracy is `val_accuracy` in metrics.jsonl)."""
+    """data: corpus (`shakespeare`, or a folder of .txt files (one document each), .jsonl files (one
+    document per line, its `text_field`) and .parquet files (one per row, needs pyarrow)); val_docs (the
+    documents held out for validation by name: Shakespeare's plays, a .txt file's name without .txt:
+    whole documents, never random windows); val_fraction (instead of val_docs: each document goes to
+    validation with this probability, by a hash of its name (file, file:line, file:row)); text_field;
+    tokenizer (the data.tokenizer keys below); packing (split documents at blank lines, join them with
+    the end-of-document token and give each window `segment_ids`, so no token attends or recurs across a
+    boundary; off: plain windows of the stream, as nanoGPT); invalid_utf8 (a file that cannot be read or
+    is not UTF-8 text, or a JSONL line that is not JSON or lacks text_field: refuse names it and stops;
+    skip leaves it out and counts it); workers (processes tokenising the corpus, 0 = one per CPU);
+    shard_dtype (auto: the smallest of uint8, uint16, uint32 that holds the vocabulary); shard_mb (corpus
+    megabytes per shard); task (a synthetic task instead of the corpus, picked by `kind`: mqar,
+    selective_copying, induction_heads, in_context_recall, noisy_recall, fuzzy_recall, memorization,
+    compression (with model.head: pooled_decoder); zoo/tasks.py; its examples have train.seq_len tokens
+    and its held-out accuracy is `val_accuracy` in metrics.jsonl). The corpus is tokenised once by
+    `python -m train.prepare` (or the first run) into shards under $ZOO_CACHE (train/prepare.py)."""
     corpus: str = "shakespeare"
     val_docs: tuple[str, ...] = ("hamlet", "tempest", "julius_caesar")
+    val_fraction: Annotated[float, Range(0, 1, lo_open=True, hi_open=True)] | None = None
+    text_field: str = "text"
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     packing: bool = False
     invalid_utf8: Literal["refuse", "skip"] = "refuse"
+    workers: NonNegInt = 0
+    shard_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    shard_mb: PosFloat = 64.0
     task: Any = None
 
 
@@ -246,6 +274,8 @@ def from_dict(data: dict) -> Config:
         data_cfg = dataclasses.replace(data_cfg, task=task)
         if isinstance(model, dict) and model.get("vocab_size") is None:  # unset: the task's vocabulary
             model = {**model, "vocab_size": task.vocab_size}
+    if task is None:
+        model = _check_vocab(model, data_cfg)
     cfg = Config(model=_build_model(model, "model"), data=data_cfg, train=train)
     _check_train(cfg)
     compression = task is not None and task.KIND == "compression"
@@ -259,10 +289,29 @@ def from_dict(data: dict) -> Config:
     if task is not None and cfg.model.vocab_size < task.vocab_size:
         raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than data.task.vocab_size="
                          f"{task.vocab_size} (the task's token ids)")
-    if task is None and cfg.model.vocab_size < tokenizer.VOCAB_SIZE:
-        raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
-                         f"{tokenizer.VOCAB_SIZE} ids (the corpus is read as bytes)")
     return cfg
+
+
+def _check_vocab(model: dict, data: DataConfig) -> dict:
+    """model with vocab_size set to the tokenizer's where it is null or absent; an explicit one that
+    differs is refused (a model from init_from may have more ids than its tokenizer, never fewer)."""
+    n = tokenizer.vocab_size_of(data.tokenizer, "data.tokenizer")
+    t = data.tokenizer
+    where = {"bytes": "data.tokenizer.kind=bytes", "bpe": f"data.tokenizer.vocab_size={t.vocab_size}",
+             "file": f"data.tokenizer.path={t.path}"}[t.kind]
+    limit = {"uint16": 2 ** 16, "uint32": 2 ** 32}.get(data.shard_dtype)
+    if limit is not None and n > limit:
+        raise ValueError(f"data.shard_dtype: {data.shard_dtype} holds ids below {limit} but the tokenizer has {n} "
+                         f"({where}); use uint32 or auto")
+    if isinstance(model, dict) and model.get("vocab_size") is None:
+        return {**model, "vocab_size": n}
+    given = model.get("vocab_size") if isinstance(model, dict) else None
+    if isinstance(given, int) and given < n:
+        raise ValueError(f"model.vocab_size: {given} is smaller than the tokenizer's {n} ids ({where})")
+    if isinstance(given, int) and given != n and model.get("init_from") is None:
+        raise ValueError(f"model.vocab_size: {given} does not match the tokenizer's {n} ids ({where}); remove "
+                         f"model.vocab_size (it then follows the tokenizer) or set it to {n}")
+    return model
 
 
 def apply_overrides(data: dict, overrides) -> dict:

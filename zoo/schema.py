@@ -116,7 +116,8 @@ def build(cls, data, path: str):
     for key in data:
         if key not in names:
             raise ValueError(f"{path}.{key}: unknown key; expected one of {', '.join(names)}")
-    kwargs = {k: _convert(v, hints[k], f"{path}.{k}") for k, v in data.items() if k != "kind"}
+    kinded = hasattr(cls, "KIND")  # a registry's kind names the class; elsewhere `kind` is a plain field
+    kwargs = {k: _convert(v, hints[k], f"{path}.{k}") for k, v in data.items() if k != "kind" or not kinded}
     return cls(**kwargs)
 
 

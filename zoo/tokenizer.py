@@ -1,11 +1,15 @@
 """Tokenizers: bytes (the default: vocabulary 256, one token per UTF-8 byte, byte 0 ends a document)
-and a Hugging Face `tokenizer.json` (BPE, unigram or WordPiece, through the `tokenizers` library).
+and a Hugging Face `tokenizer.json` (BPE, unigram or WordPiece, through the `tokenizers` library),
+either an existing file or a byte-level BPE vocabulary trained on a corpus' training split
+(`train_bpe`, as GPT-2's: bytes mapped to printable characters, the GPT-2 pre-tokenising regex, no
+normaliser, so decoding gives back every text exactly). A run config picks one in `data.tokenizer`.
 
 Both have `encode(text, special=True) -> ids`, `decode(ids) -> text`, `vocab_size` and `eos_id` (the token that ends
 a text, the stop token of generation; None when the vocabulary has none).
 """
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 END_OF_DOCUMENT = 0
@@ -65,3 +69,71 @@ def _eos_from_files(folder: Path, tok) -> int | None:
     token = json.loads(f.read_text()).get("eos_token") if f.is_file() else None
     token = token.get("content") if isinstance(token, dict) else token
     return None if token is None else tok.token_to_id(token)
+
+
+def special_tokens(cfg) -> list[str]:
+    """data.tokenizer's special tokens of a trained BPE, the end-of-document token first (id 0)."""
+    return [cfg.end_of_document] + [t for t in cfg.special_tokens if t != cfg.end_of_document]
+
+
+def vocab_size_of(cfg, path: str = "data.tokenizer") -> int:
+    """The vocabulary of data.tokenizer `cfg`, known before the corpus is read: 256 for bytes, vocab_size
+    for bpe (a corpus too small for that many merges trains fewer, all below it), the file's for file."""
+    if cfg.kind != "file" and cfg.path is not None:
+        raise ValueError(f"{path}.path: {cfg.path!r} is read only with {path}.kind=file, not {cfg.kind}")
+    if cfg.kind == "bytes":
+        return VOCAB_SIZE
+    if cfg.kind == "bpe":
+        need = VOCAB_SIZE + len(special_tokens(cfg))
+        if cfg.vocab_size < need:
+            raise ValueError(f"{path}.vocab_size: {cfg.vocab_size} is below the {VOCAB_SIZE} bytes and "
+                             f"{need - VOCAB_SIZE} special tokens a byte-level BPE starts from ({need})")
+        return cfg.vocab_size
+    if cfg.path is None:
+        raise ValueError(f"{path}.path: kind file needs the path of a tokenizer.json")
+    try:
+        tok = HFTokenizer(cfg.path)
+    except ValueError as e:
+        raise ValueError(f"{path}.path: {e}") from None
+    if tok.tokenizer.token_to_id(cfg.end_of_document) is None:
+        raise ValueError(f"{path}.end_of_document: {cfg.end_of_document!r} is not a token of {cfg.path}; name the "
+                         "token that ends a document in that vocabulary (e.g. '</s>')")
+    return tok.vocab_size
+
+
+def train_bpe(texts: Iterable[str], cfg):
+    """A byte-level BPE `tokenizers.Tokenizer` of cfg.vocab_size ids trained on `texts`: the 256 bytes,
+    then the special tokens (the end-of-document token first, id 0), then merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=special_tokens(cfg), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def document_encoder(path):
+    """The tokenizer.json at `path` without its added (special) tokens: a document is encoded as text,
+    so a literal '<|endoftext|>' inside it stays text and never becomes a control token."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(Path(path).read_text())
+    data["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def for_run(folder, cfg) -> "type[Bytes] | HFTokenizer":
+    """The tokenizer of a run (data.tokenizer `cfg`): bytes, or the folder's tokenizer.json, whose
+    end-of-document token ends generation."""
+    if cfg.kind == "bytes":
+        return Bytes
+    f = Path(folder) / "tokenizer.json"
+    if not f.is_file():
+        raise ValueError(f"{folder}: data.tokenizer.kind={cfg.kind} but the folder has no tokenizer.json; copy the "
+                         "one the run was prepared with (train/prepare.py's cache folder) there")
+    tok = HFTokenizer(f)
+    tok.eos_id = tok.tokenizer.token_to_id(cfg.end_of_document)
+    return tok

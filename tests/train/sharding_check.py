@@ -25,8 +25,8 @@ import jax
 from infer import generate
 from tests.zoo import toy_kind
 from train import optim
-from train.data import Batches, load_streams
 from train.loop import batch_placer, init_state, make_train_step, run
+from train.prepare import prepare
 from zoo.checkpoint import load_model
 from zoo.config import MeshConfig, from_dict
 from zoo.sharding import as_numpy, bytes_per_device, make_mesh
@@ -53,14 +53,14 @@ def config(arch: str, mesh: MeshConfig, **train):
                   **train}})
 
 
-def train_losses(cfg, mesh, streams) -> list[float]:
+def train_losses(cfg, mesh, corpus) -> list[float]:
     """The loop's own pieces (init_state, batch_placer, make_train_step) without evaluation."""
     with jax.set_mesh(mesh):
         tx = optim.optimizer(cfg.train)
         graphdef, params, rest, opt_state, shardings = init_state(cfg, tx, mesh)
         step = make_train_step(graphdef, tx, (*shardings, jax.sharding.NamedSharding(mesh, jax.P())))
         train_batch, _ = batch_placer(cfg, mesh)
-        batches = Batches(*streams, seq_len=cfg.train.seq_len, seed=cfg.train.seed, packing=False)
+        batches = corpus.batches(cfg.train.seq_len, cfg.train.seed, packing=False)
         out = []
         for i in range(1, cfg.train.steps + 1):
             params, rest, opt_state, m = step(params, rest, opt_state, train_batch(batches, i))
@@ -72,13 +72,13 @@ def logged(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def part_a(root: Path, one, streams) -> dict:
+def part_a(root: Path, one, corpus) -> dict:
     """Transformer losses, checkpoints moving between meshes, FSDP bytes, sharded decoding."""
     out = {"losses": {}, "resume": {}, "bytes": {}, "tokens": {}, "errors": {}}
     quiet = lambda *_: None  # noqa: E731
     out["losses"]["transformer"] = {name: train_losses(config("transformer", MESHES[name]), make_mesh(MESHES[name]),
-                                                       streams) for name in ("data=8", "tensor=2 fsdp=2 data=2")}
-    out["losses"]["transformer"]["one"] = train_losses(config("transformer", MeshConfig()), one, streams)
+                                                       corpus) for name in ("data=8", "tensor=2 fsdp=2 data=2")}
+    out["losses"]["transformer"]["one"] = train_losses(config("transformer", MeshConfig()), one, corpus)
     # The fsdp=4 data=2 run goes through the whole loop and leaves checkpoints at steps 5 and 10;
     # without step 10, a run started on its folder resumes from step 5.
     run(config("transformer", MESHES["fsdp=4 data=2"], checkpoint_every=5), root / "written", log=quiet)
@@ -117,22 +117,22 @@ def part_a(root: Path, one, streams) -> dict:
     return out
 
 
-def part_b(root: Path, one, streams) -> dict:
+def part_b(root: Path, one, corpus) -> dict:
     """GLA and Mamba losses on the three meshes, MoE's on expert=4 data=2, the new kind's on one."""
     out = {"losses": {}}
     with toy_kind.registered():
         for arch, meshes in (("gla", THREE), ("mamba", THREE), ("moe", ["expert=4 data=2"]),
                              ("toy", ["tensor=2 fsdp=2 data=2"])):
-            out["losses"][arch] = {"one": train_losses(config(arch, MeshConfig()), one, streams)}
+            out["losses"][arch] = {"one": train_losses(config(arch, MeshConfig()), one, corpus)}
             for name in meshes:
                 out["losses"][arch][name] = train_losses(config(arch, MESHES[name]), make_mesh(MESHES[name]),
-                                                         streams)
+                                                         corpus)
     return out
 
 
 if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 8)
     one_device = make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
-    corpus = load_streams(config("transformer", MeshConfig()).data)
+    corpus = prepare(config("transformer", MeshConfig()).data)
     part = {"a": part_a, "b": part_b}[sys.argv[2]]
     print(json.dumps({"devices": jax.device_count(), **part(Path(sys.argv[1]), one_device, corpus)}))

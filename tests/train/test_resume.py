@@ -182,19 +182,6 @@ def test_run_dir_that_is_a_file_or_not_writable(tmp_path):
         locked.chmod(0o700)
 
 
-def test_a_corpus_file_that_is_not_utf8_is_refused_or_skipped_by_name(tmp_path):
-    from train.data import corpus_documents
-
-    for name, data in (("a.txt", "hello " * 50), ("b.txt", "world " * 50)):
-        (tmp_path / name).write_text(data)
-    (tmp_path / "c.txt").write_bytes("caf\xe9 latin-1 ".encode("latin-1") * 20)
-    with pytest.raises(ValueError, match=r"c.txt is not UTF-8 text \(20 of its 260 bytes are not, the first at byte 3"):
-        corpus_documents(str(tmp_path))
-    lines, log = quiet()
-    assert sorted(corpus_documents(str(tmp_path), "skip", log)) == ["a", "b"]
-    assert "skipped 1 files that are not UTF-8 text" in lines[0] and "c.txt (20 bytes)" in lines[0]
-
-
 def test_out_of_range_tokens_and_cache_overflow_are_loud():
     from tests.util import tiny_model
 

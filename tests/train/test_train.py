@@ -15,8 +15,9 @@ from flax import nnx
 
 from infer.__main__ import main as infer_main
 from train import optim
-from train.data import Batches, load_streams, segment_ids
+from train.data import segment_ids
 from train.loop import make_train_step, run
+from train.prepare import prepare
 from zoo.checkpoint import load_model
 from zoo.config import from_dict, to_dict
 from zoo.model import LanguageModel
@@ -56,7 +57,7 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     graphdef, params, rest = nnx.split(LanguageModel(tiny(tmp_path).model, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tx = optim.optimizer(cfg)
     step = make_train_step(graphdef, tx)
-    batch = Batches(*load_streams(tiny(tmp_path).data), seq_len=32, seed=0, packing=True).train_batch(0, 8)
+    batch = prepare(tiny(tmp_path).data).batches(32, seed=0, packing=True).train_batch(0, 8)
     out = {}
     for k in (1, 4):
         p = jax.tree.map(jnp.copy, params)
@@ -70,7 +71,8 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
 
 def test_validation_shares_no_play_with_training(tmp_path):
     cfg = tiny(tmp_path).data
-    train, val = (s.tobytes() for s in load_streams(cfg))
+    corpus = prepare(cfg)
+    train, val = (corpus.stream(s).tokens().tobytes() for s in ("train", "val"))
     assert cfg.val_docs == ("hamlet", "tempest", "julius_caesar")
     for line in (b"Nay, answer me: stand, and unfold yourself.", b"Friends, Romans, countrymen",
                  b"We are such stuff\nAs dreams are made on"):
