@@ -1,7 +1,13 @@
 import os
 import tempfile
 
+import jax
 import jaxtyping
+
+# JAX's persistent compilation cache (train.run turns it on) stays off in the suite: writing a CPU
+# executable to it segfaulted an xdist worker (jax 0.10.2, compilation_cache.put_executable_and_time,
+# in whichever test compiled next after a training run), and a test run gains nothing from it.
+jax.config.update("jax_enable_compilation_cache", False)
 
 # Every function and dataclass of the packages is checked against its annotations at run time:
 # jaxtyping's import hook with beartype (as equinox's suite does), installed before any of them is
