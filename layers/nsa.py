@@ -59,9 +59,9 @@ class NativeSparseAttention(BlockSparse):
         self.num_selected, self.sliding = num_selected, window
         K, H, lk = self.head_dim, self.num_heads, block_len * self.head_dim
         init = lambda shape, fan_in: nnx.initializers.normal(fan_in ** -0.5)(rngs.params(), shape)
-        self.cmp_pos = nnx.Param(init((2, block_len, K), K) * 0.1)  # keys, values: intra-block position
-        self.cmp_w1 = nnx.Param(init((2, lk, K), lk))
-        self.cmp_w2 = nnx.Param(init((2, K, K), K))
+        self.cmp_pos = nnx.Param(init((2, block_len, K), K) * 0.1, **axes(None, None, None))  # intra-block position
+        self.cmp_w1 = nnx.Param(init((2, lk, K), lk), **axes(None, None, None))  # replicated: small
+        self.cmp_w2 = nnx.Param(init((2, K, K), K), **axes(None, None, None))
         self.wg = nnx.Param(init((d_model, H, 3), d_model), **axes("embed", "heads", None))
         self.bg = nnx.Param(jnp.zeros((H, 3), jnp.float32), **axes("heads", None))
 
