@@ -67,7 +67,7 @@ from layers.linear import project
 from layers.norm import RMSNorm
 from layers.quant import quantize_rows
 from layers.rotary import RopeScaling, apply_rotary
-from layers.shapes import check_input
+from layers.shapes import check_input, head_shape
 from layers.sharding import axes, constrain
 from layers.state import check_steps, rollback, state
 
@@ -155,12 +155,7 @@ class Attention(nnx.Module):
             raise ValueError(f"long_context={long_context!r}; expected 'window' or 'full'")
         if window is not None and window < 1 or max_seq_len is not None and max_seq_len < 1:
             raise ValueError(f"window={window} and max_seq_len={max_seq_len} must be positive or None")
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if head_dim is None and d_model % num_heads:
-            raise ValueError(f"num_heads={num_heads} does not divide d_model={d_model}")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
-        H, G, K = num_heads, num_kv_heads, head_dim or d_model // num_heads
+        H, G, K = head_shape(d_model, num_heads, num_kv_heads, head_dim)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, H, G, K
         masks = _head_masks(H, window, sinks, dilation, head_masks, ring_spare)
         ring = all(m.window is not None and m.growth == 0 for m in masks)  # explicit windows alone

@@ -40,7 +40,7 @@ from layers.attention import KVCache, _documents
 from layers.linear import project
 from layers.norm import RMSNorm
 from layers.rotary import apply_rotary
-from layers.shapes import check_input
+from layers.shapes import check_input, head_shape
 from layers.sharding import axes, constrain
 from layers.state import check_steps, rollback, state
 
@@ -64,12 +64,7 @@ class ForgettingAttention(nnx.Module):
                  output_norm: bool = False, output_gate: bool = False, norm_eps: float = 1e-6, impl: str = "auto",
                  dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "ForgettingAttention")
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if head_dim is None and d_model % num_heads:
-            raise ValueError(f"num_heads={num_heads} does not divide d_model={d_model}")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
-        H, G, K = num_heads, num_kv_heads, head_dim or d_model // num_heads
+        H, G, K = head_shape(d_model, num_heads, num_kv_heads, head_dim)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, H, G, K
         self.rope_base, self.impl, self.dtype = rope_base, impl, dtype
         init = nnx.initializers.normal(d_model ** -0.5)
