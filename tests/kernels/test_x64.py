@@ -2,9 +2,9 @@
 XLA impl and mode: forward and gradient run, are finite, keep their dtypes and equal the same call
 without x64, and nothing of theirs is float64 (with float32 inputs, x64 changes only the default dtype
 of Python numbers and new arrays); and the Pallas kernels still lower to Triton and Mosaic TPU under
-x64. The Pallas kernels themselves run under x64 in test_x64_pallas.py (GPU family) and
-test_x64_pallas_tpu.py (TPU family), with the inputs, calls and checks of this file: split off as the
-op tests are, and so that `make test`, which gives each file to one worker, runs them side by side.
+x64, and their traces (both families, forward and gradient) hold nothing 64-bit inside a kernel or
+its index maps (a Python int meeting an int32 grid index, a loop counter of the default int type, a
+float64 tile of constants).
 
 The inputs are float32 in both runs, made by the op tests' helpers: B = 1, T = 21 (ragged against
 every chunk: 8 in the XLA chunk forms, 16 and 32 in the kernels), H = 2, head dims 8 (padded to 16
@@ -152,16 +152,6 @@ def check_under_x64(op, impl, mode=None):
         assert_close(a, b, 1e-4, name)
 
 
-def check_kernels_under_x64(op, family, monkeypatch):
-    """check_under_x64 for impl="pallas" with the kernels of `family` ("gpu" or "tpu"). On CPU both
-    run in their interpreters, ZOO_PALLAS_PLATFORM picking the family; a GPU runs its own kernels
-    compiled; a TPU would compile its kernels, and these shapes are below Mosaic's tiling."""
-    if jax.default_backend() != "cpu" and (jax.default_backend(), family) != ("gpu", "gpu"):
-        pytest.skip(f"{family} kernels on {jax.default_backend()}: only the CPU interpreters and a GPU run them here")
-    monkeypatch.setenv("ZOO_PALLAS_PLATFORM", family)  # read when the call is traced
-    check_under_x64(op, "pallas")
-
-
 def _cases():
     """(op, impl, mode) by name: "reference" and each mode of "xla" ("auto" is "xla" on CPU)."""
     modes = {"attention": (None,), "selective_scan": ("recurrent", "chunk", "parallel", "auto")}
@@ -178,6 +168,32 @@ CASES = dict(_cases())
 @pytest.mark.parametrize("case", CASES)
 def test_op_under_x64_equals_op_without(case):
     check_under_x64(*CASES[case])
+
+
+@pytest.mark.parametrize("family", ["gpu", "tpu"])
+@pytest.mark.parametrize("op", OPS)
+def test_kernels_trace_nothing_64_bit_under_x64(op, family, monkeypatch):
+    """The forward and gradient of impl="pallas" with the kernels of `family` ("gpu" or "tpu"), traced
+    under x64: nothing 64-bit inside a kernel or its index maps, nothing float64 outside, and the same
+    output dtypes as without x64. Traced, not run: the kernels' values are the op tests' (in the
+    interpreters on CPU), and x64 changes only the types a trace makes, which the jaxpr shows whole.
+    ZOO_PALLAS_PLATFORM picks the family on any backend."""
+    monkeypatch.setenv("ZOO_PALLAS_PLATFORM", family)  # read when the call is traced
+    x = _inputs(op)
+
+    def loss(x):
+        outs = _call(op, x, impl="pallas")
+        return sum(jnp.sum(o) for o in outs), outs
+
+    traced = {}
+    for x64 in (True, False):
+        with jax.enable_x64(x64):
+            traced[x64] = jax.jit(jax.grad(loss, has_aux=True)).trace(x)
+    assert not jax.config.jax_enable_x64
+    wide = _wide(traced[True].jaxpr.jaxpr)
+    assert not wide, f"64-bit values under x64: {sorted(wide)}"
+    got, want = (jax.tree.leaves(traced[x64].out_info) for x64 in (True, False))
+    assert [a.dtype for a in got] == [b.dtype for b in want] and all(a.dtype == jnp.float32 for a in got)
 
 
 # The lowering tests of the kernel files, run again under x64: each lowers the forward and backward
