@@ -12,8 +12,8 @@ Per kind, on this machine:
 - decode ms/token at each of `--contexts` and the decode-state MiB at the last (benchmarks/decode.py's
   model: width 256, 4 layers; attention as MHA);
 - MQAR accuracy at the default sweep cell (configs/sweeps/mqar.yaml: length 32, 4 pairs), best
-  learning rate, at each width; the sweep is run (or resumed, or read when finished) in
-  runs/sweep-mqar.
+  learning rate, at each width; the sweep's cells of the kinds asked for are run (or resumed, or read
+  when finished) in runs/sweep-mqar.
 Written to runs/report/report_card.md and .json; the README's comparison table is this output.
 """
 
@@ -63,8 +63,9 @@ def text_row(kind: str, steps: int, out: Path) -> dict:
             "train_tok_per_s": last.get("tokens_per_s"), "extrapolation_16x": rows[-1]["ratio"]}
 
 
-def mqar_rows(workers: int) -> dict:
+def mqar_rows(kinds: list[str], workers: int) -> dict:
     grid = sweep.load_grid(sweep.DEFAULT)
+    grid["mixers"] = {name: mixer for name, mixer in grid["mixers"].items() if name in kinds}
     best = sweep.best_lr(sweep.sweep(grid, Path("runs/sweep-mqar"), workers, log=lambda *a: None))
     return {(r["mixer"], r["d_model"]): r["val_accuracy"] for r in best}
 
@@ -77,7 +78,7 @@ def main():
     p.add_argument("--workers", type=int, default=1, help="sweep cells at once")
     args = p.parse_args()
     out = Path("runs/report")
-    mqar = mqar_rows(args.workers)
+    mqar = mqar_rows(args.kinds, args.workers)
     widths = sorted({d for _, d in mqar})
     rows = []
     for kind in args.kinds:
