@@ -88,9 +88,10 @@ def _config(grid, mixer: dict, d_model: int, seq_len: int, lr: float, seed: int)
 def sizes(config: dict) -> tuple[int, int]:
     """(parameters, decode-state bytes of one sequence of train.seq_len tokens) of a run config."""
     cfg = from_dict(config)
-    model = nnx.eval_shape(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)))
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    state = jax.eval_shape(lambda: model.init_state(1, cfg.train.seq_len))
+    build = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))  # noqa: E731
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build), nnx.Param)))
+    # built inside the trace: a state may be computed from the parameters (Hyena's filter taps)
+    state = jax.eval_shape(lambda: build().init_state(1, cfg.train.seq_len))
     return params, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 

@@ -84,6 +84,15 @@ def test_widths_matched_by_parameters():
         assert abs(p_gla - p_ref) <= step  # the closest width on the 16-grid
 
 
+def test_sizes_of_every_kind_at_the_default_cell():
+    """Every registered kind's parameters and decode-state bytes, from shapes alone (a state computed from
+    the parameters, as Hyena's filter taps, included); attention's as the README's MQAR table gives."""
+    grid = sweep.load_grid(sweep.DEFAULT)
+    got = {name: sweep.sizes(sweep._config(grid, mixer, 64, 32, 1e-3, 0)) for name, mixer in grid["mixers"].items()}
+    assert got["attention"] == (41_152, 33_048)
+    assert all(params > 0 and state > 0 for params, state in got.values()), got
+
+
 def test_bad_grids_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="unknown keys \\['widths'\\]"):
         sweep.load_grid(_write(tmp_path, {**GRID, "widths": [1]}))
