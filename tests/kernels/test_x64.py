@@ -177,7 +177,7 @@ def test_kernels_trace_nothing_64_bit_under_x64(op, family, monkeypatch):
     under x64: nothing 64-bit inside a kernel or its index maps, nothing float64 outside, and the same
     output dtypes as without x64. Traced, not run: the kernels' values are the op tests' (in the
     interpreters on CPU), and x64 changes only the types a trace makes, which the jaxpr shows whole.
-    ZOO_PALLAS_PLATFORM picks the family on any backend."""
+    ZOO_PALLAS_PLATFORM picks the family on CPU; a GPU or TPU traces its own kernels for both."""
     monkeypatch.setenv("ZOO_PALLAS_PLATFORM", family)  # read when the call is traced
     x = _inputs(op)
 
