@@ -88,10 +88,13 @@ def _config(grid, mixer: dict, d_model: int, seq_len: int, lr: float, seed: int)
 def sizes(config: dict) -> tuple[int, int]:
     """(parameters, decode-state bytes of one sequence of train.seq_len tokens) of a run config."""
     cfg = from_dict(config)
-    build = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))  # noqa: E731
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build), nnx.Param)))
-    # built inside the trace: a state may be computed from the parameters (Hyena's filter taps)
-    state = jax.eval_shape(lambda: build().init_state(1, cfg.train.seq_len))
+
+    def shapes():  # one trace; the state inside it, as a state may be computed from the parameters (Hyena's taps)
+        model = LanguageModel(cfg.model, rngs=nnx.Rngs(0))
+        return nnx.state(model, nnx.Param), model.init_state(1, cfg.train.seq_len)
+
+    params, state = jax.eval_shape(shapes)
+    params = sum(x.size for x in jax.tree.leaves(params))
     return params, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
