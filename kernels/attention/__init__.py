@@ -8,11 +8,14 @@
 - "auto": the Pallas kernels on GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the
   call (not decode-sized calls of T <= 16 queries), the XLA forms elsewhere.
 
-The Pallas kernels express causality, segments, one sliding window for every head and a `decay` (a
-logit bias decay_i - kv_decay_j per head, reference.py; Forgetting attention's cumulative log forget
-gate); a call with sinks, dilation, growth or per-head windows runs the XLA forms whatever `impl` says
-("pallas" included): never a wrong result.
+The Pallas kernels express every mask of reference.py (causality, segments, and the band of window,
+sinks, dilation and growth, each per head or shared) and a `decay` (a logit bias decay_i - kv_decay_j
+per head; Forgetting attention's cumulative log forget gate). The band must be static there (Python
+numbers or tuples, as the layers give it): a traced band (a calibration loop's candidate masks) runs
+the XLA forms whatever `impl` says ("pallas" included), never a wrong result.
 """
+
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +55,18 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_positions=Non
                   kv_decay=kv_decay)
     band = dict(sinks=sinks, dilation=dilation, growth=growth, q_doc_positions=q_doc_positions)
     ks, vs = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if kv_heads_first else (k, v)  # (B, S, G, K)
-    flash = (window is None or isinstance(window, int)) and sinks is None and dilation is None and growth is None
+    flash = all(map(_static, (window, sinks, dilation, growth)))
     if flash and use_pallas(impl, supports(q, ks, vs)):  # (an unused transpose costs nothing: XLA drops it)
         kernel = flash_attention_tpu if pallas_platform() == "tpu" else flash_attention
-        return kernel(q, ks, vs, **kwargs)
+        return kernel(q, ks, vs, **kwargs, **band)
     if impl == "reference":
         return attention_reference(q, ks, vs, **kwargs, **band)
     return attention_xla(q, k, v, **kwargs, **band, kv_heads_first=kv_heads_first)
+
+
+def _static(x) -> bool:
+    """Whether a band parameter is static (None, a number or a tuple of numbers), as the kernels take it."""
+    return all(isinstance(v, numbers.Real) for v in (x if isinstance(x, tuple) else () if x is None else (x,)))
 
 
 def attention_cached(q, k, v, cache_k, cache_v, *, cache_length, segment_ids=None, cache_segment_ids=None,

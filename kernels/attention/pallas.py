@@ -18,9 +18,11 @@ d kd_j = -sum_i dS_ij (summed in the dK/dV kernel over its query blocks, per que
 (a per-query shift cancels in the softmax; qd only keeps the logits small).
 
 Code names: `m`, `l`, `acc` (unnormalised O), `lse` (L), `delta` (D), `p` (P), `ds` (dS), `qd`/`kd`
-(the decay of the queries / keys, rows (bq,) / (bk,) of (B, H, T) / (B, H, S) float32). Masks are
-the reference's (reference.py): key j is visible from query i iff kp_j <= qp_i (causal),
-kp_j > qp_i - window (window) and the segment ids agree; a query that sees no key returns zeros.
+(the decay of the queries / keys, rows (bq,) / (bk,) of (B, H, T) / (B, H, S) float32), `qa` (the
+position where each query's document starts, (bq,)). Masks are the reference's (reference.py): key j
+is visible from query i iff kp_j <= qp_i (causal), the segment ids agree, and j is in query head h's
+band (`Band`: window, sinks, dilation and growth, static, each shared or per head; a per-head value
+is picked by a chain of selects on h); a query that sees no key returns zeros.
 Grouped-query attention: query head h reads kv head h // R (R = H / G) through the BlockSpec index
 map, so K/V are never repeated; the dK/dV kernel runs once per kv head and sums over its R query
 heads inside the kernel.
@@ -42,9 +44,12 @@ Departures from the paper and the official kernel:
 - softmax in base 2: logits are multiplied by scale * log2(e) and exp2/log2 are used (the same
   function; `lse` is stored in base 2 and only ever read back by these kernels);
 - fully masked blocks are skipped: with kv_positions=None (keys at their index) the key-block range
-  of a query block comes from its min/max query position (causal bounds the end, window the
-  start); the dK/dV kernel also narrows its query-block range when q_positions is None. With
-  explicit kv_positions every block is visited and only masked;
+  of a query block comes from its min/max query position (causal bounds the end, the widest span
+  window x dilation the start); the dK/dV kernel also narrows its query-block range when
+  q_positions is None. With sinks, the blocks outside that range that may hold a sink (keys before
+  the block's last document start + sinks; for dK/dV every later query block) are visited too, each
+  behind a lax.cond on its mask, so only those with a visible key cost a dot. A span that grows
+  with the position bounds no start. With explicit kv_positions every block is visited and masked;
 - dQ has its own kernel (one program per query block, looping over key blocks) instead of the
   paper's atomic adds, so the backward is deterministic; D is computed in XLA;
 - T, S and the head dims are padded (to the block sizes and to a power of two >= 16, which Triton's
@@ -57,11 +62,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from kernels.attention.reference import default_positions, doc_positions
 from kernels.x64 import div, fori_loop
 
 LOG2E = math.log2(math.e)
@@ -117,11 +124,80 @@ def supports(q, k, v) -> bool:
             and q.shape[1] > 16)
 
 
+NO_WINDOW = 2 ** 30  # a head's window when it has none (reference.py)
+
+
+def _pick(values, h):
+    """values[h] for a traced head index h: the one value when all heads share it, else a chain of
+    selects over the static per-head values (scalar ops, no table in memory)."""
+    if len(set(values)) == 1:
+        return values[0]
+    dtype = np.float32 if isinstance(values[0], float) else np.int32
+    out = dtype(values[0])
+    for i, x in enumerate(values[1:], 1):
+        out = jnp.where(h == i, dtype(x), out)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """reference.py's band of keys per query head, with static values: span_h = window_h * dilation_h
+    (int32-capped; None: no window and no growth), dilation, sinks and growth (None: no head has one).
+    Each is a tuple of H values, equal when the heads share one."""
+
+    span: tuple[int, ...] | tuple[float, ...] | None  # floats with growth (compared in float32)
+    dilation: tuple[int, ...] | None
+    sinks: tuple[int, ...] | None
+    growth: tuple[float, ...] | None
+
+    @staticmethod
+    def of(window, sinks, dilation, growth, H: int) -> "Band | None":
+        """The band of `attention`'s window, sinks, dilation and growth (None, a number or per head;
+        static), or None when it is every key."""
+        heads = lambda x: None if x is None else (tuple(x) if isinstance(x, (tuple, list)) else (x,) * H)
+        window, sinks, dilation, growth = (heads(x) for x in (window, sinks, dilation, growth))
+        dil = dilation or (1,) * H
+        span = None
+        if window is not None or growth is not None:
+            window = window or (NO_WINDOW,) * H
+            span = tuple(min(int(w) * int(d), 2 ** 31 - 1) for w, d in zip(window, dil))
+            if growth is not None:  # compared as float32, as in the reference
+                span = tuple(float(np.float32(w) * np.float32(d)) for w, d in zip(window, dil))
+        if span is None and dilation is None:
+            return None  # sinks alone add nothing to every key
+        return Band(span, None if dilation is None else tuple(int(d) for d in dilation),
+                    None if sinks is None else tuple(int(x) for x in sinks),
+                    None if growth is None else tuple(float(x) for x in growth))
+
+    @property
+    def max_span(self) -> int | None:
+        """The widest span of any head, for skipping key blocks before it; None when unbounded."""
+        if self.span is None or self.growth is not None or max(self.span) >= NO_WINDOW:
+            return None
+        return max(self.span)
+
+    def mask(self, qp, qstart, kp, h):
+        """Whether key positions kp are in query head h's band for queries at qp whose documents
+        start at qstart (broadcasting int32 arrays)."""
+        d = qp - kp
+        band = None if self.dilation is None else d % _pick(self.dilation, h) == 0
+        if self.span is not None:
+            if self.growth is None:  # d < window * dilation for the d dilation keeps: d // dilation < window
+                near = d < _pick(self.span, h)
+            else:
+                n = (qp - qstart + 1).astype(jnp.float32)  # the query's length in its document
+                near = d.astype(jnp.float32) < _pick(self.span, h) + _pick(self.growth, h) * n
+            band = near if band is None else band & near
+        if self.sinks is not None:
+            band = band | (kp - qstart < _pick(self.sinks, h))
+        return band
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
     scale: float
     causal: bool
-    window: int | None
+    band: Band | None
     segmented: bool
     decay: bool  # qd, kd are inputs (and d kd an output of the dK/dV kernel)
     kv_len: int  # S before padding: keys at index >= kv_len are padding
@@ -142,18 +218,35 @@ def _dot(a, b, dims, cfg):
                            preferred_element_type=jnp.float32)
 
 
-def _visible(qp, qs, kp, ks, k0, bk, cfg):
-    """(bq, bk) bool: which keys each query sees, or None when all are visible."""
+def _visible(qp, qs, qa, kp, ks, k0, bk, h, cfg):
+    """(bq, bk) bool: which keys query head h's queries see, or None when all are visible."""
     conds = []
     if cfg.causal:
         conds.append(kp[None, :] <= qp[:, None])
-    if cfg.window is not None:
-        conds.append(kp[None, :] > qp[:, None] - cfg.window)
+    if cfg.band is not None:
+        conds.append(cfg.band.mask(qp[:, None], qa[:, None], kp[None, :], h))
     if cfg.segmented:
         conds.append(ks[None, :] == qs[:, None])
     if cfg.kv_padded:
         conds.append((k0 + jnp.arange(bk, dtype=jnp.int32))[None, :] < cfg.kv_len)
     return functools.reduce(jnp.logical_and, conds) if conds else None
+
+
+def _any(mask):
+    """Whether a (bq, bk) mask (None: all visible) lets any key through, a scalar bool."""
+    return True if mask is None else jnp.max(mask.astype(jnp.int32)) > 0
+
+
+def _blocks(lo, hi, extra, step, mask_of, init):
+    """carry = step(j, carry, mask_of(j)) over the blocks [lo, hi), after the blocks [extra[0],
+    extra[1]) (None: none), where a block whose mask lets nothing through is skipped (lax.cond).
+    The extra blocks are those outside the window that may hold attention sinks."""
+    def guarded(j, carry):
+        mask = mask_of(j)
+        return lax.cond(_any(mask), lambda c: step(j, c, mask), lambda c: c, carry)
+
+    carry = init if extra is None else fori_loop(extra[0], extra[1], guarded, init)
+    return fori_loop(lo, hi, lambda j, c: step(j, c, mask_of(j)), carry)
 
 
 def _read(ref, *index):
@@ -173,38 +266,51 @@ def _probs(q, k, qd, kd, lse, mask, cfg):
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _kv_block_range(qp, bk, nk, cfg):
-    """Key blocks [lo, hi) that can hold a visible key for queries at positions qp."""
-    lo, hi = 0, nk
+def _kv_block_range(qp, qa, bk, nk, cfg):
+    """Key blocks [lo, hi) that can hold a visible key for queries at positions qp, and the blocks
+    before lo that can hold one of their sinks ((0, n), or None)."""
+    lo, hi, sink_blocks = 0, nk, None
     if cfg.kv_is_index and cfg.causal:
         hi = jnp.clip(div(jnp.max(qp) + bk, bk), 0, nk)
-    if cfg.kv_is_index and cfg.window is not None:
-        lo = div(jnp.clip(jnp.min(qp) - cfg.window + 1, 0, nk * bk), bk)
-    return lo, hi
+    span = None if cfg.band is None else cfg.band.max_span
+    if cfg.kv_is_index and span is not None:
+        lo = div(jnp.clip(jnp.min(qp) - span + 1, 0, nk * bk), bk)
+        if cfg.band.sinks is not None:  # keys at positions < (a query's document start) + sinks
+            sink_blocks = (0, jnp.minimum(div(jnp.clip(jnp.max(qa) + max(cfg.band.sinks) - 1, -1, nk * bk) + bk,
+                                              bk), lo))
+    return lo, hi, sink_blocks
 
 
 def _q_block_range(k0, bk, bq, nq, cfg):
-    """Query blocks [lo, hi) that can see a key of the block starting at k0."""
-    lo, hi = 0, nq
+    """Query blocks [lo, hi) that can see a key of the block starting at k0, and the blocks after
+    hi that can see one as a sink ((hi, nq), or None; _blocks skips those whose mask is empty)."""
+    lo, hi, sink_blocks = 0, nq, None
     if cfg.kv_is_index and cfg.q_offset is not None:
         if cfg.causal:  # query t sees key k0 only if t + q_offset >= k0
             lo = div(jnp.clip(k0 - cfg.q_offset, 0, nq * bq), bq)
-        if cfg.window is not None:  # and key k0 + bk - 1 only if t + q_offset < k0 + bk - 1 + window
-            hi = jnp.clip(div(k0 + bk - 1 + cfg.window - cfg.q_offset + bq - 1, bq), 0, nq)
-    return lo, hi
+        span = None if cfg.band is None else cfg.band.max_span
+        if span is not None:  # and key k0 + bk - 1 only if t + q_offset < k0 + bk - 1 + span
+            hi = jnp.clip(div(k0 + bk - 1 + span - cfg.q_offset + bq - 1, bq), lo, nq)
+            if cfg.band.sinks is not None:
+                sink_blocks = (hi, nq)
+    return lo, hi, sink_blocks
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, *refs, cfg):
+def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, qa_ref, *refs, cfg):
     qd_ref, kd_ref, o_ref, lse_ref = refs if cfg.decay else (None, None, *refs)
     bq, bk = cfg.blocks[:2]
-    q, qp, qs, qd = q_ref[...], qp_ref[...], qs_ref[...], _read(qd_ref, ...)  # (bq, K), (bq,) x 3
+    q, qp, qs, qa, qd = q_ref[...], qp_ref[...], qs_ref[...], qa_ref[...], _read(qd_ref, ...)  # (bq, K), (bq,) x 4
+    h = pl.program_id(2)
 
-    def body(j, carry):
+    def mask_of(j):
+        sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        return _visible(qp, qs, qa, kp_ref[sl], ks_ref[sl], j * bk, bk, h, cfg)
+
+    def step(j, carry, mask):
         acc, m, l = carry  # (bq, V), (bq,), (bq,)
         sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[sl, :], v_ref[sl, :]  # (bk, K), (bk, V)
         s = _logits(q, k, qd, _read(kd_ref, sl), cfg)  # (bq, bk)
-        mask = _visible(qp, qs, kp_ref[sl], ks_ref[sl], j * bk, bk, cfg)
         if mask is not None:
             s = jnp.where(mask, s, MASK)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -215,53 +321,61 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, *refs, cfg)
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0), cfg)
         return acc, m_new, l * alpha + p.sum(axis=1)
 
-    lo, hi = _kv_block_range(qp, bk, k_ref.shape[0] // bk, cfg)
     init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq,), MASK, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
-    acc, m, l = fori_loop(lo, hi, body, init)
+    acc, m, l = _blocks(*_kv_block_range(qp, qa, bk, k_ref.shape[0] // bk, cfg), step, mask_of, init)
     seen = l > 0
     l = jnp.where(seen, l, 1.0)
     o_ref[...] = jnp.where(seen[:, None], acc / l[:, None], 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log2(l), 0.0)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
+def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, qa_ref, do_ref, lse_ref, delta_ref,
                *refs, cfg):
     qd_ref, kd_ref, dq_ref = refs if cfg.decay else (None, None, *refs)
     bq, bk = cfg.blocks[4:]
-    q, do, qp, qs = q_ref[...], do_ref[...], qp_ref[...], qs_ref[...]  # (bq, K), (bq, V), ...
+    q, do, qp, qs, qa = q_ref[...], do_ref[...], qp_ref[...], qs_ref[...], qa_ref[...]  # (bq, K), (bq, V), ...
     qd = _read(qd_ref, ...)  # (bq,) or None
     lse, delta = lse_ref[...], delta_ref[...]  # (bq,)
+    h = pl.program_id(2)
 
-    def body(j, dq):
+    def mask_of(j):
+        sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        return _visible(qp, qs, qa, kp_ref[sl], ks_ref[sl], j * bk, bk, h, cfg)
+
+    def step(j, dq, mask):
         sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[sl, :], v_ref[sl, :]  # (bk, K), (bk, V)
-        mask = _visible(qp, qs, kp_ref[sl], ks_ref[sl], j * bk, bk, cfg)
         p = _probs(q, k, qd, _read(kd_ref, sl), lse, mask, cfg)  # (bq, bk)
         ds = p * (_dot(do, v, (1, 1), cfg) - delta[:, None])  # (bq, bk)
         return dq + _dot(ds.astype(k.dtype), k, (1, 0), cfg)
 
-    lo, hi = _kv_block_range(qp, bk, k_ref.shape[0] // bk, cfg)
-    dq = fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+    dq = _blocks(*_kv_block_range(qp, qa, bk, k_ref.shape[0] // bk, cfg), step, mask_of,
+                 jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
+def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, qa_ref, do_ref, lse_ref, delta_ref,
                 *refs, cfg):
     qd_ref, kd_ref, dk_ref, dv_ref, dkd_ref = refs if cfg.decay else (None, None, *refs, None)
     bq, bk = cfg.blocks[2:4]
     k, v, kp, ks = k_ref[...], v_ref[...], kp_ref[...], ks_ref[...]  # (bk, K), (bk, V), (bk,), (bk,)
-    k0 = pl.program_id(0) * bk
-    lo, hi = _q_block_range(k0, bk, bq, q_ref.shape[0] // bq, cfg)
+    k0, g = pl.program_id(0) * bk, pl.program_id(2)  # (program ids are read outside the loops)
+    R = q_ref.shape[1]
+    blocks = _q_block_range(k0, bk, bq, q_ref.shape[0] // bq, cfg)
 
     def head(r, carry):  # the R query heads that share this kv head
         kd = _read(kd_ref, r, slice(None))  # (bk,) or None
+        h = g * R + r
 
-        def block(i, carry):
+        def mask_of(i):
+            sl = pl.ds(pl.multiple_of(i * bq, bq), bq)
+            return _visible(qp_ref[sl], qs_ref[sl], qa_ref[sl], kp, ks, k0, bk, h, cfg)
+
+        def step(i, carry, mask):
             dk, dv, *dkd = carry  # (bk, K), (bk, V), and d kd (bk,) with a decay
             sl = pl.ds(pl.multiple_of(i * bq, bq), bq)
             q, do = q_ref[sl, r, :], do_ref[sl, r, :]  # (bq, K), (bq, V)
-            mask = _visible(qp_ref[sl], qs_ref[sl], kp, ks, k0, bk, cfg)
             p = _probs(q, k, _read(qd_ref, r, sl), kd, lse_ref[r, sl], mask, cfg)  # (bq, bk)
             ds = p * (_dot(do, v, (1, 1), cfg) - delta_ref[r, sl][:, None])
             grads = (dk + _dot(ds.astype(q.dtype), q, (0, 0), cfg),
@@ -269,13 +383,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse
             return grads if kd is None else (*grads, dkd[0] - ds.sum(axis=0))
 
         if kd is None:
-            return fori_loop(lo, hi, block, carry)
-        dk, dv, dkd = fori_loop(lo, hi, block, (*carry, jnp.zeros((bk,), jnp.float32)))
+            return _blocks(*blocks, step, mask_of, carry)
+        dk, dv, dkd = _blocks(*blocks, step, mask_of, (*carry, jnp.zeros((bk,), jnp.float32)))
         dkd_ref[r, :] = dkd
         return dk, dv
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = fori_loop(0, q_ref.shape[1], head, init)
+    dk, dv = fori_loop(0, R, head, init)
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -288,7 +402,7 @@ def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, name, *args):
     )(*args)
 
 
-def _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
+def _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
     B, T, H, K = q.shape  # padded
     S, G, V = k.shape[1], k.shape[2], v.shape[-1]
     R, bq = H // G, cfg.blocks[0]  # the kernel slices its key blocks out of the whole K/V
@@ -297,7 +411,8 @@ def _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
     q_row = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
     kv_row = pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
     h_row = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    specs, args = [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row], [q, k, v, qp, kp, qs, ks]
+    specs = [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row, q_row]
+    args = [q, k, v, qp, kp, qs, ks, qa]
     if cfg.decay:  # qd (B, H, T), kd (B, H, S): the query head's rows
         specs, args = specs + [h_row, pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0))], args + [qd, kd]
     return _call(_fwd_kernel, cfg, (T // bq, B, H), specs, [q_blk(V), h_row],
@@ -305,7 +420,7 @@ def _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
                   jax.ShapeDtypeStruct((B, H, T), jnp.float32)], "flash_attention_fwd", *args)
 
 
-def _backward(q, k, v, qp, kp, qs, ks, qd, kd, do, lse, delta, cfg):
+def _backward(q, k, v, qp, kp, qs, ks, qa, qd, kd, do, lse, delta, cfg):
     B, T, H, K = q.shape
     S, G, V = k.shape[1], k.shape[2], v.shape[-1]
     R = H // G
@@ -315,8 +430,8 @@ def _backward(q, k, v, qp, kp, qs, ks, qd, kd, do, lse, delta, cfg):
     q_row, h_row = (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                     pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)))
     kv_row = pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
-    specs = [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row, h_row]
-    args = [q, k, v, qp, kp, qs, ks, do, lse, delta]
+    specs = [q_blk(K), kv_all(K), kv_all(V), q_row, kv_row, q_row, kv_row, q_row, q_blk(V), h_row, h_row]
+    args = [q, k, v, qp, kp, qs, ks, qa, do, lse, delta]
     decay = [qd, kd] if cfg.decay else []
     if cfg.decay:
         specs.extend([h_row, pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0))])
@@ -328,7 +443,7 @@ def _backward(q, k, v, qp, kp, qs, ks, qd, kd, do, lse, delta, cfg):
     q_row, h_row = (pl.BlockSpec((None, T), lambda j, b, g: (b, 0)),
                     pl.BlockSpec((None, R, T), lambda j, b, g: (b, g, 0)))
     kv_row = pl.BlockSpec((None, bk), lambda j, b, g: (b, j))
-    specs = [q_all(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_all(V), h_row, h_row]
+    specs = [q_all(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_row, q_all(V), h_row, h_row]
     out_specs = [kv_blk(K), kv_blk(V)]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if cfg.decay:  # kd and d kd: the R query heads' rows of this key block
@@ -340,23 +455,24 @@ def _backward(q, k, v, qp, kp, qs, ks, qd, kd, do, lse, delta, cfg):
     return dq, dk, dv, *dkd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _flash(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
-    return _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _flash(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
+    return _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg)[0]
 
 
-def _flash_fwd(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
-    o, lse = _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg)
-    return o, (q, k, v, qp, kp, qs, ks, qd, kd, o, lse)
+def _flash_fwd(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
+    o, lse = _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg)
+    return o, (q, k, v, qp, kp, qs, ks, qa, qd, kd, o, lse)
 
 
 def _flash_bwd(cfg, res, do):
-    q, k, v, qp, kp, qs, ks, qd, kd, o, lse = res
+    q, k, v, qp, kp, qs, ks, qa, qd, kd, o, lse = res
     delta = jnp.einsum("BTHV,BTHV->BHT", o.astype(jnp.float32), do.astype(jnp.float32))
-    dq, dk, dv, *dkd = _backward(q, k, v, qp, kp, qs, ks, qd, kd, do.astype(o.dtype), lse, delta, cfg)
+    dq, dk, dv, *dkd = _backward(q, k, v, qp, kp, qs, ks, qa, qd, kd, do.astype(o.dtype), lse, delta, cfg)
+    rows = (None,) * 5  # positions, segments and document starts
     if not cfg.decay:
-        return dq, dk, dv, None, None, None, None, None, None
-    return dq, dk, dv, None, None, None, None, jnp.zeros_like(qd), dkd[0]
+        return dq, dk, dv, *rows, None, None
+    return dq, dk, dv, *rows, jnp.zeros_like(qd), dkd[0]
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -367,15 +483,16 @@ def _fit(block, n):
     return min(block, max(16, pl.next_power_of_2(n)))
 
 
-def mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions):
+def mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions, q_doc_positions=None):
     """The rows the masks compare, (1 or B, T) for queries and (1 or B, S) for keys: positions
-    (by default the queries are the last T of the S keys) and documents (kv_segment_ids alone mask
-    nothing, as in the reference)."""
-    qp = jnp.arange(S - T, S, dtype=jnp.int32)[None] if q_positions is None else q_positions
-    kp = jnp.arange(S, dtype=jnp.int32)[None] if kv_positions is None else kv_positions
+    (by default the queries are the last T of the S keys), documents (kv_segment_ids alone mask
+    nothing, as in the reference) and the position where each query's document starts (sinks and
+    growth count from it; reference.doc_positions)."""
+    qp, kp = default_positions(T, S, q_positions, kv_positions)
+    qa = qp - doc_positions(T, S, q_positions, kv_positions, segment_ids, qp, q_doc_positions)
     if segment_ids is None:
-        return qp, kp, jnp.zeros((1, T), jnp.int32), jnp.zeros((1, S), jnp.int32)
-    return qp, kp, segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids
+        return qp, kp, jnp.zeros((1, T), jnp.int32), jnp.zeros((1, S), jnp.int32), qa
+    return qp, kp, segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids, qa
 
 
 def flash_attention(
@@ -388,14 +505,19 @@ def flash_attention(
     q_positions: Int[Array, "#B T"] | None = None,  # rows of 1 broadcast
     kv_positions: Int[Array, "#B S"] | None = None,
     causal: bool = True,
-    window: int | None = None,
+    window: int | tuple | None = None,
     scale: float | None = None,
+    sinks: int | tuple | None = None,
+    dilation: int | tuple | None = None,
+    growth: float | tuple | None = None,
+    q_doc_positions: Int[Array, "#B T"] | None = None,
     decay: Float[Array, "B T H"] | None = None,
     kv_decay: Float[Array, "B S H"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B T H V"]:
     """Same arguments and result as attention_reference; differentiable in q, k, v and the decay.
+    window, sinks, dilation and growth are static here: None, a number, or a tuple per query head.
 
     interpret=None runs the kernel in interpret mode everywhere but on GPU.
     """
@@ -408,13 +530,14 @@ def flash_attention(
     Tp, Sp = -(-T // max(fitted[::2])) * max(fitted[::2]), -(-S // max(fitted[1::2])) * max(fitted[1::2])
     Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
     cfg = _Config(
-        scale=K ** -0.5 if scale is None else float(scale), causal=causal, window=window,
-        segmented=segment_ids is not None, decay=decay is not None, kv_len=S, kv_padded=Sp != S,
+        scale=K ** -0.5 if scale is None else float(scale), causal=causal,
+        band=Band.of(window, sinks, dilation, growth, H), segmented=segment_ids is not None,
+        decay=decay is not None, kv_len=S, kv_padded=Sp != S,
         kv_is_index=kv_positions is None, q_offset=S - T if q_positions is None else None,
         blocks=fitted, num_warps=blocks.num_warps or (4 if max(Kp, Vp) <= 64 else 8),
         num_stages=blocks.num_stages, interpret=backend != "gpu" if interpret is None else interpret,
         exact=q.dtype == jnp.float32)
-    qp, kp, qs, ks = mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions)
+    qp, kp, qs, ks, qa = mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions, q_doc_positions)
     row = lambda x, n, mode: jnp.pad(jnp.broadcast_to(x, (B, x.shape[1])).astype(jnp.int32),
                                      ((0, 0), (0, n - x.shape[1])), mode=mode)
     pad = lambda x, n, d: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d - x.shape[3])))
@@ -423,5 +546,6 @@ def flash_attention(
         (rows(decay, Tp), rows(decay if kv_decay is None else kv_decay, Sp))  # (B, H, Tp), (B, H, Sp)
     # Padded queries repeat the last position, so a block's min/max position (block skipping) holds.
     o = _flash(pad(q, Tp, Kp), pad(k, Sp, Kp), pad(v, Sp, Vp), row(qp, Tp, "edge"),
-               row(kp, Sp, "constant"), row(qs, Tp, "constant"), row(ks, Sp, "constant"), qd, kd, cfg)
+               row(kp, Sp, "constant"), row(qs, Tp, "constant"), row(ks, Sp, "constant"), row(qa, Tp, "edge"),
+               qd, kd, cfg)
     return o[:, :T, :, :V]

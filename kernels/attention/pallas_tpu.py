@@ -11,8 +11,9 @@ blocks j, logits s = scale q k^T:
 Backward, P_ij = exp(s_ij - L_i) recomputed: D_i = rowsum(dO_i * O_i) (in XLA),
 dS_ij = P_ij * (dO_i V_j^T - D_i), dQ_i = scale sum_j dS_ij K_j, dK_j = scale sum_i dS_ij^T Q_i,
 dV_j = sum_i P_ij^T dO_i. Code names: `m`, `l`, `acc` (unnormalised O), `lse` (L), `delta` (D),
-`p` (P), `ds` (dS). Masks are the reference's: key j is visible from query i iff kp_j <= qp_i
-(causal), kp_j > qp_i - window (window) and the segment ids agree; a query that sees no key returns
+`p` (P), `ds` (dS), `qa` (each query's document start). Masks are the reference's: key j is visible
+from query i iff kp_j <= qp_i (causal), the segment ids agree and j is in query head h's band (window,
+sinks, dilation, growth: pallas.Band, static, shared or per head); a query that sees no key returns
 zeros (and has L = 0). A decay (reference.py; FoX's cumulative log forget gate) adds qd_i - kd_j to
 s_ij per query head, and the dK/dV kernel returns d kd_j = -sum_i dS_ij per query head (d qd = 0: a
 per-query shift cancels in the softmax), as in pallas.py.
@@ -38,7 +39,9 @@ Block skipping: when q_positions and kv_positions are both None (positions are t
 the last T of the S keys), the causal and window bounds give, from the program ids alone, the range
 of key blocks a query block can see (and of query blocks a key block is seen by). Steps outside it
 do no work (pl.when), and the index maps clamp the block index into the range, so the pipeline does
-not fetch a new block for them. With explicit positions every block is visited and masked.
+not fetch a new block for them. With sinks, the blocks before that range (key blocks; for dK/dV the
+later query blocks) are fetched too and a step there runs only when its mask lets a key through.
+With explicit positions every block is visited and masked.
 
 Backend: Mosaic TPU, the only Pallas backend for TPU. `interpret=None` runs the TPU interpreter
 (pltpu.InterpretParams) everywhere but on a TPU; `jax.jit(f).trace(...).lower(lowering_platforms=
@@ -62,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from kernels.attention.pallas import MASK, mask_rows
+from kernels.attention.pallas import MASK, Band, mask_rows
 from kernels.x64 import div, iota
 
 
@@ -95,7 +98,7 @@ class BlockSizes:
 class _Config:
     scale: float
     causal: bool
-    window: int | None
+    band: Band | None
     segmented: bool
     decay: bool  # qd, kd are inputs (and d kd an output of the dK/dV kernel)
     kv_len: int  # S before padding: keys at index >= kv_len are padding
@@ -115,25 +118,37 @@ def _dot(a, b, cfg, trans_b=False):
                            preferred_element_type=jnp.float32)
 
 
+def _span(cfg):
+    """The band's widest span when key blocks before it can be skipped (positions are the indices)."""
+    return None if cfg.q_offset is None or cfg.band is None else cfg.band.max_span
+
+
+def _sinks(cfg):
+    """Whether blocks outside the window's range may hold sinks (and are masked to find out)."""
+    return _span(cfg) is not None and cfg.band.sinks is not None
+
+
 def _kv_range(i, bq, bk, nk, cfg):
-    """Key blocks [lo, hi] that can hold a key visible from query block i (a superset)."""
+    """Key blocks [lo, hi] that can hold a key visible from query block i (a superset), and the
+    blocks [0, hi] to fetch when the blocks before lo may hold sinks."""
     lo, hi = 0, nk - 1
     if cfg.q_offset is not None and cfg.causal:  # the block's last query sits at (i+1) bq - 1 + off
         hi = jnp.minimum(div(jnp.maximum((i + 1) * bq - 1 + cfg.q_offset, 0), bk), nk - 1)
-    if cfg.q_offset is not None and cfg.window is not None:  # its first sees keys > i bq + off - w
-        lo = jnp.minimum(div(jnp.maximum(i * bq + cfg.q_offset - cfg.window + 1, 0), bk), nk - 1)
-    return lo, hi
+    if _span(cfg) is not None:  # its first sees keys > i bq + off - span
+        lo = jnp.minimum(div(jnp.maximum(i * bq + cfg.q_offset - _span(cfg) + 1, 0), bk), nk - 1)
+    return (lo, hi), ((0, hi) if _sinks(cfg) else (lo, hi))
 
 
 def _q_range(j, bq, bk, nq, cfg):
-    """Query blocks [lo, hi] that can see a key of key block j (a superset)."""
+    """Query blocks [lo, hi] that can see a key of key block j (a superset), and the blocks [lo,
+    nq - 1] to fetch when the later blocks may see one as a sink."""
     lo, hi = 0, nq - 1
     if cfg.q_offset is not None and cfg.causal:  # query t sees key j bk only if t + off >= j bk
         lo = jnp.minimum(div(jnp.maximum(j * bk - cfg.q_offset, 0), bq), nq - 1)
-    if cfg.q_offset is not None and cfg.window is not None:  # the block's first query i bq + off
-        hi = jnp.minimum(div(jnp.maximum((j + 1) * bk - 2 - cfg.q_offset + cfg.window, 0), bq),
-                         nq - 1)  # sees key (j+1) bk - 1 only if i bq + off - w + 1 <= it
-    return lo, hi
+    if _span(cfg) is not None:  # the block's first query i bq + off
+        hi = jnp.minimum(div(jnp.maximum((j + 1) * bk - 2 - cfg.q_offset + _span(cfg), 0), bq),
+                         nq - 1)  # sees key (j+1) bk - 1 only if i bq + off - span + 1 <= it
+    return (lo, hi), ((lo, nq - 1) if _sinks(cfg) else (lo, hi))
 
 
 def _clamp(x, bounds):
@@ -141,26 +156,37 @@ def _clamp(x, bounds):
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def _when_live(x, bounds, body):
-    """Run body() only when block index x is inside bounds (always when nothing is skipped)."""
+def _in(x, bounds):
     lo, hi = bounds
-    if isinstance(lo, int) and isinstance(hi, int):
-        body()
+    return (x >= lo) & (x <= hi)
+
+
+def _when_live(x, ranges, mask_of, body):
+    """body(mask_of()) only when block index x is inside the range (always when nothing is
+    skipped), or inside the fetched range with a visible key (blocks that may hold sinks)."""
+    bounds, fetched = ranges
+    if all(isinstance(b, int) for b in (*bounds, *fetched)):
+        body(mask_of())
+    elif bounds is fetched:
+        pl.when(_in(x, bounds))(lambda: body(mask_of()))
     else:
-        pl.when((x >= lo) & (x <= hi))(body)
+        @pl.when(_in(x, fetched))
+        def _():
+            mask = mask_of()
+            pl.when(_in(x, bounds) | (jnp.max(mask.astype(jnp.int32)) > 0))(lambda: body(mask))
 
 
-def _visible(qp, qs, kp, ks, k0, cfg):
-    """(bq, bk) bool: which keys each query sees, or None when all are visible.
+def _visible(qp, qs, qa, kp, ks, k0, h, cfg):
+    """(bq, bk) bool: which keys query head h's queries see, or None when all are visible.
 
-    qp, qs (bq, 1) and kp, ks (1, bk) int32; k0 the index of the block's first key."""
+    qp, qs, qa (bq, 1) and kp, ks (1, bk) int32; k0 the index of the block's first key."""
     bq, bk = qp.shape[0], kp.shape[1]
-    qp, qs, kp, ks = (jnp.broadcast_to(x, (bq, bk)) for x in (qp, qs, kp, ks))
+    qp, qs, qa, kp, ks = (jnp.broadcast_to(x, (bq, bk)) for x in (qp, qs, qa, kp, ks))
     conds = []
     if cfg.causal:
         conds.append(kp <= qp)
-    if cfg.window is not None:
-        conds.append(kp > qp - cfg.window)
+    if cfg.band is not None:
+        conds.append(cfg.band.mask(qp, qa, kp, h))
     if cfg.segmented:
         conds.append(ks == qs)
     if cfg.kv_padded:
@@ -180,10 +206,11 @@ def _probs(q, k, qd_ref, kd_ref, lse, mask, cfg):
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, *refs, cfg):
+def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, qa_ref, *refs, cfg):
     qd_ref, kd_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs if cfg.decay else (None, None, *refs)
     bq, bk = cfg.blocks[:2]
-    i, j, nk = pl.program_id(2), pl.program_id(3), cfg.padded[1] // cfg.blocks[1]
+    h, i, j, nk = pl.program_id(1), pl.program_id(2), pl.program_id(3), cfg.padded[1] // cfg.blocks[1]
+    mask_of = lambda: _visible(qp_ref[...], qs_ref[...], qa_ref[...], kp_ref[...], ks_ref[...], j * bk, h, cfg)
 
     @pl.when(j == 0)
     def _init():
@@ -191,10 +218,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, *refs, cfg)
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    def step():
+    def step(mask):
         v = v_ref[...]  # (bk, V)
         s = _logits(q_ref[...], k_ref[...], qd_ref, kd_ref, cfg)  # (bq, bk)
-        mask = _visible(qp_ref[...], qs_ref[...], kp_ref[...], ks_ref[...], j * bk, cfg)
         if mask is not None:
             s = jnp.where(mask, s, MASK)
         m = m_scr[...]  # (bq, 1)
@@ -207,7 +233,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, *refs, cfg)
         acc_scr[...] = acc_scr[...] * alpha + _dot(p.astype(v.dtype), v, cfg)
         m_scr[...] = m_new
 
-    _when_live(j, _kv_range(i, bq, bk, nk, cfg), step)
+    _when_live(j, _kv_range(i, bq, bk, nk, cfg), mask_of, step)
 
     @pl.when(j == nk - 1)
     def _store():
@@ -218,37 +244,39 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, *refs, cfg)
         lse_ref[...] = jnp.where(seen, m_scr[...] + jnp.log(l), 0.0)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
+def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, qa_ref, do_ref, lse_ref, delta_ref,
                *refs, cfg):
     qd_ref, kd_ref, dq_ref, dq_scr = refs if cfg.decay else (None, None, *refs)
     bq, bk = cfg.blocks[4:]
-    i, j, nk = pl.program_id(2), pl.program_id(3), cfg.padded[1] // bk
+    h, i, j, nk = pl.program_id(1), pl.program_id(2), pl.program_id(3), cfg.padded[1] // bk
+    mask_of = lambda: _visible(qp_ref[...], qs_ref[...], qa_ref[...], kp_ref[...], ks_ref[...], j * bk, h, cfg)
 
     @pl.when(j == 0)
     def _init():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
-    def step():
+    def step(mask):
         k = k_ref[...]  # (bk, K)
-        mask = _visible(qp_ref[...], qs_ref[...], kp_ref[...], ks_ref[...], j * bk, cfg)
         p = _probs(q_ref[...], k, qd_ref, kd_ref, lse_ref[...], mask, cfg)  # (bq, bk)
         ds = p * (_dot(do_ref[...], v_ref[...], cfg, trans_b=True) - delta_ref[...])
         dq_scr[...] += _dot(ds.astype(k.dtype), k, cfg)
 
-    _when_live(j, _kv_range(i, bq, bk, nk, cfg), step)
+    _when_live(j, _kv_range(i, bq, bk, nk, cfg), mask_of, step)
 
     @pl.when(j == nk - 1)
     def _store():
         dq_ref[...] = (dq_scr[...] * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
+def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, qa_ref, do_ref, lse_ref, delta_ref,
                 *refs, cfg):
     qd_ref, kd_ref, dk_ref, dv_ref, dkd_ref, dk_scr, dv_scr, dkd_scr = \
         refs if cfg.decay else (None, None, *refs[:2], None, *refs[2:], None)
     bq, bk = cfg.blocks[2:4]
     j, r, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
     nr, nq = cfg.heads[0] // cfg.heads[1], cfg.padded[0] // bq
+    h = pl.program_id(1) * nr + r
+    mask_of = lambda: _visible(qp_ref[...], qs_ref[...], qa_ref[...], kp_ref[...], ks_ref[...], j * bk, h, cfg)
 
     @pl.when((r == 0) & (i == 0))
     def _init():
@@ -260,9 +288,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse
         def _init_decay():
             dkd_scr[...] = jnp.zeros(dkd_scr.shape, jnp.float32)
 
-    def step():
+    def step(mask):
         q, do = q_ref[...], do_ref[...]  # (bq, K), (bq, V)
-        mask = _visible(qp_ref[...], qs_ref[...], kp_ref[...], ks_ref[...], j * bk, cfg)
         p = _probs(q, k_ref[...], qd_ref, kd_ref, lse_ref[...], mask, cfg)  # (bq, bk)
         ds = p * (_dot(do, v_ref[...], cfg, trans_b=True) - delta_ref[...])
         dv_scr[...] += _dot(p.T.astype(do.dtype), do, cfg)  # (bk, V)
@@ -270,7 +297,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, do_ref, lse
         if cfg.decay:
             dkd_scr[...] -= ds.sum(axis=0, keepdims=True)  # (1, bk)
 
-    _when_live(i, _q_range(j, bq, bk, nq, cfg), step)
+    _when_live(i, _q_range(j, bq, bk, nq, cfg), mask_of, step)
 
     if cfg.decay:
         @pl.when(i == nq - 1)
@@ -311,17 +338,18 @@ def _fq_specs(cfg, bq, bk):
     """Specs for the (B, H, T/bq, S/bk) grids of the forward and dQ kernels."""
     H, G = cfg.heads
     nk = cfg.padded[1] // bk
-    kv_block = lambda i, j: _clamp(j, _kv_range(i, bq, bk, nk, cfg))  # skipped steps refetch nothing
+    kv_block = lambda i, j: _clamp(j, _kv_range(i, bq, bk, nk, cfg)[1])  # skipped steps refetch nothing
     return _specs(bq, bk, lambda b, h, i, j: (b, i, h),
                   lambda b, h, i, j: (b, kv_block(i, j), div(h, H // G)))
 
 
-def _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
+def _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
     B, T, _ = q.shape  # padded; q (B, T, H*K), k (B, S, G*K), v (B, S, G*V)
     (H, G), (bq, bk) = cfg.heads, cfg.blocks[:2]
     K, V, S = q.shape[2] // H, v.shape[2] // G, k.shape[1]
     q_blk, kv_blk, q_row, kv_row, h_row, hk_row = _fq_specs(cfg, bq, bk)
-    specs, args = [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row], [q, k, v, qp, kp, qs, ks]
+    specs = [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_row]
+    args = [q, k, v, qp, kp, qs, ks, qa]
     if cfg.decay:  # qd (B, H, T, 1), kd (B, H, 1, S)
         specs, args = specs + [h_row, hk_row], args + [qd, kd]
     return _call(_fwd_kernel, cfg, (B, H, T // bq, S // bk), specs, [q_blk(V), h_row],
@@ -331,24 +359,24 @@ def _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
                  "flash_attention_tpu_fwd", *args)
 
 
-def _backward(q, k, v, qp, kp, qs, ks, qd, kd, do, lse, delta, cfg):
+def _backward(q, k, v, qp, kp, qs, ks, qa, qd, kd, do, lse, delta, cfg):
     B, T, _ = q.shape
     (H, G), R = cfg.heads, cfg.heads[0] // cfg.heads[1]
     K, V, S = q.shape[2] // H, v.shape[2] // G, k.shape[1]
-    args, decay = [q, k, v, qp, kp, qs, ks, do, lse, delta], [qd, kd] if cfg.decay else []
+    args, decay = [q, k, v, qp, kp, qs, ks, qa, do, lse, delta], [qd, kd] if cfg.decay else []
     bq, bk = cfg.blocks[4:]  # dQ: the forward's grid, accumulating over key blocks
     q_blk, kv_blk, q_row, kv_row, h_row, hk_row = _fq_specs(cfg, bq, bk)
-    specs = [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row, h_row]
+    specs = [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_row, q_blk(V), h_row, h_row]
     dq = _call(_dq_kernel, cfg, (B, H, T // bq, S // bk), specs + [h_row, hk_row][:len(decay)],
                q_blk(K), jax.ShapeDtypeStruct(q.shape, q.dtype), [(bq, K)],
                ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_tpu_dq", *args, *decay)
     bq, bk = cfg.blocks[2:4]  # dK/dV: grid (B, G, S/bk, R, T/bq), accumulating over r and i
     nq = T // bq
-    q_block = lambda j, i: _clamp(i, _q_range(j, bq, bk, nq, cfg))
+    q_block = lambda j, i: _clamp(i, _q_range(j, bq, bk, nq, cfg)[1])
     q_blk, kv_blk, q_row, kv_row, h_row, hk_row = _specs(
         bq, bk, lambda b, g, j, r, i: (b, q_block(j, i), g * R + r),
         lambda b, g, j, r, i: (b, j, g))
-    specs = [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_blk(V), h_row, h_row]
+    specs = [q_blk(K), kv_blk(K), kv_blk(V), q_row, kv_row, q_row, kv_row, q_row, q_blk(V), h_row, h_row]
     out_specs, scratch = [kv_blk(K), kv_blk(V)], [(bk, K), (bk, V)]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if cfg.decay:  # d kd (B, H, 1, S): the block of query head g R + r
@@ -360,25 +388,26 @@ def _backward(q, k, v, qp, kp, qs, ks, qd, kd, do, lse, delta, cfg):
     return dq, dk, dv, *dkd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _flash(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
-    return _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _flash(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
+    return _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg)[0]
 
 
-def _flash_fwd(q, k, v, qp, kp, qs, ks, qd, kd, cfg):
-    o, lse = _forward(q, k, v, qp, kp, qs, ks, qd, kd, cfg)
-    return o, (q, k, v, qp, kp, qs, ks, qd, kd, o, lse)
+def _flash_fwd(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
+    o, lse = _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg)
+    return o, (q, k, v, qp, kp, qs, ks, qa, qd, kd, o, lse)
 
 
 def _flash_bwd(cfg, res, do):
-    q, k, v, qp, kp, qs, ks, qd, kd, o, lse = res
+    q, k, v, qp, kp, qs, ks, qa, qd, kd, o, lse = res
     B, T, H = o.shape[0], o.shape[1], cfg.heads[0]
     prod = o.astype(jnp.float32) * do.astype(jnp.float32)  # (B, T, H*V)
     delta = jnp.moveaxis(prod.reshape(B, T, H, -1).sum(-1), 2, 1)[..., None]  # (B, H, T, 1)
-    dq, dk, dv, *dkd = _backward(q, k, v, qp, kp, qs, ks, qd, kd, do.astype(o.dtype), lse, delta, cfg)
+    dq, dk, dv, *dkd = _backward(q, k, v, qp, kp, qs, ks, qa, qd, kd, do.astype(o.dtype), lse, delta, cfg)
+    rows = (None,) * 5  # positions, segments and document starts
     if not cfg.decay:
-        return dq, dk, dv, None, None, None, None, None, None
-    return dq, dk, dv, None, None, None, None, jnp.zeros_like(qd), dkd[0]
+        return dq, dk, dv, *rows, None, None
+    return dq, dk, dv, *rows, jnp.zeros_like(qd), dkd[0]
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -399,14 +428,19 @@ def flash_attention_tpu(
     q_positions: Int[Array, "#B T"] | None = None,  # rows of 1 broadcast
     kv_positions: Int[Array, "#B S"] | None = None,
     causal: bool = True,
-    window: int | None = None,
+    window: int | tuple | None = None,
     scale: float | None = None,
+    sinks: int | tuple | None = None,
+    dilation: int | tuple | None = None,
+    growth: float | tuple | None = None,
+    q_doc_positions: Int[Array, "#B T"] | None = None,
     decay: Float[Array, "B T H"] | None = None,
     kv_decay: Float[Array, "B S H"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B T H V"]:
     """Same arguments and result as attention_reference; differentiable in q, k, v and the decay.
+    window, sinks, dilation and growth are static here: None, a number, or a tuple per query head.
 
     interpret=None runs the TPU interpreter everywhere but on a TPU.
     """
@@ -424,12 +458,13 @@ def flash_attention_tpu(
                                  f"TPU unless they cover the whole (padded) S={Sp}")
     Kp, Vp = (d if interpret else -(-d // 128) * 128 for d in (K, V))
     cfg = _Config(
-        scale=K ** -0.5 if scale is None else float(scale), causal=causal, window=window,
-        segmented=segment_ids is not None, decay=decay is not None, kv_len=S, kv_padded=Sp != S,
+        scale=K ** -0.5 if scale is None else float(scale), causal=causal,
+        band=Band.of(window, sinks, dilation, growth, H), segmented=segment_ids is not None,
+        decay=decay is not None, kv_len=S, kv_padded=Sp != S,
         q_offset=S - T if q_positions is None and kv_positions is None else None,
         heads=(H, G), blocks=fitted, padded=(Tp, Sp), interpret=interpret,
         exact=q.dtype == jnp.float32)
-    qp, kp, qs, ks = mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions)
+    qp, kp, qs, ks, qa = mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions, q_doc_positions)
     q_row = lambda x: jnp.pad(jnp.broadcast_to(x, (B, T)).astype(jnp.int32), ((0, 0), (0, Tp - T)))
     kv_row = lambda x: jnp.pad(jnp.broadcast_to(x, (B, S)).astype(jnp.int32), ((0, 0), (0, Sp - S)))
     pad = lambda x, n, d: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d - x.shape[3])))
@@ -440,5 +475,5 @@ def flash_attention_tpu(
     # qd (B, H, Tp, 1), kd (B, H, 1, Sp)
     o = _flash(heads(pad(q, Tp, Kp)), heads(pad(k, Sp, Kp)), heads(pad(v, Sp, Vp)),
                q_row(qp)[..., None], kv_row(kp)[:, None], q_row(qs)[..., None], kv_row(ks)[:, None],
-               qd, kd, cfg)
+               q_row(qa)[..., None], qd, kd, cfg)
     return o.reshape(B, Tp, H, Vp)[:, :T, :, :V]

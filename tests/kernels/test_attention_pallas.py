@@ -129,6 +129,8 @@ def test_decay_through_attention_cached():
     for name, a, b in zip(("o", "dq", "dk", "dv", "d decay"), grads("pallas"), grads("reference")):
         assert_close(a, b, 1e-4, name)
 
+
+def test_cache_positions_and_documents():
     """As layers.Attention.decode calls it: 3 new queries at cache slots 20..22 against a 40-slot
     cache whose unwritten slots hold document -1; row 1's last query starts a document that has no
     key yet except itself, and row 0's queries belong to a document absent from the cache."""
@@ -141,6 +143,34 @@ def test_decay_through_attention_cached():
     kw = dict(segment_ids=seg, kv_segment_ids=cache_doc, q_positions=slots, window=6)
     o = _compare(q, k, v, ct, kw, 1e-4)
     assert float(jnp.abs(o[0]).max()) == 0.0  # a query that sees no key returns zeros
+
+
+# (B, T, S, H, G, packed, band): the band of reference.py in the kernel. Sinks beside a window that
+# skips key blocks (the sink blocks are visited apart, the dK/dV kernel's later query blocks too);
+# packed documents (every document's own sinks); a dilated window; per-head masks with GQA (a head
+# without a window, heads with and without sinks, three dilations); growth with sinks; T queries the
+# last of S keys with their positions inside their documents given (a prefill after a cache).
+BAND_CASES = {
+    "sinks-window": (2, 53, 53, 4, 2, False, dict(window=7, sinks=3)),
+    "sinks-window-packed": (2, 53, 53, 4, 2, True, dict(window=7, sinks=2)),
+    "dilated-G1": (1, 45, 45, 2, 1, False, dict(window=5, dilation=3)),
+    "per-head-gqa-packed": (2, 41, 41, 4, 2, True, dict(window=(3, 2 ** 30, 9, 5), sinks=(0, 0, 2, 4),
+                                                         dilation=(1, 1, 2, 3))),
+    "growth-sinks": (1, 37, 37, 2, 1, False, dict(window=(4, 2), growth=(0.5, 0.25), sinks=1)),
+    "T20-of-S50-doc-positions": (1, 20, 50, 2, 2, False, dict(window=6, sinks=2, q_doc_positions=
+                                                               jnp.arange(18, 38, dtype=jnp.int32)[None])),
+}
+
+
+def compare_band(case, kernel, block_sizes):
+    B, T, S, H, G, packed, band = BAND_CASES[case]
+    q, k, v, ct = _inputs(B, T, S, H, G, 16, 8, seed=80)
+    _compare(q, k, v, ct, dict(band, segment_ids=_packed(B, T, 81) if packed else None), 1e-4, block_sizes, kernel)
+
+
+@pytest.mark.parametrize("case", BAND_CASES)
+def test_band_matches_reference(case):
+    compare_band(case, flash_attention, BS)
 
 
 def test_single_query_step():
@@ -162,7 +192,8 @@ def test_dispatch():
     jaxpr = lambda impl, **kw: str(jax.make_jaxpr(partial(attention, impl=impl, **kw))(q, q, q))
     assert "pallas_call" in jaxpr("pallas")
     assert "pallas_call" in jaxpr("pallas", decay=jnp.zeros((1, 32, 2)))
-    assert "pallas_call" not in jaxpr("pallas", sinks=2, window=4)  # never a wrong result: XLA
+    assert "pallas_call" in jaxpr("pallas", sinks=2, window=(4, 2 ** 30))
+    assert "pallas_call" not in jaxpr("pallas", sinks=2, window=jnp.array([4, 8]))  # traced: XLA
     assert ("pallas_call" in jaxpr("auto")) == ON_GPU  # CPU: "auto" is the XLA reference
     assert "pallas_call" not in jaxpr("xla")
     assert IMPLS == ("auto", "reference", "xla", "pallas")
@@ -175,11 +206,14 @@ def test_dispatch():
 def test_lowers_for_cuda_through_triton():
     """Without a GPU: the three kernels (forward, dQ, dK/dV) lower to Triton for CUDA with the GPU
     block sizes (power-of-two tiles, every primitive has a Triton rule), here for bf16 GQA with a
-    window, packed documents, a decay and ragged T, and for a decode-sized call with cache positions."""
+    window, packed documents, a decay and ragged T, per-head sinks and dilations beside a window and
+    growth (guarded sink blocks), and for a decode-sized call with cache positions."""
     gpu_blocks = partial(flash_attention, block_sizes=default_block_sizes("gpu"), interpret=False)
     q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in ((2, 300, 8, 64), (2, 300, 2, 64), (2, 300, 2, 64)))
     seg = jnp.zeros((2, 300), jnp.int32)
+    per_head = dict(window=(3, 2 ** 30, 90, 5) * 2, sinks=(0, 0, 2, 4) * 2, dilation=2, growth=0.5)
     for query, kw in ((q, dict(window=100, segment_ids=seg, decay=jnp.zeros((2, 300, 8)))),
+                      (q, dict(window=100, sinks=4, segment_ids=seg)), (q, per_head),
                       (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
                                       kv_segment_ids=seg))):
         f = partial(_out_and_grads, partial(gpu_blocks, **kw), kw={})
@@ -187,14 +221,15 @@ def test_lowers_for_cuda_through_triton():
         assert hlo.count("__gpu$xla.gpu.triton") == 3
 
 
-def test_attention_layer_pallas_equals_reference_call_and_decode():
+@pytest.mark.parametrize("masks", [dict(window=6), dict(window=3, sinks=2, dilation=2)])
+def test_attention_layer_pallas_equals_reference_call_and_decode(masks):
     """layers.Attention(impl="pallas") against impl="reference": packed __call__, then a 5-token
-    prefill and 2 single-token steps on the KV cache."""
+    prefill and 2 single-token steps on the KV cache (a ring buffer with sinks)."""
     call = nnx.jit(lambda layer, x, seg: layer(x, segment_ids=seg))
     decode = nnx.jit(lambda layer, x, state: layer.decode(x, state))
     x = jnp.asarray(np.random.default_rng(40).standard_normal((2, 12, 32), np.float32))
     seg = jnp.array([[0] * 7 + [1] * 5, [0] * 12], jnp.int32)
-    fast, ref = (Attention(32, num_heads=4, num_kv_heads=2, window=6, impl=impl, rngs=nnx.Rngs(0))
+    fast, ref = (Attention(32, num_heads=4, num_kv_heads=2, **masks, impl=impl, rngs=nnx.Rngs(0))
                  for impl in ("pallas", "reference"))
     assert_close(call(fast, x, seg), call(ref, x, seg), 1e-4, "__call__")
     states = [layer.init_state(2, 16) for layer in (fast, ref)]

@@ -16,8 +16,8 @@ import pytest
 from kernels.attention import attention
 from kernels.attention.pallas_tpu import BlockSizes, flash_attention_tpu
 from kernels.attention.reference import attention_reference
+from tests.kernels.test_attention_pallas import BAND_CASES, _decay, _inputs, _out_and_grads, _with_decay, compare_band
 from tests.kernels.test_attention_pallas import _compare as _compare_kernel
-from tests.kernels.test_attention_pallas import _decay, _inputs, _out_and_grads, _with_decay
 from tests.util import assert_close
 
 BS8, BS16 = BlockSizes(8, 8, 8, 8, 8, 8), BlockSizes(16, 16, 16, 16, 16, 16)
@@ -108,6 +108,13 @@ def test_decay_matches_reference(case):
             assert_close(a, b, 1e-4, name)
 
 
+@pytest.mark.parametrize("case", BAND_CASES)
+def test_band_matches_reference(case):
+    """The band cases of the GPU kernel's tests (sinks beside a skipping window, packed, dilated, per
+    head, growth, a prefill after a cache)."""
+    compare_band(case, partial(flash_attention_tpu, interpret=True), BS16)
+
+
 def test_decay_is_routed_to_the_tpu_kernel(monkeypatch):
     monkeypatch.setenv("ZOO_PALLAS_PLATFORM", "tpu")
     q = jnp.zeros((1, 32, 2, 16))
@@ -126,11 +133,14 @@ def test_block_sizes_are_validated():
 def test_lowers_for_tpu_through_mosaic():
     """Without a TPU: the three kernels (forward, dQ, dK/dV) lower to Mosaic with the default block
     sizes, in bf16 with D = 128: GQA with a window, packed documents and a decay (blocks skipped), and
-    a decode-sized call with cache positions and its own kv_decay (every block visited)."""
+    a decode-sized call with cache positions and its own kv_decay (every block visited); sinks beside
+    a window, and per-head windows, sinks and dilations with growth (blocks masked to find sinks)."""
     q, k = jnp.zeros((1, 1024, 2, 128), jnp.bfloat16), jnp.zeros((1, 1024, 1, 128), jnp.bfloat16)
     seg = jnp.zeros((1, 1024), jnp.int32)
     tpu = partial(flash_attention_tpu, interpret=False)
+    per_head = dict(window=(300, 2 ** 30), sinks=(0, 4), dilation=(1, 3), growth=0.5)
     for query, kw in ((q, dict(window=300, segment_ids=seg, decay=jnp.zeros((1, 1024, 2)))),
+                      (q, dict(window=300, sinks=4, segment_ids=seg)), (q, per_head),
                       (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
                                       kv_segment_ids=seg, decay=jnp.zeros((1, 3, 2)),
                                       kv_decay=jnp.zeros((1, 1024, 2))))):

@@ -80,7 +80,7 @@ def _inputs(op):
 def _call(op, x, **kw):
     """The op on inputs x with the packed row of documents (and its initial state); its outputs."""
     if op == "attention":
-        return (attention(x["q"], x["k"], x["v"], segment_ids=SEG[:B], window=9, **kw),)
+        return (attention(x["q"], x["k"], x["v"], segment_ids=SEG[:B], window=9, sinks=2, dilation=(1, 2), **kw),)
     kw |= {"segment_ids": SEG[:B], "output_final_state": True, "chunk_size": CHUNK}
     if op in ("ssd", "selective_scan"):
         return OPS[op](x["x"], x["dt"], x["A"], x["B"], x["C"], x["D"], initial_state=x["h0"], **kw)
