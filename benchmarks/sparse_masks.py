@@ -1,9 +1,10 @@
 """SemSA's claim in miniature: per-head calibrated masks against one uniform window at the same density.
 
-    python -m benchmarks.sparse_masks RUN_DIR [--densities 0.15 0.25 0.5] [--batches 4] [--copies 32]
+    python -m benchmarks.sparse_masks RUN_DIR [--densities 0.15 0.25 0.5] [--rounds 0 2] [--batches 4] [--copies 32]
 
-For each density budget, train/calibrate.py picks every head's mask on held-out text; the uniform
-baseline gives every head the widest plain window within the same budget. Reported, on held-out
+For each density budget, train/calibrate.py picks every head's mask on held-out text, once per
+number of refinement rounds (0: the single-head profile alone); the uniform baseline gives every
+head the widest plain window within the same budget. Reported, on held-out
 batches the calibration did not see:
 - the validation loss of the full model, the uniform window and the calibrated masks;
 - retrieval at growing distances: a validation window of the training length L whose last n = 12
@@ -96,6 +97,7 @@ def main(argv=None):
     p.add_argument("--batches", type=int, default=4, help="held-out batches of 8 to calibrate on (and to report on)")
     p.add_argument("--copies", type=int, default=32, help="rows per copy distance")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, nargs="+", default=[0, 2], help="calibrate.py's refinement rounds, each a row")
     args = p.parse_args(argv)
     cfg, model, _ = load_model(args.run_dir)
     L, H, n_layers = cfg.train.seq_len, attention_layers(model)[0].num_heads, len(attention_layers(model))
@@ -112,23 +114,28 @@ def main(argv=None):
     full = copy_accuracy(graphdef, state, [[Mask()] * H] * n_layers, tests)
     rows = [{"masks": "full", "density": 1.0, metric: None, **{f"copy@{d}": round(a, 3) for d, a in full.items()},
              "effective_90": effective(full, full, 0.9), "effective_50": effective(full, full, 0.5)}]
+    key = "accuracy" if task else "loss"
     for budget in args.densities:
-        r = calibrate(args.run_dir, budget, args.batches, seed=args.seed, log=print)
-        key = "accuracy" if task else "loss"
+        results = [calibrate(args.run_dir, budget, args.batches, seed=args.seed, rounds=n, log=print)
+                   for n in args.rounds]
+        r = results[0]
         rows[0][metric] = r[f"full_{key}"]
-        calibrated = [[Mask(**m) for m in layer] for layer in r["masks"]]
-        for name, masks, dens, loss in (
-                (f"uniform window {r['uniform_window']}", [[uniform(L, budget)] * H] * n_layers, r["uniform_density"],
-                 r[f"uniform_{key}"]),
-                ("calibrated per head", calibrated, r["density"], r[f"calibrated_{key}"])):
+        variants = [(f"uniform window {r['uniform_window']}", [[uniform(L, budget)] * H] * n_layers,
+                     r["uniform_density"], r[f"uniform_{key}"])]
+        variants += [(f"calibrated, {n} rounds", [[Mask(**m) for m in layer] for layer in c["masks"]], c["density"],
+                      c[f"calibrated_{key}"]) for n, c in zip(args.rounds, results)]
+        for name, masks, dens, loss in variants:
             acc = copy_accuracy(graphdef, state, masks, tests)
             rows.append({"masks": name, "density": dens, metric: loss,
                          **{f"copy@{d}": round(a, 3) for d, a in acc.items()},
                          **{f"effective_{p}": effective(acc, full, p / 100) for p in (90, 50)}})
-        for p in (90, 50):
-            u, c = rows[-2][f"effective_{p}"], rows[-1][f"effective_{p}"]
-            rows[-1][f"ratio_{p}"] = round(c / u, 2) if u else None
-        print("# budget", budget, "calibrated masks:", r["masks"])
+        uniform_row = rows[-len(variants)]
+        for row in rows[-len(results):]:
+            for p in (90, 50):
+                u = uniform_row[f"effective_{p}"]
+                row[f"ratio_{p}"] = round(row[f"effective_{p}"] / u, 2) if u else None
+        for n, c in zip(args.rounds, results):
+            print(f"# budget {budget}, {n} rounds, calibrated masks: {c['masks']}")
     what = "recalling a value up to d back" if task else f"copying {N_COPY - 1} tokens from d back"
     print(f"# {args.run_dir}: L = {L}, {n_layers} layers x {H} heads; copy@d: accuracy of {what}")
     print_table(rows, ["masks", "density", metric, *[f"copy@{d}" for d in distances], "effective_90", "ratio_90",

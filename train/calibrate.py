@@ -1,6 +1,6 @@
 """Per-head attention masks chosen for a sparsity budget, from a trained run (SemSA / MoA, Fu et al. 2024).
 
-    python -m train.calibrate RUN_DIR --density 0.25 [--batches 4] [--batch-size 8] [--seed 0] [--out FILE]
+    python -m train.calibrate RUN_DIR --density 0.25 [--rounds 2] [--batches 4] [--batch-size 8] [--seed 0] [--out FILE]
 
 Every query head of every attention layer picks one mask from a family (FAMILY, relative to the
 run's training length L): sliding windows of L/2 down to L/64 tokens, each with and without 4
@@ -16,7 +16,13 @@ fraction of the causal (L, L) query-key pairs it keeps (counted with kernels.att
    argmin cost + lambda density, the smallest lambda that meets the budget, by bisection), then
    spending what budget is left on the upgrades that buy the most loss per unit of density. The
    result never exceeds the budget and is a pure function of the run, the budget and --seed.
-3. Report the held-out loss (and accuracy, for a task run) of the full model, of one uniform window
+3. Refine (--rounds R): profile again with every other head at its chosen mask (the cost of each
+   mask of head n is now the loss change from the current choice when n alone moves to it) and
+   choose again; after R rounds (or when the choice stops changing) keep the choice with the lowest
+   profiling loss. Step 1 assumes the heads add their costs; heads that stand in for each other
+   (masking one is free while the others see everything) are found here, as masking them together
+   shows a cost that no single-head profile does.
+4. Report the held-out loss (and accuracy, for a task run) of the full model, of one uniform window
    at the same budget (the widest plain window within it) and of the calibrated masks, on batches
    the profile did not see; write the run's config with one attention config per layer
    (`model.layer_pattern`, each with its `head_masks`) to --out (default RUN_DIR/calibrated.yaml),
@@ -24,7 +30,8 @@ fraction of the causal (L, L) query-key pairs it keeps (counted with kernels.att
 
 Departures from MoA: the cost of a mask is measured (the loss with that head masked), where MoA
 estimates it from first-order attention-gradient influence over many lengths; the family is fixed
-relative to L instead of searched per length; heads are assumed to add their costs (as MoA does).
+relative to L instead of searched per length; MoA assumes the heads add their costs, which step 3
+corrects by re-measuring against the chosen masks.
 """
 
 import argparse
@@ -129,19 +136,44 @@ class Evaluator:
         return total / weight, correct / weight
 
 
-def profile(evaluate: Evaluator, candidates: list[Mask], log=print) -> np.ndarray:
-    """(layers * heads, candidates) held-out loss increase with one head masked, the others full."""
-    full = [[Mask()] * evaluate.H for _ in range(evaluate.num_layers)]
-    base = evaluate(full)[0]
-    cost = np.zeros((evaluate.num_layers * evaluate.H, len(candidates)))
-    for n in range(cost.shape[0]):
+def _masks(choice, candidates, H: int) -> list[list[Mask]]:
+    """One candidate index per head (layers * heads) -> masks[layer][head]."""
+    return [[candidates[c] for c in choice[i:i + H]] for i in range(0, len(choice), H)]
+
+
+def profile(evaluate: Evaluator, candidates: list[Mask], choice=None, log=print) -> np.ndarray:
+    """(layers * heads, candidates) held-out loss change when one head moves to a candidate, the
+    others at `choice` (indices into candidates; None: every head full)."""
+    N = evaluate.num_layers * evaluate.H
+    choice = np.full(N, candidates.index(Mask())) if choice is None else choice
+    current = _masks(choice, candidates, evaluate.H)
+    base = evaluate(current)[0]
+    cost = np.zeros((N, len(candidates)))
+    for n in range(N):
         for c, m in enumerate(candidates):
-            masks = [list(layer) for layer in full]
+            masks = [list(layer) for layer in current]
             masks[n // evaluate.H][n % evaluate.H] = m
-            cost[n, c] = evaluate(masks)[0] - base if m != Mask() else 0.0
+            cost[n, c] = evaluate(masks)[0] - base if c != choice[n] else 0.0
         log(f"# layer {n // evaluate.H} head {n % evaluate.H}: " +
             " ".join(f"{x:+.3f}" for x in cost[n]))
     return cost
+
+
+def refine(evaluate: Evaluator, candidates: list[Mask], dens: np.ndarray, budget: float, choice: np.ndarray,
+           rounds: int, log=print) -> np.ndarray:
+    """Step 3 of the module docstring: re-profile against the current choice and choose again, up to
+    `rounds` times; the choice with the lowest loss on the profiling batches."""
+    loss = lambda ch: evaluate(_masks(ch, candidates, evaluate.H))[0]
+    best, best_loss = choice, loss(choice)
+    for r in range(rounds):
+        new = choose(profile(evaluate, candidates, choice, log), dens, budget)
+        if np.array_equal(new, choice):
+            break
+        choice, new_loss = new, loss(new)
+        log(f"# refinement round {r + 1}: profiling loss {new_loss:.4f} (was {best_loss:.4f})")
+        if new_loss < best_loss:
+            best, best_loss = new, new_loss
+    return best
 
 
 def choose(cost: np.ndarray, dens: np.ndarray, budget: float) -> np.ndarray:
@@ -206,18 +238,21 @@ def _profiled(run_dir: str, batches: int, batch_size: int, seed: int, log):
     dens = np.array([density(m, L) for m in candidates])
     tune = Evaluator(cfg, model, 0, batches, batch_size, seed)
     held = Evaluator(cfg, model, batches, batches, batch_size, seed)
-    return cfg, step, candidates, dens, held, profile(tune, candidates, log)
+    return cfg, step, candidates, dens, tune, held, profile(tune, candidates, log=log)
 
 
-def calibrate(run_dir, budget: float, batches: int = 4, batch_size: int = 8, seed: int = 0, log=print) -> dict:
+def calibrate(run_dir, budget: float, batches: int = 4, batch_size: int = 8, seed: int = 0, rounds: int = 2,
+              log=print) -> dict:
     if not 0 < budget <= 1:
         raise ValueError(f"--density: expected a fraction in (0, 1], got {budget}")
-    cfg, step, candidates, dens, held, cost = _profiled(str(run_dir), batches, batch_size, seed, log)
+    if rounds < 0:
+        raise ValueError(f"--rounds: expected a count >= 0, got {rounds}")
+    cfg, step, candidates, dens, tune, held, cost = _profiled(str(run_dir), batches, batch_size, seed, log)
     L, H, n = cfg.train.seq_len, held.H, held.num_layers
-    choice = choose(cost, dens, budget)
-    masks = [[candidates[c] for c in choice[i * H:(i + 1) * H]] for i in range(n)]
+    choice = refine(tune, candidates, dens, budget, choose(cost, dens, budget), rounds, log)
+    masks = _masks(choice, candidates, H)
     wide = uniform(L, budget)
-    result = {"run": str(run_dir), "step": step, "seq_len": L, "budget": budget,
+    result = {"run": str(run_dir), "step": step, "seq_len": L, "budget": budget, "rounds": rounds,
               "density": round(float(dens[choice].mean()), 4), "uniform_window": wide.window,
               "uniform_density": round(density(wide, L), 4),
               "masks": [[m.spec() for m in layer] for layer in masks]}
@@ -236,17 +271,19 @@ def main(argv=None):
     p.add_argument("--batches", type=int, default=4, help="held-out batches to profile on (and as many to report on)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="refinement rounds against the chosen masks (0: none)")
     p.add_argument("--out", help="the calibrated config (default: RUN_DIR/calibrated.yaml)")
     args = p.parse_args(argv)
     try:
         if not Path(args.run_dir).is_dir():
             raise ValueError(f"{args.run_dir}: not a run folder")
-        result = calibrate(args.run_dir, args.density, args.batches, args.batch_size, args.seed)
+        result = calibrate(args.run_dir, args.density, args.batches, args.batch_size, args.seed, args.rounds)
     except ValueError as e:
         sys.exit(f"error: {e}")
     config = result.pop("config")
     out = Path(args.out or Path(args.run_dir) / "calibrated.yaml")
-    out.write_text(f"# python -m train.calibrate {args.run_dir} --density {args.density} --seed {args.seed}\n"
+    out.write_text(f"# python -m train.calibrate {args.run_dir} --density {args.density} --rounds {args.rounds} "
+                   f"--seed {args.seed}\n"
                    + yaml.safe_dump(config, sort_keys=False))
     print(json.dumps(result))
     print(f"# wrote {out}")

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from infer import generate
-from train.calibrate import Mask, calibrate, choose, density, family, main
+from train.calibrate import Evaluator, Mask, calibrate, choose, density, family, main, profile, refine
 from train.loop import run
 from zoo.checkpoint import load_model
 from zoo.config import from_dict
@@ -48,6 +48,35 @@ def test_a_costly_head_keeps_its_context():
         choose(cost, dens, 0.05)
 
 
+class Redundant(Evaluator):
+    """A stand-in for a model's Evaluator, 2 layers x 2 heads: heads 0 and 1 stand in for each other (masking one
+    is free, masking both costs 5), heads 2 and 3 each cost 0.1 to mask."""
+
+    H, num_layers = 2, 2
+
+    def __init__(self):
+        pass
+
+    def __call__(self, masks):
+        sparse = [m != Mask() for layer in masks for m in layer]
+        return 5.0 * (sparse[0] and sparse[1]) + 0.1 * (sparse[2] + sparse[3]), 0.0
+
+
+def test_refinement_finds_heads_that_stand_in_for_each_other():
+    """The single-head profile sees heads 0 and 1 as free to mask and masks both (loss 5); a round
+    against the chosen masks sees what that costs and keeps both full, masking heads 2 and 3 (0.2);
+    the next round swings back (each head alone again looks free) and is not kept. (The best choice
+    within the budget, one of heads 0 and 1 full and head 2 or 3 full, 0.1, is a trade that no
+    re-solve from single-head costs proposes.)"""
+    evaluate, candidates, dens = Redundant(), [Mask(), Mask(4)], np.array([1.0, 0.25])
+    first = choose(profile(evaluate, candidates, log=lambda *a: None), dens, 0.625)
+    loss = lambda choice: evaluate([[candidates[c] for c in choice[:2]], [candidates[c] for c in choice[2:]]])[0]
+    assert loss(first) == 5.0
+    best = refine(evaluate, candidates, dens, 0.625, first, rounds=2, log=lambda *a: None)
+    assert loss(best) == pytest.approx(0.2) and dens[best].mean() <= 0.625
+    np.testing.assert_array_equal(refine(evaluate, candidates, dens, 0.625, first, rounds=0, log=lambda *a: None), first)
+
+
 def test_calibrated_run_decodes(tmp_path, monkeypatch):
     monkeypatch.setenv("ZOO_CACHE", str(tmp_path / "cache"))
     run(from_dict({"model": TINY, "train": TRAIN}), tmp_path / "run", log=lambda *a: None)
@@ -73,3 +102,5 @@ def test_calibrated_run_decodes(tmp_path, monkeypatch):
         load_model(tmp_path / "run", config=other)
     with pytest.raises(SystemExit, match="expected a fraction"):
         main([str(tmp_path / "run"), "--density", "1.5"])
+    with pytest.raises(SystemExit, match="expected a count"):
+        main([str(tmp_path / "run"), "--density", "0.3", "--rounds", "-1"])
