@@ -94,6 +94,7 @@ def default_block_sizes(backend: str | None = None) -> BlockSizes:
 @dataclasses.dataclass(frozen=True)
 class _Config:
     scale: float
+    channel: bool  # a log-decay per key channel (KDA), g (B, T, H, K), not per head
     block_t: int
     block_v: int
     num_warps: int
@@ -101,6 +102,9 @@ class _Config:
     interpret: bool
     dtype: str  # operand dtype of the dots (the inputs')
     exact: bool  # float32 inputs: full-precision dots (no TF32) on GPU
+
+
+_EXACT = SimpleNamespace(dtype="float32", exact=True)  # _dot settings of float32 products of 0/1 masks
 
 
 def _inverse_t(A):
@@ -116,30 +120,110 @@ def _inverse_t(A):
     return fori_loop(0, C, row, jnp.zeros((C, C), f32))
 
 
-def _chunk(n, refs, cfg):
-    """Chunk n's inputs and the state-independent terms of the docstring (all float32)."""
+def _row_of(x, j):
+    """Row j of a (C, X) tile, as (1, X) (a mask and a sublane reduction: j may be traced)."""
+    return jnp.sum(jnp.where(iota((x.shape[0], 1), 0) == j, x, 0.0), axis=0, keepdims=True)
+
+
+def _col_of(x, j):
+    """Column j of a (X, C) tile, as (X, 1)."""
+    return jnp.sum(jnp.where(iota((1, x.shape[1]), 1) == j, x, 0.0), axis=1, keepdims=True)
+
+
+def _column(x):
+    """(1, K) -> (K, 1), by a diagonal mask and a lane reduction (no transpose)."""
+    K = x.shape[1]
+    return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), x, 0.0), axis=1, keepdims=True)
+
+
+def _row(x):
+    """(K, 1) -> (1, K), by a diagonal mask and a sublane reduction."""
+    K = x.shape[0]
+    return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), x, 0.0), axis=0, keepdims=True)
+
+
+def _key_decay(G, vis, j):
+    """Key j of a chunk with per-channel gates: e^{G_i - G_j} (C, K) for every query i, the exponent
+    masked to 0 before exp where i does not see j (i < j: G_i - G_j >= 0 could overflow), and the
+    queries that see it (C, 1) bool."""
+    see = _col_of(indicator(vis), j) > 0
+    return jnp.exp(jnp.where(see, G - _row_of(G, j), 0.0)), see
+
+
+def _pair_scores(q, k, G, vis, with_q=True):
+    """The decayed products of per-channel gates, sum_k x_ik k_jk e^{G_ik - G_jk} for visible pairs
+    (vis (C, C)), 0 elsewhere: (P = Q' K^T decayed, KK = K K^T decayed), (C, C) each (P None unless
+    with_q). One loop step per key j, exact (_key_decay)."""
+    C = q.shape[0]
+
+    def key(j, carry):
+        P, KK = carry
+        E, see = _key_decay(G, vis, j)
+        kE = _row_of(k, j) * E  # (C, K): k_j e^{G_i - G_j}
+        col = iota((1, C), 1) == j
+        KK = jnp.where(col, jnp.where(see, jnp.sum(k * kE, axis=1, keepdims=True), 0.0), KK)
+        if with_q:
+            P = jnp.where(col, jnp.where(see, jnp.sum(q * kE, axis=1, keepdims=True), 0.0), P)
+        return P, KK
+
+    zero = jnp.zeros((C, C), f32)
+    P, KK = fori_loop(0, C, key, (zero, zero))
+    return (P if with_q else None), KK
+
+
+def _pair_grads(q, k, G, vis, dP, dKK):
+    """The pullback of _pair_scores: dP = dL/dP and dKK = dL/dKK (C, C), zero where not visible.
+    Returns dq (C, K) (w.r.t. q'), dk as the row side of KK (k_i) and dk as the key side of P and
+    KK (k_j); dL/dG of the pairs is then q' ⊙ dq + k ⊙ (dk_row - dk_key)."""
+    C = q.shape[0]
+
+    def key(j, carry):
+        dq, dk_row, dk_key = carry
+        E, _ = _key_decay(G, vis, j)
+        kE = _row_of(k, j) * E
+        dPj, dKj = _col_of(dP, j), _col_of(dKK, j)  # (C, 1): dL/dP_ij, dL/dKK_ij over queries i
+        dkj = jnp.sum((dPj * q + dKj * k) * E, axis=0, keepdims=True)  # (1, K)
+        return dq + dPj * kE, dk_row + dKj * kE, dk_key + jnp.where(iota((C, 1), 0) == j, dkj, 0.0)
+
+    zero = jnp.zeros(q.shape, f32)
+    return fori_loop(0, C, key, (zero, zero, zero))
+
+
+def _chunk(n, refs, cfg, scores=True):
+    """Chunk n's inputs and the state-independent terms of the docstring (all float32); P (the
+    decayed Q' K^T) only with `scores`. cg, kd are (C, 1) for a per-head gate, (C, K) per channel;
+    gamma a scalar or (K, 1) (it decays the rows of S)."""
     q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, prev_ref = refs
     C = cfg.block_t
     t0 = pl.multiple_of(n * C, C)
     sl = pl.ds(t0, C)
     c = SimpleNamespace(sl=sl, q=q_ref[sl, :].astype(f32) * cfg.scale, k=k_ref[sl, :].astype(f32),
-                        v=v_ref[sl, :].astype(f32), beta=beta_ref[sl], G=g_ref[sl], doc=doc_ref[sl])
-    G, doc = c.G, c.doc
+                        v=v_ref[sl, :].astype(f32), beta=beta_ref[sl], doc=doc_ref[sl])
+    doc = c.doc
     state_doc, doc_last = jnp.min(prev_ref[sl]), jnp.max(doc)  # documents of token t0 - 1 and t0 + C - 1
-    G_last = jnp.sum(jnp.where(iota((C,), 0) == C - 1, G, 0.0))
     c.vis = (iota((C, C), 0) >= iota((C, C), 1)) & (doc[:, None] == doc[None, :])  # key j seen by query i
     c.strict = c.vis & (iota((C, C), 0) != iota((C, C), 1))
-    c.E = jnp.where(c.vis, jnp.exp(jnp.where(c.vis, G[:, None] - G[None, :], 0.0)), 0.0)  # masked before exp
-    c.KK = _dot(c.k, c.k, (1, 1), cfg)  # (C, C)
-    c.A = jnp.where(c.strict, c.beta[:, None] * c.KK * c.E, 0.0)
-    c.N = _inverse_t(c.A)
-    c.cg = jnp.where(doc == state_doc, jnp.exp(G), 0.0)  # (C,)
-    last = doc == doc_last
-    c.kd = jnp.where(last, jnp.exp(jnp.where(last, G_last - G, 0.0)), 0.0)  # (C,)
-    c.gamma = jnp.where(doc_last == state_doc, jnp.exp(G_last), 0.0)  # scalar
     c.start = doc != prev_ref[sl]  # (C,): a document starts here
+    first, last = (doc == state_doc)[:, None], (doc == doc_last)[:, None]  # (C, 1)
+    if cfg.channel:
+        c.G = G = g_ref[sl, :]  # (C, K)
+        c.P, c.KK = _pair_scores(c.q, c.k, G, c.vis, with_q=scores)
+        G_last = _row_of(G, C - 1)  # (1, K)
+        c.gamma_row = jnp.where(doc_last == state_doc, jnp.exp(G_last), 0.0)  # (1, K)
+        c.gamma = _column(c.gamma_row)  # (K, 1)
+    else:
+        g = g_ref[sl]  # (C,)
+        G, G_last = g[:, None], jnp.sum(jnp.where(iota((C,), 0) == C - 1, g, 0.0))
+        c.E = jnp.where(c.vis, jnp.exp(jnp.where(c.vis, G - g[None, :], 0.0)), 0.0)  # masked before exp
+        c.KK = _dot(c.k, c.k, (1, 1), cfg) * c.E  # (C, C)
+        c.P = _dot(c.q, c.k, (1, 1), cfg) * c.E if scores else None
+        c.gamma = jnp.where(doc_last == state_doc, jnp.exp(G_last), 0.0)  # scalar
+    c.A = jnp.where(c.strict, c.beta[:, None] * c.KK, 0.0)
+    c.N = _inverse_t(c.A)
+    c.cg = jnp.where(first, jnp.exp(G), 0.0)  # (C, 1) or (C, K)
+    c.kd = jnp.where(last, jnp.exp(jnp.where(last, G_last - G, 0.0)), 0.0)  # (C, 1) or (C, K)
     c.Ut = _dot(c.N, c.beta[:, None] * c.v, (0, 0), cfg)  # (C, bv): M diag(beta) V
-    c.Kb = (c.beta * c.cg)[:, None] * c.k  # (C, K)
+    c.Kb = (c.beta[:, None] * c.cg) * c.k  # (C, K)
     c.W = _dot(c.N, c.Kb, (0, 0), cfg)  # (C, K)
     return c
 
@@ -151,15 +235,14 @@ def _fwd_kernel(*refs, cfg, states):
     K = ins[0].shape[1]
 
     def chunk(n, S):  # S (K, bv): the state entering chunk n
-        c = _chunk(n, ins, cfg)
+        c = _chunk(n, ins, cfg, scores=not states)
         U = c.Ut - _dot(c.W, S, (1, 0), cfg)  # (C, bv)
         if states:
             out_ref[pl.ds(pl.multiple_of(n * K, K), K), :] = S
         else:
-            P = _dot(c.q, c.k, (1, 1), cfg) * c.E
-            o = _dot(c.cg[:, None] * c.q, S, (1, 0), cfg) + _dot(P, U, (1, 0), cfg)
+            o = _dot(c.cg * c.q, S, (1, 0), cfg) + _dot(c.P, U, (1, 0), cfg)
             out_ref[c.sl, :] = o.astype(out_ref.dtype)
-        return c.gamma * S + _dot(c.kd[:, None] * c.k, U, (0, 0), cfg)
+        return c.gamma * S + _dot(c.kd * c.k, U, (0, 0), cfg)
 
     st_ref[...] = fori_loop(0, ins[0].shape[0] // cfg.block_t, chunk, s0_ref[...])
 
@@ -169,6 +252,8 @@ def _bwd_kernel(*refs, cfg):
     dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, ds0_ref = refs[10:]
     C, K = cfg.block_t, ins[0].shape[1]
     num_chunks = ins[0].shape[0] // C
+    # A per-channel term (C, K) reduced to the gate's shape: itself, or summed over K for a per-head gate.
+    gate = (lambda x: x) if cfg.channel else (lambda x: jnp.sum(x, axis=1, keepdims=True))
 
     def chunk(i, dS):  # dS (K, bv): dL/dS at the end of chunk n
         n = num_chunks - 1 - i
@@ -176,29 +261,44 @@ def _bwd_kernel(*refs, cfg):
         S = h_ref[pl.ds(pl.multiple_of(n * K, K), K), :]  # (K, bv): the state entering chunk n
         U = c.Ut - _dot(c.W, S, (1, 0), cfg)
         do = do_ref[c.sl, :]
-        QK = _dot(c.q, c.k, (1, 1), cfg)  # (C, C)
-        kdk = c.kd[:, None] * c.k
-        dU = _dot(QK * c.E, do, (0, 0), cfg) + _dot(kdk, dS, (1, 0), cfg)  # (C, bv)
+        kdk = c.kd * c.k  # (C, K)
+        dU = _dot(c.P, do, (0, 0), cfg) + _dot(kdk, dS, (1, 0), cfg)  # (C, bv)
         dW = -_dot(dU, S, (1, 1), cfg)  # (C, K)
         dVb, dKb = _dot(c.N, dU, (1, 0), cfg), _dot(c.N, dW, (1, 0), cfg)  # M^T dU, M^T dW
         dA = -jnp.where(c.strict, _dot(dVb, c.Ut, (1, 1), cfg) + _dot(dKb, c.W, (1, 1), cfg), 0.0)
-        dQK = _dot(do, U, (1, 1), cfg) * c.E  # dL/d(Q' K^T)
-        dKK = dA * c.beta[:, None] * c.E  # dL/d(K K^T) through A
+        dP = jnp.where(c.vis, _dot(do, U, (1, 1), cfg), 0.0)  # dL/dP
+        dKK = dA * c.beta[:, None]  # dL/dKK through A
+        if cfg.channel:
+            dq, dk_row, dk_key = _pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)
+            dk = dk_row + dk_key
+            dG = c.q * dq + c.k * (dk_row - dk_key)  # (C, K): through the pairs' decays
+        else:
+            dPE, dKE = dP * c.E, dKK * c.E  # w.r.t. the undecayed Q' K^T, K K^T
+            dq = _dot(dPE, c.k, (1, 0), cfg)
+            dk = _dot(dPE, c.q, (0, 0), cfg) + _dot(dKE, c.k, (1, 0), cfg) + _dot(dKE, c.k, (0, 0), cfg)
+            Z = dP * c.P + dKK * c.KK  # (C, C): dL/dD ⊙ D
+            dG = (jnp.sum(Z, axis=1) - jnp.sum(Z, axis=0))[:, None]  # (C, 1)
         dQs, dKd = _dot(do, S, (1, 1), cfg), _dot(U, dS, (1, 1), cfg)  # (C, K) each
-        dq_ref[c.sl, :] = (_dot(dQK, c.k, (1, 0), cfg) + c.cg[:, None] * dQs) * cfg.scale
-        dk_ref[c.sl, :] = (_dot(dQK, c.q, (0, 0), cfg) + _dot(dKK, c.k, (1, 0), cfg) + _dot(dKK, c.k, (0, 0), cfg)
-                           + (c.beta * c.cg)[:, None] * dKb + c.kd[:, None] * dKd)
+        dq_ref[c.sl, :] = (dq + c.cg * dQs) * cfg.scale
+        dk_ref[c.sl, :] = dk + c.cg * c.beta[:, None] * dKb + c.kd * dKd
         dv_ref[c.sl, :] = (c.beta[:, None] * dVb).astype(dv_ref.dtype)
-        kdKb = jnp.sum(c.k * dKb, axis=1)  # (C,)
-        dbeta_ref[c.sl] = jnp.sum(dA * c.KK * c.E, axis=1) + c.cg * kdKb + jnp.sum(c.v * dVb, axis=1)
-        Z = dQK * QK + dKK * c.KK  # (C, C): dL/dD ⊙ D
-        X = c.kd * jnp.sum(c.k * dKd, axis=1)  # (C,): through D_{C-1,j}
-        to_last = jnp.sum(X) + c.gamma * jnp.sum(dS * S)
-        dG = (jnp.sum(Z, axis=1) - jnp.sum(Z, axis=0) + c.cg * jnp.sum(c.q * dQs, axis=1) + c.cg * c.beta * kdKb
-              - X + jnp.where(iota((C,), 0) == C - 1, to_last, 0.0))  # (C,): dL/dG
-        dg = jnp.sum(jnp.where(c.vis, dG[:, None], 0.0), axis=0)  # sum over s >= t in t's document
-        dg_ref[c.sl] = jnp.where(c.start, 0.0, dg)
-        return c.gamma * dS + _dot(c.cg[:, None] * c.q, do, (0, 0), cfg) - _dot(c.W, dU, (0, 0), cfg)
+        dbeta_ref[c.sl] = jnp.sum(dA * c.KK, axis=1) + jnp.sum(c.cg * c.k * dKb, axis=1) + jnp.sum(c.v * dVb, axis=1)
+        X = gate(kdk * dKd)  # (C, 1) or (C, K): through D_{C-1,j}
+        decay = jnp.sum(dS * S, axis=1, keepdims=True)  # (K, 1): gamma ⊙ this is dL/dgamma (rows of S)
+        if cfg.channel:
+            to_last = jnp.sum(X, axis=0, keepdims=True) + c.gamma_row * _row(decay)  # (1, K)
+        else:
+            to_last = jnp.sum(X) + c.gamma * jnp.sum(decay)
+        dG = (dG + gate(c.cg * (c.q * dQs + c.beta[:, None] * c.k * dKb)) - X
+              + jnp.where(iota((C, 1), 0) == C - 1, to_last, 0.0))  # dL/dG
+        # dg_t = sum of dG_s over s >= t in t's chunk and document; 0 at a document start.
+        if cfg.channel:
+            dg = _dot(indicator(c.vis), dG, (0, 0), _EXACT)  # (C, K)
+            dg_ref[c.sl, :] = jnp.where(c.start[:, None], 0.0, dg)
+        else:
+            dg = jnp.sum(jnp.where(c.vis, dG, 0.0), axis=0)
+            dg_ref[c.sl] = jnp.where(c.start, 0.0, dg)
+        return c.gamma * dS + _dot(c.cg * c.q, do, (0, 0), cfg) - _dot(c.W, dU, (0, 0), cfg)
 
     ds0_ref[...] = fori_loop(0, num_chunks, chunk, dst_ref[...])
 
@@ -212,12 +312,17 @@ def _specs(cfg, q, v):
         grid=(v.shape[3] // bv, q.shape[0], H),
         qk=pl.BlockSpec((None, Tp, None, K), lambda j, b, h: (b, 0, h, 0)),
         v=pl.BlockSpec((None, Tp, None, bv), lambda j, b, h: (b, 0, h, j)),
-        tok=pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0)),  # beta, g: (B, H, Tp)
+        tok=pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0)),  # beta, a per-head g: (B, H, Tp)
         row=pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),  # doc, prev: (B, Tp)
         st=pl.BlockSpec((None, None, K, bv), lambda j, b, h: (b, h, 0, j)),
         h=pl.BlockSpec((None, None, num_chunks * K, bv), lambda j, b, h: (b, h, 0, j)),
         part_qk=pl.BlockSpec((None, None, Tp, None, K), lambda j, b, h: (j, b, 0, h, 0)),
         part_tok=pl.BlockSpec((None, None, None, Tp), lambda j, b, h: (j, b, h, 0)))
+
+
+def _gate_specs(cfg, s):
+    """The gate's BlockSpec and that of its partial gradients: per channel (B, Tp, H, K) as q."""
+    return (s.qk, s.part_qk) if cfg.channel else (s.tok, s.part_tok)
 
 
 def _call(kernel, cfg, s, in_specs, out_specs, out_shape, name, *args):
@@ -235,24 +340,30 @@ def _forward(q, k, v, beta, G, doc, prev, s0, cfg, states=False):
     out = ((s.h, jax.ShapeDtypeStruct((B, H, Tp // cfg.block_t * K, v.shape[3]), f32)) if states
            else (s.v, jax.ShapeDtypeStruct(v.shape, q.dtype)))
     return _call(functools.partial(_fwd_kernel, cfg=cfg, states=states), cfg, s,
-                 [s.qk, s.qk, s.v, s.tok, s.tok, s.row, s.row, s.st], [out[0], s.st],
+                 [s.qk, s.qk, s.v, s.tok, _gate_specs(cfg, s)[0], s.row, s.row, s.st], [out[0], s.st],
                  [out[1], jax.ShapeDtypeStruct(s0.shape, f32)],
                  "delta_rule_states" if states else "delta_rule_fwd", q, k, v, beta, G, doc, prev, s0)
 
 
-def _local_cumsum(g, cfg):
-    """G: g (B, H, Tp) summed from each chunk's start."""
-    B, H, Tp = g.shape
-    return jnp.cumsum(g.reshape(B, H, Tp // cfg.block_t, cfg.block_t), axis=-1).reshape(B, H, Tp)
+def _local_cumsum(g, cfg, axis=-1):
+    """G: g summed from each chunk's start along its time axis `axis` (of length Tp)."""
+    axis %= g.ndim
+    chunks = g.shape[:axis] + (g.shape[axis] // cfg.block_t, cfg.block_t) + g.shape[axis + 1:]
+    return jnp.cumsum(g.reshape(chunks), axis=axis + 1).reshape(g.shape)
+
+
+def _cumsum(g, cfg):
+    """_local_cumsum of this file's layouts: (B, H, Tp) per head, (B, Tp, H, K) per channel."""
+    return _local_cumsum(g, cfg, axis=1 if cfg.channel else -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _delta_rule(q, k, v, beta, g, doc, prev, s0, cfg):
-    return _forward(q, k, v, beta, _local_cumsum(g, cfg), doc, prev, s0, cfg)
+    return _forward(q, k, v, beta, _cumsum(g, cfg), doc, prev, s0, cfg)
 
 
 def _delta_rule_fwd(q, k, v, beta, g, doc, prev, s0, cfg):
-    G = _local_cumsum(g, cfg)
+    G = _cumsum(g, cfg)
     return _forward(q, k, v, beta, G, doc, prev, s0, cfg), (q, k, v, beta, G, doc, prev, s0)
 
 
@@ -263,12 +374,13 @@ def _delta_rule_bwd(cfg, res, cts):
     s = _specs(cfg, q, v)
     part_qk = jax.ShapeDtypeStruct((s.grid[0], *q.shape), f32)
     part_tok = jax.ShapeDtypeStruct((s.grid[0], *beta.shape), f32)
+    g_spec, dg_spec = _gate_specs(cfg, s)
     dq, dk, dv, dbeta, dg, ds0 = _call(
         functools.partial(_bwd_kernel, cfg=cfg), cfg, s,
-        [s.qk, s.qk, s.v, s.tok, s.tok, s.row, s.row, s.h, s.v, s.st],
-        [s.part_qk, s.part_qk, s.v, s.part_tok, s.part_tok, s.st],
-        [part_qk, part_qk, jax.ShapeDtypeStruct(v.shape, v.dtype), part_tok, part_tok,
-         jax.ShapeDtypeStruct(s0.shape, f32)],
+        [s.qk, s.qk, s.v, s.tok, g_spec, s.row, s.row, s.h, s.v, s.st],
+        [s.part_qk, s.part_qk, s.v, s.part_tok, dg_spec, s.st],
+        [part_qk, part_qk, jax.ShapeDtypeStruct(v.shape, v.dtype), part_tok,
+         jax.ShapeDtypeStruct((s.grid[0], *G.shape), f32), jax.ShapeDtypeStruct(s0.shape, f32)],
         "delta_rule_bwd", q, k, v, beta, G, doc, prev, h, do.astype(q.dtype), dst)
     # Partial sums over the value blocks.
     return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv, dbeta.sum(0), dg.sum(0), None, None, ds0)
@@ -278,18 +390,20 @@ _delta_rule.defvjp(_delta_rule_fwd, _delta_rule_bwd)
 
 
 def delta_rule_pallas(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
-                      beta: Float[Array, "B T H"], g: Float[Array, "B T H"] | None = None, *, scale: float,
-                      segment_ids: Int[Array, "B T"] | None = None,
+                      beta: Float[Array, "B T H"], g: Float[Array, "B T H"] | Float[Array, "B T H K"] | None = None,
+                      *, scale: float, segment_ids: Int[Array, "B T"] | None = None,
                       initial_state: Float[Array, "B H K V"] | None = None,
                       block_sizes: BlockSizes | None = None, interpret: bool | None = None):
     """Same function as delta_rule_recurrent, differentiable in q, k, v, beta, g and initial_state.
-    Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32). g None: plain
+    Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32). g (B, T, H): a log-decay
+    per head (Gated DeltaNet); (B, T, H, K): per key channel (Kimi Delta Attention); None: plain
     DeltaNet. interpret=None: interpret mode everywhere but on GPU."""
     B, T, H, K = q.shape
     V = v.shape[3]
     if (k.shape != q.shape or v.shape[:3] != (B, T, H) or beta.shape != (B, T, H)
-            or (g is not None and g.shape != (B, T, H))):
-        raise ValueError(f"delta_rule_pallas: expected q, k (B, T, H, K), v (B, T, H, V), beta and g (B, T, H); "
+            or (g is not None and g.shape not in ((B, T, H), (B, T, H, K)))):
+        raise ValueError(f"delta_rule_pallas: expected q, k (B, T, H, K), v (B, T, H, V), beta (B, T, H) and g "
+                         f"(B, T, H) or (B, T, H, K); "
                          f"got q {q.shape}, k {k.shape}, v {v.shape}, beta {beta.shape}, "
                          f"g {None if g is None else g.shape}")
     backend = jax.default_backend()
@@ -297,13 +411,14 @@ def delta_rule_pallas(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v:
     Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
     C, bv = min(blocks.block_t, max(16, pl.next_power_of_2(T))), min(blocks.block_v, Vp)
     Tp = -(-T // C) * C
-    cfg = _Config(scale=float(scale), block_t=C, block_v=bv,
+    channel = g is not None and g.ndim == 4
+    cfg = _Config(scale=float(scale), channel=channel, block_t=C, block_v=bv,
                   num_warps=blocks.num_warps or (4 if Kp * bv <= 64 * 64 else 8), num_stages=blocks.num_stages,
                   interpret=backend != "gpu" if interpret is None else interpret,
                   dtype=jnp.dtype(q.dtype).name, exact=q.dtype == f32)
     pad = lambda x, d: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, d - x.shape[3])))  # (B, Tp, H, d)
     tok = lambda x: jnp.pad(jnp.swapaxes(x.astype(f32), 1, 2), ((0, 0), (0, 0), (0, Tp - T)))  # (B, H, Tp)
-    g = jnp.zeros((B, H, Tp), f32) if g is None else tok(g)
+    g = jnp.zeros((B, H, Tp), f32) if g is None else pad(g.astype(f32), Kp) if channel else tok(g)
     doc = jnp.pad(document_index(segment_ids, B, T), ((0, 0), (0, Tp - T)), mode="edge")  # (B, Tp)
     prev = jnp.pad(doc[:, :-1], ((0, 0), (1, 0)))  # the document of the token before
     s0 = (jnp.zeros((B, H, Kp, Vp), f32) if initial_state is None else
