@@ -49,7 +49,8 @@ from tests.util import assert_close
 B, T, H, K = 1, 21, 2, 8
 CHUNK = 8  # chunk_size of the XLA chunk forms
 OPS = {"attention": attention, "gla": gla, "retention": retention, "linear_attention": linear_attention,
-       "delta_rule": delta_rule, "ssd": ssd, "selective_scan": selective_scan, "wkv6": wkv6, "wkv7": wkv7}
+       "delta_rule": delta_rule, "kda": delta_rule, "ssd": ssd, "selective_scan": selective_scan, "wkv6": wkv6,
+       "wkv7": wkv7}  # kda: delta_rule with a gate per key channel
 
 
 @functools.cache
@@ -61,8 +62,9 @@ def _inputs(op):
     elif op == "gla":
         q, k, v, g, S0, _, _ = test_gla_pallas._inputs(B, T, H, H, K, K, scalar=False)
         x = {"q": q, "k": k, "v": v, "g": g, "initial_state": S0}
-    elif op == "delta_rule":
-        q, k, v, beta, g, S0, _, _ = test_delta_rule_pallas._inputs(B, T, H, K, K, gated=True)
+    elif op in ("delta_rule", "kda"):  # kda: the delta rule with a gate per key channel
+        gated = "channel" if op == "kda" else True
+        q, k, v, beta, g, S0, _, _ = test_delta_rule_pallas._inputs(B, T, H, K, K, gated=gated)
         x = {"q": q, "k": k, "v": v, "beta": beta, "g": g, "initial_state": S0}
     elif op == "retention":
         x = dict(zip(("q", "k", "v", "gamma", "initial_state"), test_retention.make_inputs(B, T, H, K, K)))
