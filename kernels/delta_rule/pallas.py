@@ -1,7 +1,8 @@
 """The (gated) delta rule in Pallas: DeltaNet (Yang et al., 2024, arXiv:2406.06484, sec. 3, the
-chunkwise WY/UT form) and Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, arXiv:2412.06464,
-sec. 3.3), forward and backward as Pallas kernels fused over chunks: one program per (value block,
-batch row, head) walks the sequence chunk by chunk with the (K, V) state on chip.
+chunkwise WY/UT form), Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, arXiv:2412.06464,
+sec. 3.3) and Kimi Delta Attention (Kimi Team, 2025, "Kimi Linear"; a gate per key channel),
+forward and backward as Pallas kernels fused over chunks: one program per (value block, batch row,
+head) walks the sequence chunk by chunk with the (K, V) state on chip.
 
 Per chunk of C tokens entering with state S, with q' = scale q, G_i = sum of g over the chunk up to
 token i, Gamma_i = e^{G_i}, D_ij = e^{G_i - G_j} for j <= i (0 otherwise):
@@ -24,6 +25,32 @@ dG_s over s >= t in t's chunk and document (the inverse of the chunk-local cumsu
 documents cancel exactly, so they are left out), 0 at a document start where the gate multiplies a
 zero state.
 
+Per key channel (KDA, g (B, T, H, K); reference.py: S_t = (I - beta_t k_t k_t^T) diag(e^{g_t}) S_{t-1}
++ beta_t k_t v_t^T): the same derivation with G_i in R^K the chunk-local cumulative log-decay, c_i
+the incoming-state mask, and the decay inside each product over k instead of outside it:
+
+    A = strict_tril(diag(beta) ((K ⊙ e^{G}) (K ⊙ e^{-G})^T)), masked to same-document pairs
+      i.e. A_ij = beta_i sum_k k_ik k_jk e^{G_ik - G_jk}            M = (I + A)^{-1}
+    W = M diag(beta) (c ⊙ e^{G} ⊙ K),   U~ = M diag(beta) V,   U = U~ - W S
+    P_ij = sum_k q'_ik k_jk e^{G_ik - G_jk} (j <= i, same document),   O = (c ⊙ e^{G} ⊙ Q') S + P U
+    S_next = diag(gamma) S + (K ⊙ e^{G_{C-1} - G})^T U,   gamma = e^{G_{C-1}} in R^K
+
+The (K ⊙ e^{G}) (K ⊙ e^{-G})^T form is never computed: e^{-G} overflows float32 once a channel has
+decayed past e^-88 inside the chunk (4.4 tokens at g = -20). P and K K^T decayed come from
+pairwise.py: a loop over the chunk's keys j forming e^{G_i - G_j} for all queries at once, with the
+exponent masked to 0 before exp where i < j (as kernels/gla/pallas.py), so every exponential in
+the kernels has an exponent <= 0 (also c e^{G}, e^{G_{C-1} - G} and gamma) and nothing overflows
+for any gate <= 0. Backward: dU, dW, dV~, dK~, dA and dS_prev as above with diag(gamma); with
+dP = dO U^T and dKK = diag(beta) dA (masked), the loop's pullback (pairwise.pair_grads) gives the
+pairs' dq', dk and dG = q' ⊙ dq'_pairs + k ⊙ (dk_row - dk_key); then per channel
+
+    dG += c e^{G} ⊙ (Q' ⊙ dO S^T + diag(beta) K ⊙ dK~) - X,   X = K ⊙ e^{G_{C-1} - G} ⊙ (U dS^T)
+    dG_{C-1} += sum_j X_j + gamma ⊙ rowsum(dS ⊙ S)
+    dg_t = sum of dG_s over s >= t in t's chunk and document (a 0/1 matmul, float32), 0 at a start
+
+(a per-head gate is the same with every (C, K) term summed over k). The gate enters HBM as
+(B, Tp, H, K) float32 like q, its gradient as partial sums per value block.
+
 Memory: the backward needs each chunk's start state. Running the delta rule backwards would invert
 I - beta k k^T (singular at beta = 1), so a third kernel recomputes the states forward in the
 backward pass and writes them to HBM: (T / C) * K * V float32 per (batch row, head), alive only
@@ -33,7 +60,9 @@ residuals kept from forward to backward are the inputs only; M, W and U~ are rec
 Code names: `N` = M^T (the inverse is built transposed, one column per step, by forward
 substitution, so no tile is transposed on chip), `E` = D masked to the chunk's documents, `cg` =
 c ⊙ Gamma (c_i: token i sees the incoming state), `kd` = D_{C-1,:} masked to the chunk's last
-document, `gamma` = the decay of S across the chunk, `Ut` = U~, `dVb`, `dKb` = dV~, dK~.
+document, `gamma` = the decay of S across the chunk, `Ut` = U~, `dVb`, `dKb` = dV~, dK~; `P`, `KK`
+the decayed Q' K^T and K K^T (masked), `cfg.channel` a per-channel gate, then `cg`, `kd` (C, K),
+`gamma` a (K, 1) column (from the (1, K) row `gamma_row` by a diagonal mask: no transposes on chip).
 
 Documents: doc(t) counts the document starts up to t; D, A, P are masked to doc(i) == doc(j); the
 incoming state reaches only tokens of the document of the token before the chunk (c), it survives
@@ -55,6 +84,10 @@ Departures from the papers and from fla:
 - dq, dk, dbeta, dg of each value block are partial sums, added over the value blocks in XLA (fla
   sums over its value blocks the same way);
 - the chunk-local cumulative gates G are computed in XLA (as fla's chunk_local_cumsum);
+- per-channel gates: the pairwise decays by a loop over all C keys on CUDA cores (fla's chunk_kda:
+  16-token sub-chunks joined by tensor-core matmuls through a reference point; not measured), with
+  the same 32-token chunks as a per-head gate (not tuned), and no clamp of the gate (fla's optional
+  safe_gate / lower_bound, for its M = 16 tensor-core path; the loop needs none);
 - T is padded to the chunk, K and V to powers of two >= 16 (Triton dots), with zero inputs, beta and
   gates, which neither write nor decay the state; every dot casts its operands to the inputs' dtype
   (bfloat16 inputs: M, W and the state enter the tensor cores in bfloat16, accumulating in float32).
@@ -69,6 +102,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
+
+from kernels.delta_rule.pairwise import column, pair_grads, pair_scores, row, row_of
 
 # The same block knobs, dot helper and auto-dispatch rule as the GLA kernels.
 from kernels.gla.pallas import BlockSizes, _dot, supports  # noqa: F401 (supports: re-exported)
@@ -112,81 +147,12 @@ def _inverse_t(A):
     is e_i - sum_{j < i} A_ij M_j: forward substitution, written into column i of N."""
     C = A.shape[0]
 
-    def row(i, N):
+    def step(i, N):
         a = jnp.sum(jnp.where(iota((C, C), 0) == i, A, 0.0), axis=0, keepdims=True)  # (1, C): A_i
         m = indicator(iota((C, 1), 0) == i) - jnp.sum(N * a, axis=1, keepdims=True)  # (C, 1)
         return jnp.where(iota((C, C), 1) == i, m, N)
 
-    return fori_loop(0, C, row, jnp.zeros((C, C), f32))
-
-
-def _row_of(x, j):
-    """Row j of a (C, X) tile, as (1, X) (a mask and a sublane reduction: j may be traced)."""
-    return jnp.sum(jnp.where(iota((x.shape[0], 1), 0) == j, x, 0.0), axis=0, keepdims=True)
-
-
-def _col_of(x, j):
-    """Column j of a (X, C) tile, as (X, 1)."""
-    return jnp.sum(jnp.where(iota((1, x.shape[1]), 1) == j, x, 0.0), axis=1, keepdims=True)
-
-
-def _column(x):
-    """(1, K) -> (K, 1), by a diagonal mask and a lane reduction (no transpose)."""
-    K = x.shape[1]
-    return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), x, 0.0), axis=1, keepdims=True)
-
-
-def _row(x):
-    """(K, 1) -> (1, K), by a diagonal mask and a sublane reduction."""
-    K = x.shape[0]
-    return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), x, 0.0), axis=0, keepdims=True)
-
-
-def _key_decay(G, vis, j):
-    """Key j of a chunk with per-channel gates: e^{G_i - G_j} (C, K) for every query i, the exponent
-    masked to 0 before exp where i does not see j (i < j: G_i - G_j >= 0 could overflow), and the
-    queries that see it (C, 1) bool."""
-    see = _col_of(indicator(vis), j) > 0
-    return jnp.exp(jnp.where(see, G - _row_of(G, j), 0.0)), see
-
-
-def _pair_scores(q, k, G, vis, with_q=True):
-    """The decayed products of per-channel gates, sum_k x_ik k_jk e^{G_ik - G_jk} for visible pairs
-    (vis (C, C)), 0 elsewhere: (P = Q' K^T decayed, KK = K K^T decayed), (C, C) each (P None unless
-    with_q). One loop step per key j, exact (_key_decay)."""
-    C = q.shape[0]
-
-    def key(j, carry):
-        P, KK = carry
-        E, see = _key_decay(G, vis, j)
-        kE = _row_of(k, j) * E  # (C, K): k_j e^{G_i - G_j}
-        col = iota((1, C), 1) == j
-        KK = jnp.where(col, jnp.where(see, jnp.sum(k * kE, axis=1, keepdims=True), 0.0), KK)
-        if with_q:
-            P = jnp.where(col, jnp.where(see, jnp.sum(q * kE, axis=1, keepdims=True), 0.0), P)
-        return P, KK
-
-    zero = jnp.zeros((C, C), f32)
-    P, KK = fori_loop(0, C, key, (zero, zero))
-    return (P if with_q else None), KK
-
-
-def _pair_grads(q, k, G, vis, dP, dKK):
-    """The pullback of _pair_scores: dP = dL/dP and dKK = dL/dKK (C, C), zero where not visible.
-    Returns dq (C, K) (w.r.t. q'), dk as the row side of KK (k_i) and dk as the key side of P and
-    KK (k_j); dL/dG of the pairs is then q' ⊙ dq + k ⊙ (dk_row - dk_key)."""
-    C = q.shape[0]
-
-    def key(j, carry):
-        dq, dk_row, dk_key = carry
-        E, _ = _key_decay(G, vis, j)
-        kE = _row_of(k, j) * E
-        dPj, dKj = _col_of(dP, j), _col_of(dKK, j)  # (C, 1): dL/dP_ij, dL/dKK_ij over queries i
-        dkj = jnp.sum((dPj * q + dKj * k) * E, axis=0, keepdims=True)  # (1, K)
-        return dq + dPj * kE, dk_row + dKj * kE, dk_key + jnp.where(iota((C, 1), 0) == j, dkj, 0.0)
-
-    zero = jnp.zeros(q.shape, f32)
-    return fori_loop(0, C, key, (zero, zero, zero))
+    return fori_loop(0, C, step, jnp.zeros((C, C), f32))
 
 
 def _chunk(n, refs, cfg, scores=True):
@@ -207,10 +173,10 @@ def _chunk(n, refs, cfg, scores=True):
     first, last = (doc == state_doc)[:, None], (doc == doc_last)[:, None]  # (C, 1)
     if cfg.channel:
         c.G = G = g_ref[sl, :]  # (C, K)
-        c.P, c.KK = _pair_scores(c.q, c.k, G, c.vis, with_q=scores)
-        G_last = _row_of(G, C - 1)  # (1, K)
+        c.P, c.KK = pair_scores(c.q, c.k, G, c.vis, with_q=scores)
+        G_last = row_of(G, C - 1)  # (1, K)
         c.gamma_row = jnp.where(doc_last == state_doc, jnp.exp(G_last), 0.0)  # (1, K)
-        c.gamma = _column(c.gamma_row)  # (K, 1)
+        c.gamma = column(c.gamma_row)  # (K, 1)
     else:
         g = g_ref[sl]  # (C,)
         G, G_last = g[:, None], jnp.sum(jnp.where(iota((C,), 0) == C - 1, g, 0.0))
@@ -269,7 +235,7 @@ def _bwd_kernel(*refs, cfg):
         dP = jnp.where(c.vis, _dot(do, U, (1, 1), cfg), 0.0)  # dL/dP
         dKK = dA * c.beta[:, None]  # dL/dKK through A
         if cfg.channel:
-            dq, dk_row, dk_key = _pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)
+            dq, dk_row, dk_key = pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)
             dk = dk_row + dk_key
             dG = c.q * dq + c.k * (dk_row - dk_key)  # (C, K): through the pairs' decays
         else:
@@ -286,7 +252,7 @@ def _bwd_kernel(*refs, cfg):
         X = gate(kdk * dKd)  # (C, 1) or (C, K): through D_{C-1,j}
         decay = jnp.sum(dS * S, axis=1, keepdims=True)  # (K, 1): gamma ⊙ this is dL/dgamma (rows of S)
         if cfg.channel:
-            to_last = jnp.sum(X, axis=0, keepdims=True) + c.gamma_row * _row(decay)  # (1, K)
+            to_last = jnp.sum(X, axis=0, keepdims=True) + c.gamma_row * row(decay)  # (1, K)
         else:
             to_last = jnp.sum(X) + c.gamma * jnp.sum(decay)
         dG = (dG + gate(c.cg * (c.q * dQs + c.beta[:, None] * c.k * dKb)) - X

@@ -1,6 +1,7 @@
 """The (gated) delta rule as Pallas TPU kernels (Mosaic): DeltaNet (Yang et al., 2024,
-arXiv:2406.06484, sec. 3, the chunkwise WY/UT form) and Gated DeltaNet (Yang, Kautz & Hatamizadeh,
-2024, arXiv:2412.06464, sec. 3.3). The same function, equations and custom_vjp as the GPU kernels
+arXiv:2406.06484, sec. 3, the chunkwise WY/UT form), Gated DeltaNet (Yang, Kautz & Hatamizadeh,
+2024, arXiv:2412.06464, sec. 3.3) and Kimi Delta Attention (Kimi Team, 2025, "Kimi Linear"; a gate
+per key channel). The same function, equations and custom_vjp as the GPU kernels
 in kernels/delta_rule/pallas.py (read its docstring for the forward and backward equations and the
 document rules); this file lays them out for the TPU.
 
@@ -10,6 +11,21 @@ D_ij = e^{G_i - G_j} for j <= i in the same document):
     A = strict_tril(diag(beta) (K K^T ⊙ D))       M = (I + A)^{-1}      (unit lower-triangular)
     W = M diag(beta Gamma) K,   U~ = M diag(beta) V,   U = U~ - W S           (the UT transform)
     O = diag(Gamma) Q' S + (Q' K^T ⊙ D) U,         S_next = Gamma_{C-1} S + (diag(D_{C-1,:}) K)^T U
+
+Per key channel (KDA, g (B, T, H, K)), G_i in R^K and the decays move inside the products over k:
+
+    A_ij = beta_i sum_k k_ik k_jk e^{G_ik - G_jk} (j < i, same document)
+         = strict_tril(diag(beta) ((K ⊙ e^{G}) (K ⊙ e^{-G})^T)) masked, never computed that way
+    W = M diag(beta) (c ⊙ e^{G} ⊙ K),   O = (c ⊙ e^{G} ⊙ Q') S + P U,   P_ij = sum_k q'_ik k_jk e^{G_ik - G_jk}
+    S_next = diag(e^{G_{C-1}}) S + (K ⊙ e^{G_{C-1} - G})^T U
+
+e^{-G} overflows float32 once a channel has decayed past e^-88 inside a chunk (4.4 tokens of gate
+-20; the chunk here is 64): P and the decayed K K^T come from kernels/delta_rule/pairwise.py, a
+loop over the chunk's C keys that forms e^{G_i - G_j} for all queries as a (C, K) tile with the
+exponent masked to 0 before exp where i < j, so every exponent in the kernels is <= 0 and nothing
+overflows for any gate <= 0; the backward's per-channel dG and dg are pallas.py's (its docstring),
+written as a (C, K) block of a (B, H, Tp, K) output. The cumulative gates G come in as a
+(B, H, Tp, K) float32 input with q's BlockSpec (the G row of the per-token scalars is then zero).
 
 Grid (B, H, N chunks): batch rows and heads "parallel", chunks last and "arbitrary" (sequential).
 BlockSpecs bring one chunk of q, k (C, K), v (C, V) and the per-token scalars (6, C) into VMEM
@@ -43,7 +59,9 @@ inputs only; M, W and U~ are recomputed per chunk.
 
 Code names as in pallas.py: `cg` = c ⊙ Gamma (c_i: token i sees the incoming state), `kd` =
 D_{C-1,:} masked to the chunk's last document, `gamma` = the decay of S across the chunk, `E` = D
-masked to the chunk's documents, `Ut` = U~, `dVb`, `dKb` = M^T dU, M^T dW.
+masked to the chunk's documents, `Ut` = U~, `dVb`, `dKb` = M^T dU, M^T dW; `P`, `KK` the decayed
+Q' K^T and K K^T (masked), `cfg.channel` a per-channel gate, then `cg`, `kd` (C, K) and `gamma` a
+(K, 1) column.
 
 Backend: Mosaic TPU, the only Pallas backend for TPUs. `interpret=None` runs the TPU interpreter
 (pltpu.InterpretParams) everywhere but on a TPU, which is how the tests check it on CPU; without a
@@ -61,7 +79,10 @@ Departures from the GPU kernel (and so from fla, beyond those listed there):
 - K and V are not padded (the blocks span the whole head dims); only T is padded, to the chunk,
   with zero inputs, beta and gates, which neither write nor decay the state;
 - dots cast their operands to the inputs' dtype (bfloat16 inputs: bfloat16 MXU passes, float32
-  accumulation), except the inverse's, which stay float32 at HIGHEST precision.
+  accumulation), except the inverse's and dg's 0/1 suffix sum, which stay float32 at HIGHEST;
+- per-channel gates: the pairwise decays by the loop over all C = 64 keys on the VPU, with keys
+  and columns picked by masks and reductions (GLA's TPU kernel instead uses 16-token sub-chunks,
+  matmuls through a reference point between them and 0/1 gather matmuls; not measured here).
 """
 
 import dataclasses
@@ -74,7 +95,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from kernels.delta_rule.pallas import _column, _local_cumsum, _pair_grads, _pair_scores, _row, _row_of
+from kernels.delta_rule.pairwise import column, pair_grads, pair_scores, row, row_of
+from kernels.delta_rule.pallas import _local_cumsum
 from kernels.gla.pallas import _dot
 from kernels.segments import document_index
 from kernels.x64 import indicator, iota
@@ -133,8 +155,8 @@ def _chunk(q_ref, k_ref, v_ref, tok_ref, g_ref, cfg, scores=True):
     tok = tok_ref[...]  # (6, C)
     rows = [jnp.sum(jnp.where(iota(tok.shape, 0) == i, tok, 0.0), axis=0, keepdims=True) for i in range(len(tok))]
     beta_row, G_row, first_row, last_row, start_row, doc_row = rows  # (1, C) each
-    c = SimpleNamespace(beta=_column(beta_row), first=_column(first_row), start_row=start_row)
-    doc, last = _column(doc_row), _column(last_row) > 0  # (C, 1)
+    c = SimpleNamespace(beta=column(beta_row), first=column(first_row), start_row=start_row)
+    doc, last = column(doc_row), column(last_row) > 0  # (C, 1)
     at_last = lambda x: jnp.sum(jnp.where(iota((1, C), 1) == C - 1, x, 0.0), axis=1, keepdims=True)  # (1, 1)
     c.q, c.k = q_ref[...].astype(f32) * cfg.scale, k_ref[...].astype(f32)  # (C, K)
     c.v = v_ref[...].astype(f32)  # (C, V)
@@ -143,12 +165,12 @@ def _chunk(q_ref, k_ref, v_ref, tok_ref, g_ref, cfg, scores=True):
     keep = at_last(first_row)  # (1, 1): 1 if the state survives the chunk (no document starts in it)
     if cfg.channel:
         c.G = G = g_ref[...]  # (C, K)
-        c.P, c.KK = _pair_scores(c.q, c.k, G, c.vis, with_q=scores)  # decayed, masked
-        G_last = _row_of(G, C - 1)  # (1, K)
+        c.P, c.KK = pair_scores(c.q, c.k, G, c.vis, with_q=scores)  # decayed, masked
+        G_last = row_of(G, C - 1)  # (1, K)
         c.gamma_row = keep * jnp.exp(G_last)  # (1, K)
-        c.gamma = _column(c.gamma_row)  # (K, 1): decays the rows of S
+        c.gamma = column(c.gamma_row)  # (K, 1): decays the rows of S
     else:
-        c.G = G = _column(G_row)  # (C, 1)
+        c.G = G = column(G_row)  # (C, 1)
         G_last = at_last(G_row)
         c.E = jnp.where(c.vis, jnp.exp(jnp.where(c.vis, G - G_row, 0.0)), 0.0)  # masked before exp
         c.KK = _dot(c.k, c.k, (1, 1), cfg) * c.E  # (C, C)
@@ -221,7 +243,7 @@ def _bwd_kernel(*refs, cfg):
     rowsum = lambda x: jnp.sum(x, axis=1, keepdims=True)  # (C, 1)
     gate = (lambda x: x) if cfg.channel else rowsum  # a (C, K) term reduced to the gate's shape
     if cfg.channel:
-        dq, dk_row, dk_key = _pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)
+        dq, dk_row, dk_key = pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)
         dk = dk_row + dk_key
         dG = c.q * dq + c.k * (dk_row - dk_key)  # (C, K): through the pairs' decays
     else:
@@ -238,7 +260,7 @@ def _bwd_kernel(*refs, cfg):
     X = gate(kdk * dKd)  # (C, 1) or (C, K): through D_{C-1,j}
     decay = rowsum(dS * S)  # (K, 1): gamma ⊙ this is dL/dgamma (rows of S)
     if cfg.channel:
-        to_last = jnp.sum(X, axis=0, keepdims=True) + c.gamma_row * _row(decay)  # (1, K)
+        to_last = jnp.sum(X, axis=0, keepdims=True) + c.gamma_row * row(decay)  # (1, K)
     else:
         to_last = jnp.sum(X, axis=0, keepdims=True) + c.gamma * jnp.sum(decay, axis=0, keepdims=True)
     dG = (dG + gate(c.cg * (c.q * dQs + c.beta * c.k * dKb)) - X
@@ -246,11 +268,11 @@ def _bwd_kernel(*refs, cfg):
     # dg_t = sum of dG_s over s >= t in t's chunk and document; 0 at a document start.
     if cfg.channel:
         dg = _dot(indicator(c.vis).T, dG, (1, 0), _EXACT)  # (C, K)
-        dg_ref[...] = jnp.where(_column(c.start_row) > 0, 0.0, dg)
+        dg_ref[...] = jnp.where(column(c.start_row) > 0, 0.0, dg)
         dg_row = jnp.zeros((1, C), f32)
     else:
         dg_row = jnp.where(c.start_row > 0, 0.0, jnp.sum(jnp.where(c.vis, dG, 0.0), axis=0, keepdims=True))
-    dtok_ref[...] = jnp.where(iota((2, C), 0) == 0, _row(dbeta), dg_row)
+    dtok_ref[...] = jnp.where(iota((2, C), 0) == 0, row(dbeta), dg_row)
     dS = c.gamma * dS + _dot((c.cg * c.q).T, do, (1, 0), cfg) - _dot(c.W.T, dU, (1, 0), cfg)
     dS_ref[...] = dS
 
