@@ -33,8 +33,8 @@ low-rank decay and output gate:
     y_t = W_o [RMSNorm(o_t) * sigmoid(W_g2 W_g1 x_t + b_g)]
 
 W_f1 (d_model x V) and W_f2 (V x H K) are `f_down`, `f_up`; W_g1, W_g2 (with bias b_g) `g_down`,
-`g_up`; A = exp(A_log) ~ U(1, 16] per head, dt_bias per key channel (H K), as fla. impl="pallas" is
-refused: the delta-rule Pallas kernels take a gate per head (kernels/delta_rule); "auto" runs XLA.
+`g_up`; A = exp(A_log) ~ U(1, 16] per head, dt_bias per key channel (H K), as fla. impl="pallas" runs
+the delta-rule Pallas kernels with the per-channel gate, as for the other kinds (kernels/delta_rule).
 
 Gated DeltaProduct (Siems et al., 2025, "DeltaProduct: Improving State-Tracking in Linear RNNs via
 Householder Products", and fla's `GatedDeltaProduct`): n = num_householder delta-rule steps per
@@ -248,9 +248,6 @@ class KimiDeltaAttention(_DeltaRuleMixer):
     def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 1.0,
                  conv_size: int = 4, allow_neg_eigval: bool = False, norm_eps: float = 1e-5, mode: str = "chunk",
                  chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
-        if impl == "pallas":
-            raise ValueError("KimiDeltaAttention: impl='pallas': the delta-rule Pallas kernels take a gate per head, "
-                             "not per key channel; expected 'auto', 'xla' or 'reference'")
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=False, qk_norm="l2", norm_eps=norm_eps, mode=mode, chunk_size=chunk_size,
                          impl=impl, dtype=dtype, rngs=rngs, name="KimiDeltaAttention")

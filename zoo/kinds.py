@@ -404,8 +404,7 @@ class HGRN2Config(Chunked):
 @dataclass(frozen=True)
 class KDAConfig(Chunked):
     """Kimi Delta Attention (Kimi Team 2025, Kimi Linear): the gated delta rule with a decay per key
-    channel from a low-rank projection, sigmoid output gate; allow_neg_eigval: beta in (0, 2).
-    impl pallas is refused (the delta-rule kernels take a gate per head); auto runs XLA."""
+    channel from a low-rank projection, sigmoid output gate; allow_neg_eigval: beta in (0, 2)."""
     KIND: ClassVar[str] = "kda"
     num_heads: PosInt = 4
     head_dim: PosInt | None = None

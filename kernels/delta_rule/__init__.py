@@ -13,11 +13,8 @@ impl: "xla" runs the XLA form picked by `mode`; "reference" the token-by-token s
 mode; "pallas" the Pallas kernels of kernels.pallas_platform() (interpret mode on CPU, slow and
 meant for tests), whose chunk is their own block size, not `chunk_size`; "auto" the kernels on
 GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens), the
-XLA form elsewhere. This function is the one dispatch point.
-
-The Pallas kernels take a gate per head only: with a per-channel gate (B, T, H, K), impl="auto" runs
-the XLA form of `mode` (recurrent, chunk and parallel all take it) on every backend, and
-impl="pallas" is a ValueError.
+XLA form elsewhere. This function is the one dispatch point. Every form and both kernel families
+take all three gate kinds: none, one per head (B, T, H) and one per key channel (B, T, H, K).
 """
 
 import jax.numpy as jnp
@@ -57,11 +54,7 @@ def delta_rule(
     kwargs = dict(scale=scale, segment_ids=segment_ids, initial_state=initial_state)
     if impl == "reference":
         mode = "recurrent"
-    per_channel = g is not None and g.ndim == 4
-    if impl == "pallas" and per_channel:
-        raise ValueError(f"delta_rule: impl='pallas' takes a gate g (B, T, H) per head; got a per-channel gate "
-                         f"{g.shape}: use impl 'auto', 'xla' or 'reference'")
-    if use_pallas(impl, supports(q, k, v) and not per_channel):
+    if use_pallas(impl, supports(q, k, v)):
         kernel = delta_rule_pallas_tpu if pallas_platform() == "tpu" else delta_rule_pallas
         o, final = kernel(q, k, v, beta, g, **kwargs)
     elif mode == "recurrent":

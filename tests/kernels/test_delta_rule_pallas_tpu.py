@@ -1,7 +1,8 @@
 """Delta-rule Pallas TPU kernels against the token-by-token reference under the TPU interpreter:
-outputs, final state and gradients w.r.t. q, k, v, beta, g and initial_state, with and without the
-gate, ragged T, T = 1, B = 1, packed documents (one of them a single token), two head dims and
-bfloat16; Mosaic TPU lowering of the forward and backward with the default block sizes.
+outputs, final state and gradients w.r.t. q, k, v, beta, g and initial_state, without a gate, with
+one per head and one per key channel (Kimi Delta Attention), ragged T, T = 1, B = 1, packed documents
+(one of them a single token), head dims 16, 8 and 12, bfloat16 and gates down to -20 per token;
+Mosaic TPU lowering of the forward and backward with the default block sizes.
 
 On CPU the kernels run in the TPU interpreter with 8-token chunks, so T = 21 crosses chunks, ends
 in a ragged tail and has document starts inside a chunk and on a chunk boundary.
@@ -16,7 +17,7 @@ import pytest
 
 from kernels.delta_rule.pallas_tpu import BlockSizes, _inverse, delta_rule_pallas_tpu
 from tests.kernels.test_delta_rule_pallas import _compare as _compare_kernel
-from tests.kernels.test_delta_rule_pallas import _inputs, _packed
+from tests.kernels.test_delta_rule_pallas import _inputs, _packed, strong_decay_inputs
 from tests.util import assert_close, unchecked
 
 BS = BlockSizes(block_t=8)
@@ -25,12 +26,16 @@ BS = BlockSizes(block_t=8)
 _compare = functools.partial(_compare_kernel, kernel=functools.partial(delta_rule_pallas_tpu, interpret=True))
 
 
-# (B, T, H, K, V, gated, packed, block sizes): T = 21 gives chunks 8, 8 and a ragged 5; two head
-# dims (K = 16, 8); block_sizes=None (default 64) shrinks the chunk to the padded T = 8.
+# (B, T, H, K, V, gated, packed, block sizes): T = 21 gives chunks 8, 8 and a ragged 5; head dims
+# K = 16, 8 and 12 (V = 20: neither is padded here); block_sizes=None (default 64) shrinks the chunk
+# to the padded T = 8, or 32 for T = 19.
 CASES = {
     "gated-ragged-packed": (2, 21, 2, 16, 16, True, True, BS),
     "plain-ragged-packed-K8": (2, 21, 1, 8, 16, False, True, BS),
     "gated-T1-B1-default-blocks": (1, 1, 2, 8, 16, True, False, None),
+    "channel-ragged-packed": (2, 21, 2, 16, 16, "channel", True, BS),
+    "channel-K12-V20-default-blocks": (1, 19, 1, 12, 20, "channel", False, None),
+    "channel-T1-B1": (1, 1, 2, 8, 16, "channel", False, BS),
 }
 
 
@@ -40,9 +45,16 @@ def test_matches_reference_float32(case):
     _compare(_inputs(B, T, H, K, V, gated, seed=T + K), _packed(B, T) if packed else None, 1e-4, block_sizes=bs)
 
 
-def test_bfloat16_within_bf16_tolerance():
-    B, T, H, K, V, gated, _, bs = CASES["gated-ragged-packed"]
+@pytest.mark.parametrize("gated", [True, "channel"])
+def test_bfloat16_within_bf16_tolerance(gated):
+    B, T, H, K, V, _, _, bs = CASES["gated-ragged-packed"]
     _compare(_inputs(B, T, H, K, V, gated, seed=3), _packed(B, T), 2e-2, jnp.bfloat16, block_sizes=bs)
+
+
+def test_strong_per_channel_decay_is_finite_and_exact():
+    """Gates of -20 per token on every other channel (e^{-G} would overflow float32 inside one
+    16-token chunk): every value and gradient finite and equal to the reference."""
+    _compare(strong_decay_inputs(2, 21, 1, 16, 16), _packed(2, 21), 1e-4, block_sizes=BlockSizes(block_t=16))
 
 
 def test_inverse_by_block_doubling():
@@ -68,9 +80,11 @@ def test_block_sizes_validated():
         delta_rule_pallas_tpu(x, x, x, jnp.zeros((1, 8, 3)), scale=1.0)
 
 
-def test_lowers_for_tpu_through_mosaic():
+@pytest.mark.parametrize("gated", [True, "channel"])
+def test_lowers_for_tpu_through_mosaic(gated):
     """Without a TPU: the forward, and the state-recomputing and backward kernels of the gradient,
-    lower to Mosaic (tpu_custom_call) with the default block sizes, bfloat16, gate and documents."""
+    lower to Mosaic (tpu_custom_call) with the default block sizes, bfloat16, documents and a gate per
+    head or per key channel."""
     B, T, H, K = 1, 256, 2, 128
     seg = jnp.zeros((B, T), jnp.int32)
 
@@ -83,6 +97,7 @@ def test_lowers_for_tpu_through_mosaic():
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
     x, t, S0 = jnp.zeros((B, T, H, K), jnp.bfloat16), jnp.zeros((B, T, H), jnp.bfloat16), jnp.zeros((B, H, K, K))
-    lower = lambda f: f.trace(x, x, x, t, t, S0).lower(lowering_platforms=("tpu",)).as_text()
+    g = x if gated == "channel" else t
+    lower = lambda f: f.trace(x, x, x, t, g, S0).lower(lowering_platforms=("tpu",)).as_text()
     assert lower(jax.jit(fwd)).count("tpu_custom_call") == 1
     assert lower(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))).count("tpu_custom_call") == 3

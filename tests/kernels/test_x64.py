@@ -49,7 +49,8 @@ from tests.util import assert_close
 B, T, H, K = 1, 21, 2, 8
 CHUNK = 8  # chunk_size of the XLA chunk forms
 OPS = {"attention": attention, "gla": gla, "retention": retention, "linear_attention": linear_attention,
-       "delta_rule": delta_rule, "ssd": ssd, "selective_scan": selective_scan, "wkv6": wkv6, "wkv7": wkv7}
+       "delta_rule": delta_rule, "kda": delta_rule, "ssd": ssd, "selective_scan": selective_scan, "wkv6": wkv6,
+       "wkv7": wkv7}  # kda: delta_rule with a gate per key channel
 
 
 @functools.cache
@@ -61,8 +62,9 @@ def _inputs(op):
     elif op == "gla":
         q, k, v, g, S0, _, _ = test_gla_pallas._inputs(B, T, H, H, K, K, scalar=False)
         x = {"q": q, "k": k, "v": v, "g": g, "initial_state": S0}
-    elif op == "delta_rule":
-        q, k, v, beta, g, S0, _, _ = test_delta_rule_pallas._inputs(B, T, H, K, K, gated=True)
+    elif op in ("delta_rule", "kda"):  # kda: the delta rule with a gate per key channel
+        gated = "channel" if op == "kda" else True
+        q, k, v, beta, g, S0, _, _ = test_delta_rule_pallas._inputs(B, T, H, K, K, gated=gated)
         x = {"q": q, "k": k, "v": v, "beta": beta, "g": g, "initial_state": S0}
     elif op == "retention":
         x = dict(zip(("q", "k", "v", "gamma", "initial_state"), test_retention.make_inputs(B, T, H, K, K)))
@@ -208,7 +210,9 @@ LOWERING = {
     "ssd-gpu": test_ssd_pallas.test_lowers_for_cuda_through_triton,
     "delta_rule-gpu": functools.partial(test_delta_rule_pallas.test_lowers_for_cuda_through_triton, True,
                                         jnp.bfloat16),
-    "delta_rule-tpu": test_delta_rule_pallas_tpu.test_lowers_for_tpu_through_mosaic,
+    "delta_rule-tpu": functools.partial(test_delta_rule_pallas_tpu.test_lowers_for_tpu_through_mosaic, True),
+    "kda-gpu": functools.partial(test_delta_rule_pallas.test_lowers_for_cuda_through_triton, "channel", jnp.bfloat16),
+    "kda-tpu": functools.partial(test_delta_rule_pallas_tpu.test_lowers_for_tpu_through_mosaic, "channel"),
     "selective_scan-gpu": test_selective_scan_pallas.test_lowers_for_cuda_through_triton,
     "selective_scan-tpu": test_selective_scan_pallas_tpu.test_lowers_for_tpu_through_mosaic,
     "wkv7-gpu": test_wkv7_pallas.test_lowers_for_cuda_through_triton,

@@ -3,6 +3,7 @@ DeltaNet without a short convolution, with the output gate, beta = 1 and sum-nor
 DeltaProduct without its gate, conv and output gate; constructor errors."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -38,5 +39,10 @@ def test_bad_shapes():
         DeltaNet(16, qk_norm="l1", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_householder=0"):
         GatedDeltaProduct(16, num_householder=0, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="per head, not per key channel"):
-        KimiDeltaAttention(16, impl="pallas", rngs=nnx.Rngs(0))
+
+
+def test_kda_takes_the_pallas_kernels():
+    """impl="pallas" reaches the delta-rule kernels with KDA's per-channel gate (their values are
+    checked in tests/kernels/test_delta_rule_pallas*.py and, in a model, tests/zoo/test_impl.py)."""
+    mixer = KimiDeltaAttention(D, num_heads=2, impl="pallas", rngs=nnx.Rngs(0))
+    assert "pallas_call" in str(jax.make_jaxpr(lambda x: mixer(x))(jnp.zeros((B, 20, D))))

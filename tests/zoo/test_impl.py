@@ -25,6 +25,7 @@ TINY = {
     "mamba2": {"kind": "mamba2", "state_size": 8, "head_dim": 16, "num_groups": 2},
     "deltanet": {"kind": "deltanet", "num_heads": 2},
     "gated_deltanet": {"kind": "gated_deltanet", "num_heads": 2},
+    "kda": {"kind": "kda", "num_heads": 2},
     "hgrn2": {"kind": "hgrn2", "num_heads": 2},
     "gated_deltaproduct": {"kind": "gated_deltaproduct", "num_heads": 2},
     "rwkv6": {"kind": "rwkv6", "head_dim": 16, "mix_lora_dim": 4, "decay_lora_dim": 4},
