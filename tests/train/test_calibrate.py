@@ -74,7 +74,8 @@ def test_refinement_finds_heads_that_stand_in_for_each_other():
     assert loss(first) == 5.0
     best = refine(evaluate, candidates, dens, 0.625, first, rounds=2, log=lambda *a: None)
     assert loss(best) == pytest.approx(0.2) and dens[best].mean() <= 0.625
-    np.testing.assert_array_equal(refine(evaluate, candidates, dens, 0.625, first, rounds=0, log=lambda *a: None), first)
+    unrefined = refine(evaluate, candidates, dens, 0.625, first, rounds=0, log=lambda *a: None)
+    np.testing.assert_array_equal(unrefined, first)
 
 
 def test_calibrated_run_decodes(tmp_path, monkeypatch):
