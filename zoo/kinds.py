@@ -327,7 +327,7 @@ class HyenaConfig(Mixer):
     order: PosInt = 2
     filter_order: PosInt = 64
     filter_emb_dim: PosInt = 33
-    filter_sine_freq: PosFloat = 14.0
+    filter_sine_freq: PosFloat = 1.0  # the starting ω (safari's default; its Pile configs' 14 trains badly here)
     filter_inner_layers: NonNegInt = 2
     short_conv_size: PosInt = 3
     decay_fast: PosFloat = 0.3
