@@ -1,6 +1,6 @@
 """Pallas kernels against the machine's ceilings and against the XLA / vendor forms, one table.
 
-    python -m benchmarks.kernels [--kernels flash_attention gla delta_rule selective_scan wkv6 wkv7]
+    python -m benchmarks.kernels [--kernels flash_attention sinks_window gla delta_rule kda selective_scan wkv6 wkv7]
                                  [--lengths 1024 ...]
 
 First the ceilings: a large bfloat16 matmul (TFLOP/s) and a large elementwise copy (GB/s read +
@@ -10,8 +10,8 @@ forward+backward (jitted, median of 5 after a compile), printing TFLOP/s and % o
 matmul rate, or for memory-bound kernels (selective scan) GB/s of compulsory traffic and % of the
 measured copy rate. A measurement that fails (out of memory, no cuDNN, ...) prints its error in
 its row instead of stopping the run. On GPU it is sized to finish in under 5 minutes on one H200
-(an estimate made for flash_attention alone, compiles dominating; the gla, delta_rule,
-selective_scan, wkv6 and wkv7 entries are not estimated; nothing here has run on a GPU yet). On a
+(an estimate made for flash_attention alone, compiles dominating; the other entries are not
+estimated; nothing here has run on a GPU yet). On a
 TPU the same script times the TPU kernels (impl="pallas" picks them, kernels.pallas_platform()),
 also not run yet.
 
@@ -137,6 +137,33 @@ def bench_flash_attention(ceil: Ceilings, smoke: bool, lengths: list[int]) -> li
     return rows
 
 
+def bench_sinks_window(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
+    """StreamingLLM's mask (4 sinks + a window of W = T / 8 keys), the same shapes as flash_attention:
+    the Pallas kernels (key blocks outside the window skipped, the sink blocks visited) against the XLA
+    blocked form and against the Pallas kernels' plain causal call (the work the skipping saves).
+    TFLOP/s count the visible pairs only."""
+    B, H, D, dtype = (1, 2, 16, jnp.float32) if smoke else (4, 16, 128, jnp.bfloat16)
+    rows = []
+    for n, T in enumerate(lengths):
+        keys = jax.random.split(jax.random.key(T), 4)
+        q, k, v, do = (jax.random.normal(key, (B, T, H, D), dtype) for key in keys)
+        W, sinks = max(1, T // 8), 4
+        band = partial(attention, window=W, sinks=sinks)
+        impls = {"pallas": partial(band, impl="pallas"), "xla": partial(band, impl="xla"),
+                 "pallas causal (no mask)": flash_attention}
+        pairs = sum(min(t + 1, W + sinks) for t in range(T))  # each query's visible keys
+        flops = 4 * B * H * pairs * D
+        for impl, f in impls.items():
+            row = {"kernel": "flash_attention sinks+window", "impl": impl, "T": T}
+            if impl == "pallas" and n == 0:
+                ref = partial(attention_reference, window=W, sinks=sinks)
+                row["max rel err"] = f"{_check(f, ref, (q, k, v), do):.1e}"
+            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), (q, k, v), flops, ceil))
+            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), (q, k, v), 3.5 * flops, ceil))
+            _print(rows[-2:])
+    return rows
+
+
 def bench_gla(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
     """Gated linear attention, per-channel gates, bf16 (float32 in the smoke run), B=4, H=16,
     K=V=128: the Pallas kernels against the XLA chunk form and against causal flash attention of
@@ -171,10 +198,10 @@ def bench_gla(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
     return rows
 
 
-def bench_delta_rule(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
-    """Gated delta rule (Gated DeltaNet's op), bf16 (float32 in the smoke run), B=4, H=16, K=V=128:
-    the Pallas kernels against the XLA chunk form, forward and forward+backward (gradients w.r.t.
-    q, k, v, beta, g)."""
+def bench_delta_rule(ceil: Ceilings, smoke: bool, lengths: list[int], channel: bool = False) -> list[dict]:
+    """Gated delta rule (Gated DeltaNet's op; with `channel`, Kimi Delta Attention's gate per key
+    channel), bf16 (float32 in the smoke run), B=4, H=16, K=V=128: the Pallas kernels against the
+    XLA chunk form, forward and forward+backward (gradients w.r.t. q, k, v, beta, g)."""
     B, H, D, dtype = (1, 2, 16, jnp.float32) if smoke else (4, 16, 128, jnp.bfloat16)
     max_ref_T = 2048  # the reference scan's backward keeps every step's (B, H, K, V) state
     rows = []
@@ -184,7 +211,8 @@ def bench_delta_rule(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[di
         q, k = (l2(jax.random.normal(key, (B, T, H, D), jnp.float32)).astype(dtype) for key in keys[:2])
         v, do = (jax.random.normal(key, (B, T, H, D), dtype) for key in keys[2:4])
         beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H), jnp.float32)).astype(dtype)
-        g = jax.nn.log_sigmoid(jax.random.normal(keys[5], (B, T, H), jnp.float32) + 4).astype(dtype)
+        g_shape = (B, T, H, D) if channel else (B, T, H)
+        g = jax.nn.log_sigmoid(jax.random.normal(keys[5], g_shape, jnp.float32) + 4).astype(dtype)
         args = (q, k, v, beta, g)
         impls = {"pallas": partial(delta_rule, impl="pallas"),
                  "xla chunk": partial(delta_rule, impl="xla", mode="chunk")}
@@ -193,7 +221,7 @@ def bench_delta_rule(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[di
         flops = 6 * B * T * H * D * D
         for impl, op in impls.items():
             f = lambda q, k, v, beta, g, op=op: op(q, k, v, beta, g)[0]
-            row = {"kernel": "delta_rule", "impl": impl, "T": T}
+            row = {"kernel": "kda" if channel else "delta_rule", "impl": impl, "T": T}
             if n == 0 and T <= max_ref_T:
                 ref = lambda q, k, v, beta, g: delta_rule(q, k, v, beta, g, impl="reference")[0]
                 row["max rel err"] = f"{_check(f, ref, args, do):.1e}"
@@ -293,7 +321,8 @@ def bench_wkv7(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
     return rows
 
 
-KERNELS = {"flash_attention": bench_flash_attention, "gla": bench_gla, "delta_rule": bench_delta_rule,
+KERNELS = {"flash_attention": bench_flash_attention, "sinks_window": bench_sinks_window, "gla": bench_gla,
+           "delta_rule": bench_delta_rule, "kda": partial(bench_delta_rule, channel=True),
            "selective_scan": bench_selective_scan, "wkv6": bench_wkv6, "wkv7": bench_wkv7}
 
 
