@@ -91,8 +91,8 @@ def pair_scores(q, k, G, vis, with_q=True):
 
 def pair_grads(q, k, G, vis, dP, dKK):
     """The pullback of pair_scores: dP = dL/dP and dKK = dL/dKK (C, C), zero where not visible.
-    Returns dq (C, K) (w.r.t. q'), dk as the row side of KK (k_i) and dk as the key side of P and
-    KK (k_j); dL/dG of the pairs is then q' ⊙ dq + k ⊙ (dk_row - dk_key)."""
+    Returns dq (w.r.t. q'), dk and dL/dG through the pairs, (C, K) each: dk sums the row side of KK
+    (k_i) and the key side of P and KK (k_j), dG = q' ⊙ dq + k ⊙ (dk_row - dk_key)."""
     C = q.shape[0]
 
     def key(j, carry):
@@ -104,4 +104,5 @@ def pair_grads(q, k, G, vis, dP, dKK):
         return dq + dPj * kE, dk_row + dKj * kE, dk_key + jnp.where(iota((C, 1), 0) == j, dkj, 0.0)
 
     zero = jnp.zeros(q.shape, f32)
-    return fori_loop(0, C, key, (zero, zero, zero))
+    dq, dk_row, dk_key = fori_loop(0, C, key, (zero, zero, zero))
+    return dq, dk_row + dk_key, q * dq + k * (dk_row - dk_key)

@@ -235,9 +235,7 @@ def _bwd_kernel(*refs, cfg):
         dP = jnp.where(c.vis, _dot(do, U, (1, 1), cfg), 0.0)  # dL/dP
         dKK = dA * c.beta[:, None]  # dL/dKK through A
         if cfg.channel:
-            dq, dk_row, dk_key = pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)
-            dk = dk_row + dk_key
-            dG = c.q * dq + c.k * (dk_row - dk_key)  # (C, K): through the pairs' decays
+            dq, dk, dG = pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)  # dG (C, K): through the pairs' decays
         else:
             dPE, dKE = dP * c.E, dKK * c.E  # w.r.t. the undecayed Q' K^T, K K^T
             dq = _dot(dPE, c.k, (1, 0), cfg)

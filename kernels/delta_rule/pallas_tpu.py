@@ -243,9 +243,7 @@ def _bwd_kernel(*refs, cfg):
     rowsum = lambda x: jnp.sum(x, axis=1, keepdims=True)  # (C, 1)
     gate = (lambda x: x) if cfg.channel else rowsum  # a (C, K) term reduced to the gate's shape
     if cfg.channel:
-        dq, dk_row, dk_key = pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)
-        dk = dk_row + dk_key
-        dG = c.q * dq + c.k * (dk_row - dk_key)  # (C, K): through the pairs' decays
+        dq, dk, dG = pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)  # dG (C, K): through the pairs' decays
     else:
         dPE, dKE = dP * c.E, dKK * c.E  # w.r.t. the undecayed Q' K^T, K K^T
         dq = _dot(dPE, c.k, (1, 0), cfg)
