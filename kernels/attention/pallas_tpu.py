@@ -130,29 +130,31 @@ def _sinks(cfg):
 
 def _kv_range(i, bq, bk, nk, cfg):
     """Key blocks [lo, hi] that can hold a key visible from query block i (a superset), and the
-    blocks [0, hi] to fetch when the blocks before lo may hold sinks."""
+    blocks [0, hi] to fetch when the blocks before lo may hold sinks (None: no sinks)."""
     lo, hi = 0, nk - 1
     if cfg.q_offset is not None and cfg.causal:  # the block's last query sits at (i+1) bq - 1 + off
         hi = jnp.minimum(div(jnp.maximum((i + 1) * bq - 1 + cfg.q_offset, 0), bk), nk - 1)
     if _span(cfg) is not None:  # its first sees keys > i bq + off - span
         lo = jnp.minimum(div(jnp.maximum(i * bq + cfg.q_offset - _span(cfg) + 1, 0), bk), nk - 1)
-    return (lo, hi), ((0, hi) if _sinks(cfg) else (lo, hi))
+    return (lo, hi), (0, hi) if _sinks(cfg) else None
 
 
 def _q_range(j, bq, bk, nq, cfg):
     """Query blocks [lo, hi] that can see a key of key block j (a superset), and the blocks [lo,
-    nq - 1] to fetch when the later blocks may see one as a sink."""
+    nq - 1] to fetch when the later blocks may see one as a sink (None: no sinks)."""
     lo, hi = 0, nq - 1
     if cfg.q_offset is not None and cfg.causal:  # query t sees key j bk only if t + off >= j bk
         lo = jnp.minimum(div(jnp.maximum(j * bk - cfg.q_offset, 0), bq), nq - 1)
     if _span(cfg) is not None:  # the block's first query i bq + off
         hi = jnp.minimum(div(jnp.maximum((j + 1) * bk - 2 - cfg.q_offset + _span(cfg), 0), bq),
                          nq - 1)  # sees key (j+1) bk - 1 only if i bq + off - span + 1 <= it
-    return (lo, hi), ((lo, nq - 1) if _sinks(cfg) else (lo, hi))
+    return (lo, hi), (lo, nq - 1) if _sinks(cfg) else None
 
 
-def _clamp(x, bounds):
-    lo, hi = bounds
+def _clamp(x, ranges):
+    """Block index x clamped into the blocks to fetch (an index map: skipped steps refetch nothing)."""
+    bounds, fetched = ranges
+    lo, hi = fetched or bounds
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
@@ -165,9 +167,9 @@ def _when_live(x, ranges, mask_of, body):
     """body(mask_of()) only when block index x is inside the range (always when nothing is
     skipped), or inside the fetched range with a visible key (blocks that may hold sinks)."""
     bounds, fetched = ranges
-    if all(isinstance(b, int) for b in (*bounds, *fetched)):
+    if fetched is None and all(isinstance(b, int) for b in bounds):
         body(mask_of())
-    elif bounds is fetched:
+    elif fetched is None:
         pl.when(_in(x, bounds))(lambda: body(mask_of()))
     else:
         @pl.when(_in(x, fetched))
@@ -338,7 +340,7 @@ def _fq_specs(cfg, bq, bk):
     """Specs for the (B, H, T/bq, S/bk) grids of the forward and dQ kernels."""
     H, G = cfg.heads
     nk = cfg.padded[1] // bk
-    kv_block = lambda i, j: _clamp(j, _kv_range(i, bq, bk, nk, cfg)[1])  # skipped steps refetch nothing
+    kv_block = lambda i, j: _clamp(j, _kv_range(i, bq, bk, nk, cfg))
     return _specs(bq, bk, lambda b, h, i, j: (b, i, h),
                   lambda b, h, i, j: (b, kv_block(i, j), div(h, H // G)))
 
@@ -372,7 +374,7 @@ def _backward(q, k, v, qp, kp, qs, ks, qa, qd, kd, do, lse, delta, cfg):
                ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_tpu_dq", *args, *decay)
     bq, bk = cfg.blocks[2:4]  # dK/dV: grid (B, G, S/bk, R, T/bq), accumulating over r and i
     nq = T // bq
-    q_block = lambda j, i: _clamp(i, _q_range(j, bq, bk, nq, cfg)[1])
+    q_block = lambda j, i: _clamp(i, _q_range(j, bq, bk, nq, cfg))
     q_blk, kv_blk, q_row, kv_row, h_row, hk_row = _specs(
         bq, bk, lambda b, g, j, r, i: (b, q_block(j, i), g * R + r),
         lambda b, g, j, r, i: (b, j, g))
