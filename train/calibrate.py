@@ -141,13 +141,14 @@ def _masks(choice, candidates, H: int) -> list[list[Mask]]:
     return [[candidates[c] for c in choice[i:i + H]] for i in range(0, len(choice), H)]
 
 
-def profile(evaluate: Evaluator, candidates: list[Mask], choice=None, log=print) -> np.ndarray:
+def profile(evaluate: Evaluator, candidates: list[Mask], choice=None, log=print, base=None) -> np.ndarray:
     """(layers * heads, candidates) held-out loss change when one head moves to a candidate, the
-    others at `choice` (indices into candidates; None: every head full)."""
+    others at `choice` (indices into candidates; None: every head full), whose loss is `base` (None:
+    evaluated here)."""
     N = evaluate.num_layers * evaluate.H
     choice = np.full(N, candidates.index(Mask())) if choice is None else choice
     current = _masks(choice, candidates, evaluate.H)
-    base = evaluate(current)[0]
+    base = evaluate(current)[0] if base is None else base
     cost = np.zeros((N, len(candidates)))
     for n in range(N):
         for c, m in enumerate(candidates):
@@ -165,14 +166,15 @@ def refine(evaluate: Evaluator, candidates: list[Mask], dens: np.ndarray, budget
     `rounds` times; the choice with the lowest loss on the profiling batches."""
     loss = lambda ch: evaluate(_masks(ch, candidates, evaluate.H))[0]
     best, best_loss = choice, loss(choice)
+    current_loss = best_loss
     for r in range(rounds):
-        new = choose(profile(evaluate, candidates, choice, log), dens, budget)
+        new = choose(profile(evaluate, candidates, choice, log, base=current_loss), dens, budget)
         if np.array_equal(new, choice):
             break
-        choice, new_loss = new, loss(new)
-        log(f"# refinement round {r + 1}: profiling loss {new_loss:.4f} (was {best_loss:.4f})")
-        if new_loss < best_loss:
-            best, best_loss = new, new_loss
+        choice, current_loss = new, loss(new)
+        log(f"# refinement round {r + 1}: profiling loss {current_loss:.4f} (was {best_loss:.4f})")
+        if current_loss < best_loss:
+            best, best_loss = new, current_loss
     return best
 
 

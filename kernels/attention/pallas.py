@@ -455,27 +455,32 @@ def _backward(q, k, v, qp, kp, qs, ks, qa, qd, kd, do, lse, delta, cfg):
     return dq, dk, dv, *dkd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _flash(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
-    return _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg)[0]
+def flash_vjp(forward, backward, row_sums):
+    """The differentiable call of a flash-attention kernel family (this file's GPU kernels and
+    pallas_tpu.py's TPU ones): forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg) -> (o, lse),
+    backward(the same inputs but cfg, do, lse, D, cfg) -> (dq, dk, dv[, d kd]), row_sums(o, do, cfg)
+    -> D = rowsum(dO * O) in the kernels' layout. The mask rows (positions, segments, document
+    starts) get no gradient; qd gets zero (a per-query shift cancels in the softmax)."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+    def flash(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
+        return forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg)[0]
+
+    def flash_fwd(*args):
+        o, lse = forward(*args)
+        return o, (*args[:-1], o, lse)
+
+    def flash_bwd(cfg, res, do):
+        *ins, o, lse = res
+        dq, dk, dv, *dkd = backward(*ins, do.astype(o.dtype), lse, row_sums(o, do, cfg), cfg)
+        qd = ins[8]
+        return dq, dk, dv, *(None,) * 5, *((jnp.zeros_like(qd), dkd[0]) if cfg.decay else (None, None))
+
+    flash.defvjp(flash_fwd, flash_bwd)
+    return flash
 
 
-def _flash_fwd(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
-    o, lse = _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg)
-    return o, (q, k, v, qp, kp, qs, ks, qa, qd, kd, o, lse)
-
-
-def _flash_bwd(cfg, res, do):
-    q, k, v, qp, kp, qs, ks, qa, qd, kd, o, lse = res
-    delta = jnp.einsum("BTHV,BTHV->BHT", o.astype(jnp.float32), do.astype(jnp.float32))
-    dq, dk, dv, *dkd = _backward(q, k, v, qp, kp, qs, ks, qa, qd, kd, do.astype(o.dtype), lse, delta, cfg)
-    rows = (None,) * 5  # positions, segments and document starts
-    if not cfg.decay:
-        return dq, dk, dv, *rows, None, None
-    return dq, dk, dv, *rows, jnp.zeros_like(qd), dkd[0]
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = flash_vjp(_forward, _backward, lambda o, do, cfg: jnp.einsum(
+    "BTHV,BTHV->BHT", o.astype(jnp.float32), do.astype(jnp.float32)))  # D (B, H, T)
 
 
 def _fit(block, n):

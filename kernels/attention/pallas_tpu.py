@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from kernels.attention.pallas import MASK, Band, mask_rows
+from kernels.attention.pallas import MASK, Band, flash_vjp, mask_rows
 from kernels.x64 import div, iota
 
 
@@ -390,29 +390,14 @@ def _backward(q, k, v, qp, kp, qs, ks, qa, qd, kd, do, lse, delta, cfg):
     return dq, dk, dv, *dkd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _flash(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
-    return _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg)[0]
-
-
-def _flash_fwd(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg):
-    o, lse = _forward(q, k, v, qp, kp, qs, ks, qa, qd, kd, cfg)
-    return o, (q, k, v, qp, kp, qs, ks, qa, qd, kd, o, lse)
-
-
-def _flash_bwd(cfg, res, do):
-    q, k, v, qp, kp, qs, ks, qa, qd, kd, o, lse = res
+def _row_sums(o, do, cfg):
+    """D = rowsum(dO * O) (B, H, T, 1) of o, do (B, T, H*V)."""
     B, T, H = o.shape[0], o.shape[1], cfg.heads[0]
     prod = o.astype(jnp.float32) * do.astype(jnp.float32)  # (B, T, H*V)
-    delta = jnp.moveaxis(prod.reshape(B, T, H, -1).sum(-1), 2, 1)[..., None]  # (B, H, T, 1)
-    dq, dk, dv, *dkd = _backward(q, k, v, qp, kp, qs, ks, qa, qd, kd, do.astype(o.dtype), lse, delta, cfg)
-    rows = (None,) * 5  # positions, segments and document starts
-    if not cfg.decay:
-        return dq, dk, dv, *rows, None, None
-    return dq, dk, dv, *rows, jnp.zeros_like(qd), dkd[0]
+    return jnp.moveaxis(prod.reshape(B, T, H, -1).sum(-1), 2, 1)[..., None]
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = flash_vjp(_forward, _backward, _row_sums)
 
 
 def _fit(block, n):
