@@ -13,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def collect():
         count = {}
         for lang, code in re.findall(r"^ *```(\w+)\n(.*?)^ *```", path.read_text(), flags=re.S | re.M):
             i = count[lang] = count.get(lang, -1) + 1
-            found.setdefault((lang, code), []).append(f"{name}:{lang}{i}")
+            found.setdefault((lang, textwrap.dedent(code)), []).append(f"{name}:{lang}{i}")
     return [pytest.param(lang, code, id="=".join(ids)) for (lang, code), ids in found.items() if lang in RUN]
 
 
@@ -44,6 +45,13 @@ def test_site_builds_strict(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "index.html").is_file()
+
+
+def test_every_block_names_its_language():
+    """An unmarked block would be neither run nor known to be output: say `text` for what is not run."""
+    for path in FILES:
+        openers = re.findall(r"^ *```(\w*)$", path.read_text(), flags=re.M)[0::2]
+        assert all(openers), f"{path.relative_to(ROOT)}: a code block without a language"
 
 
 @pytest.mark.parametrize("lang, code", BLOCKS)

@@ -1,6 +1,6 @@
 """Training on a mesh of 8 simulated CPU devices gives the losses of one device; checkpoints move
 between meshes; FSDP splits the state; a tensor-parallel model decodes the same tokens; two
-processes of 4 devices each, launched as the README says, train like one device.
+processes of 4 devices each, launched as docs/devices.md says, train like one device.
 
 The checks run in subprocesses (tests/train/sharding_check.py, and `python -m train` twice) so
 that this process keeps one device; they all start at once, since their compiles are
@@ -42,7 +42,7 @@ def results(tmp_path_factory):
     cfg = config("transformer", MeshConfig(fsdp=4, data=2), sample_tokens=4, run_dir=str(hosts / "run"))
     (hosts / "run.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
     port = _free_port()
-    for pid in (0, 1):  # the multi-host launch of the README, with two local processes as hosts
+    for pid in (0, 1):  # the multi-host launch of docs/devices.md, with two local processes as hosts
         host_env = {**env, "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
                     "JAX_PROCESS_ID": str(pid), "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
                     "XLA_FLAGS": f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count=4"}

@@ -86,7 +86,7 @@ def test_widths_matched_by_parameters():
 
 def test_sizes_of_every_kind_at_the_default_cell():
     """Every registered kind's parameters and decode-state bytes, from shapes alone (a state computed from
-    the parameters, as Hyena's filter taps, included); attention's as the README's MQAR table gives."""
+    the parameters, as Hyena's filter taps, included); attention's as the MQAR table of docs/experiments.md gives."""
     grid = sweep.load_grid(sweep.DEFAULT)
     got = {name: sweep.sizes(sweep._config(grid, mixer, 64, 32, 1e-3, 0)) for name, mixer in grid["mixers"].items()}
     assert got["attention"] == (41_152, 33_048)
