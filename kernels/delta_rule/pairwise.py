@@ -33,31 +33,10 @@ chip. Loop counters, iotas and 0/1 tiles come from kernels/x64.py (int32 and flo
 
 import jax.numpy as jnp
 
+from kernels.pallas_blocks import col_of, row_of
 from kernels.x64 import fori_loop, indicator, iota
 
 f32 = jnp.float32
-
-
-def row_of(x, j):
-    """Row j of a (C, X) tile, as (1, X) (a mask and a sublane reduction: j may be traced)."""
-    return jnp.sum(jnp.where(iota((x.shape[0], 1), 0) == j, x, 0.0), axis=0, keepdims=True)
-
-
-def col_of(x, j):
-    """Column j of a (X, C) tile, as (X, 1)."""
-    return jnp.sum(jnp.where(iota((1, x.shape[1]), 1) == j, x, 0.0), axis=1, keepdims=True)
-
-
-def column(x):
-    """(1, K) -> (K, 1), by a diagonal mask and a lane reduction (no transpose)."""
-    K = x.shape[1]
-    return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), x, 0.0), axis=1, keepdims=True)
-
-
-def row(x):
-    """(K, 1) -> (1, K), by a diagonal mask and a sublane reduction."""
-    K = x.shape[0]
-    return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), x, 0.0), axis=0, keepdims=True)
 
 
 def key_decay(G, vis, j):
