@@ -60,7 +60,7 @@ def commands():
 def test_shell_command_parses_and_its_config_loads(words):
     from infer.__main__ import parser as infer_parser
     from train.__main__ import parser as train_parser
-    from zoo.config import load_config
+    from zoo import load_config
 
     assert words[:2] == ["python", "-m"], words
     program, argv = words[2], words[3:]
