@@ -71,7 +71,7 @@ def test_shell_command_parses_and_its_config_loads(words):
         args = infer_parser().parse_args(argv)
         if args.source.endswith(".yaml"):
             load_config(ROOT / args.source, args.overrides)
-        elif (ROOT / args.source / "config.json").is_file():  # a Hugging Face folder (zoo/hf.py)
+        elif (ROOT / args.source / "config.json").is_file():  # a Hugging Face folder (zoo/hf)
             assert not args.overrides, "a folder takes no overrides"
         else:
             assert args.source.startswith("runs/") and not args.overrides, "a run folder takes no overrides"
