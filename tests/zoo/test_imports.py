@@ -30,11 +30,16 @@ def modules(root: Path) -> dict[str, Path]:
 
 
 def imports(name: str, path: Path, known: dict[str, Path]):
-    """(imported module, imported name or None) for every import statement of the module."""
+    """(imported module, imported name or None) for every import statement of the module, and
+    (module, attribute) for every attribute read through a name bound to a module (`m._helper`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    bound = {}  # local name -> the module of the packages it is bound to
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
+                if alias.asname:
+                    bound[alias.asname] = alias.name
                 yield alias.name, None
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -43,7 +48,12 @@ def imports(name: str, path: Path, known: dict[str, Path]):
                 base = ".".join(anchor + ([node.module] if node.module else []))
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
+                if sub in known:
+                    bound[alias.asname or alias.name] = sub
                 yield (sub, None) if sub in known else (base, alias.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            yield bound[node.value.id], node.attr
 
 
 def graph(root: Path):
@@ -56,10 +66,10 @@ def graph(root: Path):
                 continue
             if attr is not None and attr.startswith("_") and not attr.startswith("__"):
                 private.add((name, f"{target}.{attr}"))
-            # Importing a.b.c runs a.b's __init__ first: an edge to every enclosing package that is
-            # not already an enclosing package of the importer (those are being imported anyway).
+            # Importing a.b.c runs a's and a.b's __init__ first: an edge to every enclosing package
+            # that is not already an enclosing package of the importer (those are being imported anyway).
             parts = target.split(".")
-            for i in range(2, len(parts) + 1):
+            for i in range(1, len(parts) + 1):
                 dep = ".".join(parts[:i])
                 if dep in known and dep != name and not name.startswith(dep + "."):
                     edges[name].add(dep)
@@ -126,6 +136,19 @@ def test_imports_go_down_the_stack(found):
 
 def test_no_private_name_imported_across_modules(found):
     assert found["private imports"] == []
+
+
+def test_the_checks_see_each_kind_of_problem(tmp_path):
+    files = {"kernels/__init__.py": "", "kernels/a.py": "def f():\n    from layers import b\n",
+             "layers/__init__.py": "", "layers/b.py": "from layers.c import _helper\n",
+             "layers/c.py": "import layers.b as b\n\n\ndef _helper():\n    return b._x\n",
+             "zoo/__init__.py": "", "infer/__init__.py": "", "train/__init__.py": ""}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert problems(tmp_path) == {
+        "cycles": [["layers.b", "layers.c"]], "upward imports": ["kernels.a -> layers", "kernels.a -> layers.b"],
+        "private imports": ["layers.b imports layers.c._helper", "layers.c imports layers.b._x"]}
 
 
 if __name__ == "__main__":
