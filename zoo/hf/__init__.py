@@ -31,6 +31,11 @@ with MLP or MoE FFNs; mamba or mamba2 mixers with ffn none; gla with an MLP; rwk
 mix), choosing the architecture from its options; transformers (fla for GLA, RWKV-7) reads it with
 the same logits (checked by the fixture scripts). The loaded model is in eval mode (model.train()
 before fine-tuning).
+
+Layout: folder.py reads and writes a folder whatever its architecture; architectures.py picks the
+module of each architecture (llama.py: the Llama-style and MoE families, mamba.py, gla.py, rwkv7.py),
+which knows its config.json fields, its tensor names and the config.json it saves; convert.py holds
+what those modules share.
 """
 
 from zoo.hf.architectures import ARCHITECTURES, architecture, hf_config, model_config
