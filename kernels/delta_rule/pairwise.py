@@ -26,9 +26,9 @@ Pullback, with dP, dKK the cotangents of P, KK (zero where not visible):
     dk_key_j   = sum_i (dP_ij q'_i + dKK_ij k_i) ⊙ e^{G_i - G_j}   (key side of P and KK)
     dL/dG      = q' ⊙ dq' + k ⊙ (dk_row - dk_key)                  (C, K): G_i enters with +, G_j with -
 
-Rows and columns are picked from tiles by a mask and a reduction (the index j is a loop counter),
-and (1, K) rows turned into (K, 1) columns by a diagonal mask: no transposes or dynamic slices on
-chip. Loop counters, iotas and 0/1 tiles come from kernels/x64.py (int32 and float32 under x64).
+Rows and columns are picked from tiles by a mask and a reduction (the index j is a loop counter;
+kernels/pallas_blocks.py's row_of, col_of, row, column): no transposes or dynamic slices on chip.
+Loop counters, iotas and 0/1 tiles come from kernels/x64.py (int32 and float32 under x64).
 """
 
 import jax.numpy as jnp
