@@ -1,6 +1,6 @@
 """python -m infer RUN_DIR_OR_CONFIG_OR_HF_FOLDER --prompt "ROMEO:" --max-new-tokens 200
 
-A Hugging Face model folder (config.json + safetensors, zoo/hf.py) is read with its tokenizer.json,
+A Hugging Face model folder (config.json + safetensors, zoo/hf) is read with its tokenizer.json,
 and generation stops at its end-of-text token; --dtype bfloat16 loads it in bfloat16.
 
 Early exit (a model trained with model.exits): --exit-threshold 0.9 --exit-measure margin [--show-exits].

@@ -15,7 +15,7 @@ this is exactly full causal attention); "full" lets it see every earlier token (
 distances it never saw: text degrades quickly past the trained length). With `window` set, the
 smaller of the two windows holds. max_seq_len=None means no trained context is known: full.
 
-Options of the Hugging Face families (zoo/hf.py): `rope_scaling` (layers/rotary.py: linear, llama3,
+Options of the Hugging Face families (zoo/hf): `rope_scaling` (layers/rotary.py: linear, llama3,
 yarn, dynamic; under dynamic a forward pass or KV cache longer than its original_max_position_embeddings
 is refused, the one range where a fixed rotary equals transformers' dynamic NTK), `qkv_bias` (Qwen2:
 biases on the q, k, v projections), `qk_norm` (Qwen3: an RMSNorm over each head's query and key, eps

@@ -1,5 +1,5 @@
 """Normalisation layers: RMSNorm (Zhang & Sennrich, 2019), its gated variant (Mamba-2, GLA) and
-LayerNorm with a bias (Ba et al., 2016; RWKV's blocks).
+LayerNorm with a bias (Ba et al., 2016; RWKV's blocks), and RWKV's GroupNorm with one group per head.
 
     RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w
     GatedRMSNorm(x, z) = RMSNorm(x) * silu(z)      (or RMSNorm(x * silu(z)) by groups, Mamba-2's own)
@@ -55,3 +55,12 @@ class GatedRMSNorm(RMSNorm):
         y = (x.astype(jnp.float32) * gate).reshape(*x.shape[:-1], self.groups, -1)
         y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
         return (y.reshape(x.shape) * self.weight[...]).astype(x.dtype)
+
+
+def head_group_norm(o: Float[Array, "B T H V"], weight, bias, eps: float) -> Float[Array, "B T D"]:
+    """GroupNorm with one group per head (float32), flattened to (B, T, H*V)."""
+    B, T, H, V = o.shape
+    o = o.astype(jnp.float32)
+    mean = o.mean(-1, keepdims=True)
+    var = jnp.square(o - mean).mean(-1, keepdims=True)
+    return ((o - mean) * jax.lax.rsqrt(var + eps)).reshape(B, T, H * V) * weight + bias

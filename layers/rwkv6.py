@@ -40,59 +40,13 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode
-from kernels.segments import document_starts
 from kernels.wkv6 import wkv6
+from layers.norm import head_group_norm
+from layers.rwkv_init import depth_ratios, orthogonal, param
 from layers.shapes import check_input
-from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
-
-
-@state
-class RWKVTimeMixState:
-    shift: Float[Array, "B D"]  # (B, D) float32: the previous token's input, for the token shift
-    wkv: Float[Array, "B H K V"]  # (B, H, K, V) float32: the WKV recurrent state
-
-
-@state
-class RWKVChannelMixState:
-    shift: Float[Array, "B D"]  # (B, D) float32: the previous token's input, for the token shift
-
-
-def depth_ratios(layer_id: int, num_layers: int) -> tuple[float, float]:
-    """(r0, r1) = (layer_id / (num_layers - 1), 1 - layer_id / num_layers), r0 = 0 for one layer."""
-    if not 0 <= layer_id < num_layers:
-        raise ValueError(f"layer_id={layer_id} must be in [0, num_layers={num_layers})")
-    return (layer_id / (num_layers - 1) if num_layers > 1 else 0.0), 1.0 - layer_id / num_layers
-
-
-def token_shift(x: Float[Array, "B T D"], last: Float[Array, "B D"], segment_ids: Int[Array, "B T"] | None,
-                steps: bool = False):
-    """(x_{t-1} for every t, the new last token). x_{-1} is `last`; at a document start it is zero.
-    With `steps`, the last token after every token: (T, B, D) (layers/state.py)."""
-    prev = jnp.concatenate([last[:, None].astype(x.dtype), x[:, :-1]], axis=1)  # (B, T, D)
-    if segment_ids is not None:
-        prev = jnp.where(document_starts(segment_ids)[..., None], 0, prev)
-    return prev, (jnp.swapaxes(x, 0, 1) if steps else x[:, -1]).astype(jnp.float32)
-
-
-def head_group_norm(o: Float[Array, "B T H V"], weight, bias, eps: float) -> Float[Array, "B T D"]:
-    """GroupNorm with one group per head (float32), flattened to (B, T, H*V)."""
-    B, T, H, V = o.shape
-    o = o.astype(jnp.float32)
-    mean = o.mean(-1, keepdims=True)
-    var = jnp.square(o - mean).mean(-1, keepdims=True)
-    return ((o - mean) * jax.lax.rsqrt(var + eps)).reshape(B, T, H * V) * weight + bias
-
-
-def orthogonal(key, shape, gain: float = 1.0):
-    return jax.nn.initializers.orthogonal(scale=gain)(key, shape, jnp.float32)
-
-
-def param(value, *names) -> nnx.Param:
-    """A float32 parameter from a host (numpy) constant or an array, with its logical axes (none
-    given: replicated, as the small per-channel vectors here are)."""
-    value = jnp.asarray(value, jnp.float32)
-    return nnx.Param(value, **axes(*(names or (None,) * value.ndim)))
+from layers.sharding import COLUMNS, ROWS
+from layers.state import check_steps, rollback, stepwise
+from layers.token_shift import RWKVChannelMixState, RWKVTimeMixState, token_shift
 
 
 class RWKV6TimeMix(nnx.Module):

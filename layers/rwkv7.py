@@ -56,18 +56,12 @@ from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode
 from kernels.wkv7 import wkv7
-from layers.rwkv6 import (
-    RWKVChannelMixState,
-    RWKVTimeMixState,
-    depth_ratios,
-    head_group_norm,
-    orthogonal,
-    param,
-    token_shift,
-)
+from layers.norm import head_group_norm
+from layers.rwkv_init import depth_ratios, orthogonal, param
 from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS
 from layers.state import check_steps, rollback, stepwise
+from layers.token_shift import RWKVChannelMixState, RWKVTimeMixState, token_shift
 
 
 def lora_rank(d_model: int, factor: float) -> int:

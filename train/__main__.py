@@ -10,7 +10,8 @@ import dataclasses
 import os
 import sys
 
-from zoo.config import DataConfig, ExitsConfig, MeshConfig, ModelConfig, TokenizerConfig, TrainConfig, load_config
+from zoo import load_config
+from zoo.config import DataConfig, ExitsConfig, MeshConfig, ModelConfig, TokenizerConfig, TrainConfig
 from zoo.registry import FFNS, MIXERS
 
 

@@ -41,8 +41,9 @@ import numpy as np
 
 from train.corpus import check_split, corpus_files, documents, is_validation, pieces, split_documents
 from train.data import Batches, NpyFile, Stream, cache_dir
+from zoo import load_config
 from zoo import tokenizer as tokenizers_lib
-from zoo.config import DataConfig, load_config, to_dict
+from zoo.config import DataConfig, to_dict
 
 VERSION = "shards-v1"
 SPLITS = ("train", "val")

@@ -30,8 +30,9 @@ import yaml
 from flax import nnx
 from jax.sharding import Mesh
 
-from zoo.config import from_dict, load_config
+from zoo.config import from_dict
 from zoo.model import LanguageModel
+from zoo.run_file import load_config
 from zoo.sharding import init_on_mesh
 
 CHECKSUMS = "zoo_checksums.json"

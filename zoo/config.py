@@ -7,11 +7,11 @@ are `dotted.path=value` strings whose value is read as YAML (`model.mixer.window
 
 Every mistake is a ValueError that names the dotted path and what was expected, raised before any
 array is made: an unknown key, a wrong type, a value outside its choices, an impossible shape.
+zoo/run_file.py reads a run file (`load_config`).
 """
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -62,7 +62,7 @@ class ModelConfig:
     token logits at every position; pooled_decoder: MAD's compression autoencoder, where the last
     position's hidden state alone, plus each position's sinusoidal embedding, goes through a 2-layer
     GELU MLP to that position's logits, so the model must compress the sequence into one state; it is
-    not a language model and cannot decode); init_from (a Hugging Face model folder, zoo/hf.py: the model
+    not a language model and cannot decode); init_from (a Hugging Face model folder, zoo/hf: the model
     is config.json's, with this section's keys on top, and a new run starts from its weights)."""
     vocab_size: PosInt = 256
     d_model: PosInt = 128
@@ -190,7 +190,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
-def _build_model(data, path: str) -> ModelConfig:
+def build_model(data, path: str) -> ModelConfig:
+    """The checked ModelConfig of a `model` section (a dict), with `path` naming it in errors."""
     data = dict(data or {})
     mixer, ffn, pattern = data.pop("mixer", None), data.pop("ffn", None), data.pop("layer_pattern", None)
     exits = data.pop("exits", None)
@@ -276,7 +277,7 @@ def from_dict(data: dict) -> Config:
             model = {**model, "vocab_size": task.vocab_size}
     if task is None:
         model = _check_vocab(model, data_cfg)
-    cfg = Config(model=_build_model(model, "model"), data=data_cfg, train=train)
+    cfg = Config(model=build_model(model, "model"), data=data_cfg, train=train)
     _check_train(cfg)
     compression = task is not None and task.KIND == "compression"
     if compression != (cfg.model.head == "pooled_decoder"):
@@ -342,22 +343,3 @@ def apply_overrides(data: dict, overrides) -> dict:
                 node[part] = {}
             node = node[part]
     return data
-
-
-def load_config(path, overrides=None) -> Config:
-    """Read a YAML run file, apply overrides, and check everything. ValueError names what is wrong."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"config {str(path)!r} cannot be read: {e.strerror or e}") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"config {str(path)!r} is not valid YAML: {e}") from None
-    data = apply_overrides(data, overrides)
-    model = data.get("model")
-    if isinstance(model, dict) and model.get("init_from") is not None:
-        from zoo.hf import derived_model_section
-        data["model"] = derived_model_section(model)
-    return from_dict(data)

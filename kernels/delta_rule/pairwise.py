@@ -26,38 +26,17 @@ Pullback, with dP, dKK the cotangents of P, KK (zero where not visible):
     dk_key_j   = sum_i (dP_ij q'_i + dKK_ij k_i) ⊙ e^{G_i - G_j}   (key side of P and KK)
     dL/dG      = q' ⊙ dq' + k ⊙ (dk_row - dk_key)                  (C, K): G_i enters with +, G_j with -
 
-Rows and columns are picked from tiles by a mask and a reduction (the index j is a loop counter),
-and (1, K) rows turned into (K, 1) columns by a diagonal mask: no transposes or dynamic slices on
-chip. Loop counters, iotas and 0/1 tiles come from kernels/x64.py (int32 and float32 under x64).
+Rows and columns are picked from tiles by a mask and a reduction (the index j is a loop counter;
+kernels/pallas_blocks.py's row_of, col_of, row, column): no transposes or dynamic slices on chip.
+Loop counters, iotas and 0/1 tiles come from kernels/x64.py (int32 and float32 under x64).
 """
 
 import jax.numpy as jnp
 
+from kernels.pallas_blocks import col_of, row_of
 from kernels.x64 import fori_loop, indicator, iota
 
 f32 = jnp.float32
-
-
-def row_of(x, j):
-    """Row j of a (C, X) tile, as (1, X) (a mask and a sublane reduction: j may be traced)."""
-    return jnp.sum(jnp.where(iota((x.shape[0], 1), 0) == j, x, 0.0), axis=0, keepdims=True)
-
-
-def col_of(x, j):
-    """Column j of a (X, C) tile, as (X, 1)."""
-    return jnp.sum(jnp.where(iota((1, x.shape[1]), 1) == j, x, 0.0), axis=1, keepdims=True)
-
-
-def column(x):
-    """(1, K) -> (K, 1), by a diagonal mask and a lane reduction (no transpose)."""
-    K = x.shape[1]
-    return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), x, 0.0), axis=1, keepdims=True)
-
-
-def row(x):
-    """(K, 1) -> (1, K), by a diagonal mask and a sublane reduction."""
-    K = x.shape[0]
-    return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), x, 0.0), axis=0, keepdims=True)
 
 
 def key_decay(G, vis, j):

@@ -103,10 +103,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from kernels.delta_rule.pairwise import column, pair_grads, pair_scores, row, row_of
-
-# The same block knobs, dot helper and auto-dispatch rule as the GLA kernels.
-from kernels.gla.pallas import BlockSizes, _dot, supports  # noqa: F401 (supports: re-exported)
+from kernels.delta_rule.pairwise import pair_grads, pair_scores
+from kernels.pallas_blocks import (  # noqa: F401 (supports: re-exported)
+    EXACT,
+    BlockSizes,
+    column,
+    dot,
+    fit_block,
+    local_cumsum,
+    row,
+    row_of,
+    supports,
+    unit_lower_inverse_t,
+)
 from kernels.segments import document_index
 from kernels.x64 import fori_loop, indicator, iota
 
@@ -139,22 +148,6 @@ class _Config:
     exact: bool  # float32 inputs: full-precision dots (no TF32) on GPU
 
 
-_EXACT = SimpleNamespace(dtype="float32", exact=True)  # _dot settings of float32 products of 0/1 masks
-
-
-def _inverse_t(A):
-    """N = ((I + A)^{-1})^T for a strictly lower-triangular (C, C) tile A. Row i of M = (I + A)^{-1}
-    is e_i - sum_{j < i} A_ij M_j: forward substitution, written into column i of N."""
-    C = A.shape[0]
-
-    def step(i, N):
-        a = jnp.sum(jnp.where(iota((C, C), 0) == i, A, 0.0), axis=0, keepdims=True)  # (1, C): A_i
-        m = indicator(iota((C, 1), 0) == i) - jnp.sum(N * a, axis=1, keepdims=True)  # (C, 1)
-        return jnp.where(iota((C, C), 1) == i, m, N)
-
-    return fori_loop(0, C, step, jnp.zeros((C, C), f32))
-
-
 def _chunk(n, refs, cfg, scores=True):
     """Chunk n's inputs and the state-independent terms of the docstring (all float32); P (the
     decayed Q' K^T) only with `scores`. cg, kd are (C, 1) for a per-head gate, (C, K) per channel;
@@ -181,16 +174,16 @@ def _chunk(n, refs, cfg, scores=True):
         g = g_ref[sl]  # (C,)
         G, G_last = g[:, None], jnp.sum(jnp.where(iota((C,), 0) == C - 1, g, 0.0))
         c.E = jnp.where(c.vis, jnp.exp(jnp.where(c.vis, G - g[None, :], 0.0)), 0.0)  # masked before exp
-        c.KK = _dot(c.k, c.k, (1, 1), cfg) * c.E  # (C, C)
-        c.P = _dot(c.q, c.k, (1, 1), cfg) * c.E if scores else None
+        c.KK = dot(c.k, c.k, (1, 1), cfg) * c.E  # (C, C)
+        c.P = dot(c.q, c.k, (1, 1), cfg) * c.E if scores else None
         c.gamma = jnp.where(doc_last == state_doc, jnp.exp(G_last), 0.0)  # scalar
     c.A = jnp.where(c.strict, c.beta[:, None] * c.KK, 0.0)
-    c.N = _inverse_t(c.A)
+    c.N = unit_lower_inverse_t(c.A)
     c.cg = jnp.where(first, jnp.exp(G), 0.0)  # (C, 1) or (C, K)
     c.kd = jnp.where(last, jnp.exp(jnp.where(last, G_last - G, 0.0)), 0.0)  # (C, 1) or (C, K)
-    c.Ut = _dot(c.N, c.beta[:, None] * c.v, (0, 0), cfg)  # (C, bv): M diag(beta) V
+    c.Ut = dot(c.N, c.beta[:, None] * c.v, (0, 0), cfg)  # (C, bv): M diag(beta) V
     c.Kb = (c.beta[:, None] * c.cg) * c.k  # (C, K)
-    c.W = _dot(c.N, c.Kb, (0, 0), cfg)  # (C, K)
+    c.W = dot(c.N, c.Kb, (0, 0), cfg)  # (C, K)
     return c
 
 
@@ -202,13 +195,13 @@ def _fwd_kernel(*refs, cfg, states):
 
     def chunk(n, S):  # S (K, bv): the state entering chunk n
         c = _chunk(n, ins, cfg, scores=not states)
-        U = c.Ut - _dot(c.W, S, (1, 0), cfg)  # (C, bv)
+        U = c.Ut - dot(c.W, S, (1, 0), cfg)  # (C, bv)
         if states:
             out_ref[pl.ds(pl.multiple_of(n * K, K), K), :] = S
         else:
-            o = _dot(c.cg * c.q, S, (1, 0), cfg) + _dot(c.P, U, (1, 0), cfg)
+            o = dot(c.cg * c.q, S, (1, 0), cfg) + dot(c.P, U, (1, 0), cfg)
             out_ref[c.sl, :] = o.astype(out_ref.dtype)
-        return c.gamma * S + _dot(c.kd * c.k, U, (0, 0), cfg)
+        return c.gamma * S + dot(c.kd * c.k, U, (0, 0), cfg)
 
     st_ref[...] = fori_loop(0, ins[0].shape[0] // cfg.block_t, chunk, s0_ref[...])
 
@@ -225,24 +218,24 @@ def _bwd_kernel(*refs, cfg):
         n = num_chunks - 1 - i
         c = _chunk(n, ins, cfg)
         S = h_ref[pl.ds(pl.multiple_of(n * K, K), K), :]  # (K, bv): the state entering chunk n
-        U = c.Ut - _dot(c.W, S, (1, 0), cfg)
+        U = c.Ut - dot(c.W, S, (1, 0), cfg)
         do = do_ref[c.sl, :]
         kdk = c.kd * c.k  # (C, K)
-        dU = _dot(c.P, do, (0, 0), cfg) + _dot(kdk, dS, (1, 0), cfg)  # (C, bv)
-        dW = -_dot(dU, S, (1, 1), cfg)  # (C, K)
-        dVb, dKb = _dot(c.N, dU, (1, 0), cfg), _dot(c.N, dW, (1, 0), cfg)  # M^T dU, M^T dW
-        dA = -jnp.where(c.strict, _dot(dVb, c.Ut, (1, 1), cfg) + _dot(dKb, c.W, (1, 1), cfg), 0.0)
-        dP = jnp.where(c.vis, _dot(do, U, (1, 1), cfg), 0.0)  # dL/dP
+        dU = dot(c.P, do, (0, 0), cfg) + dot(kdk, dS, (1, 0), cfg)  # (C, bv)
+        dW = -dot(dU, S, (1, 1), cfg)  # (C, K)
+        dVb, dKb = dot(c.N, dU, (1, 0), cfg), dot(c.N, dW, (1, 0), cfg)  # M^T dU, M^T dW
+        dA = -jnp.where(c.strict, dot(dVb, c.Ut, (1, 1), cfg) + dot(dKb, c.W, (1, 1), cfg), 0.0)
+        dP = jnp.where(c.vis, dot(do, U, (1, 1), cfg), 0.0)  # dL/dP
         dKK = dA * c.beta[:, None]  # dL/dKK through A
         if cfg.channel:
             dq, dk, dG = pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)  # dG (C, K): through the pairs' decays
         else:
             dPE, dKE = dP * c.E, dKK * c.E  # w.r.t. the undecayed Q' K^T, K K^T
-            dq = _dot(dPE, c.k, (1, 0), cfg)
-            dk = _dot(dPE, c.q, (0, 0), cfg) + _dot(dKE, c.k, (1, 0), cfg) + _dot(dKE, c.k, (0, 0), cfg)
+            dq = dot(dPE, c.k, (1, 0), cfg)
+            dk = dot(dPE, c.q, (0, 0), cfg) + dot(dKE, c.k, (1, 0), cfg) + dot(dKE, c.k, (0, 0), cfg)
             Z = dP * c.P + dKK * c.KK  # (C, C): dL/dD ⊙ D
             dG = (jnp.sum(Z, axis=1) - jnp.sum(Z, axis=0))[:, None]  # (C, 1)
-        dQs, dKd = _dot(do, S, (1, 1), cfg), _dot(U, dS, (1, 1), cfg)  # (C, K) each
+        dQs, dKd = dot(do, S, (1, 1), cfg), dot(U, dS, (1, 1), cfg)  # (C, K) each
         dq_ref[c.sl, :] = (dq + c.cg * dQs) * cfg.scale
         dk_ref[c.sl, :] = dk + c.cg * c.beta[:, None] * dKb + c.kd * dKd
         dv_ref[c.sl, :] = (c.beta[:, None] * dVb).astype(dv_ref.dtype)
@@ -257,12 +250,12 @@ def _bwd_kernel(*refs, cfg):
               + jnp.where(iota((C, 1), 0) == C - 1, to_last, 0.0))  # dL/dG
         # dg_t = sum of dG_s over s >= t in t's chunk and document; 0 at a document start.
         if cfg.channel:
-            dg = _dot(indicator(c.vis), dG, (0, 0), _EXACT)  # (C, K)
+            dg = dot(indicator(c.vis), dG, (0, 0), EXACT)  # (C, K)
             dg_ref[c.sl, :] = jnp.where(c.start[:, None], 0.0, dg)
         else:
             dg = jnp.sum(jnp.where(c.vis, dG, 0.0), axis=0)
             dg_ref[c.sl] = jnp.where(c.start, 0.0, dg)
-        return c.gamma * dS + _dot(c.cg * c.q, do, (0, 0), cfg) - _dot(c.W, dU, (0, 0), cfg)
+        return c.gamma * dS + dot(c.cg * c.q, do, (0, 0), cfg) - dot(c.W, dU, (0, 0), cfg)
 
     ds0_ref[...] = fori_loop(0, num_chunks, chunk, dst_ref[...])
 
@@ -309,16 +302,9 @@ def _forward(q, k, v, beta, G, doc, prev, s0, cfg, states=False):
                  "delta_rule_states" if states else "delta_rule_fwd", q, k, v, beta, G, doc, prev, s0)
 
 
-def _local_cumsum(g, cfg, axis=-1):
-    """G: g summed from each chunk's start along its time axis `axis` (of length Tp)."""
-    axis %= g.ndim
-    chunks = g.shape[:axis] + (g.shape[axis] // cfg.block_t, cfg.block_t) + g.shape[axis + 1:]
-    return jnp.cumsum(g.reshape(chunks), axis=axis + 1).reshape(g.shape)
-
-
 def _cumsum(g, cfg):
-    """_local_cumsum of this file's layouts: (B, H, Tp) per head, (B, Tp, H, K) per channel."""
-    return _local_cumsum(g, cfg, axis=1 if cfg.channel else -1)
+    """local_cumsum of this file's layouts: (B, H, Tp) per head, (B, Tp, H, K) per channel."""
+    return local_cumsum(g, cfg.block_t, axis=1 if cfg.channel else -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -373,7 +359,7 @@ def delta_rule_pallas(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v:
     backend = jax.default_backend()
     blocks = block_sizes or default_block_sizes(backend)
     Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
-    C, bv = min(blocks.block_t, max(16, pl.next_power_of_2(T))), min(blocks.block_v, Vp)
+    C, bv = fit_block(blocks.block_t, T), min(blocks.block_v, Vp)
     Tp = -(-T // C) * C
     channel = g is not None and g.ndim == 4
     cfg = _Config(scale=float(scale), channel=channel, block_t=C, block_v=bv,

@@ -95,14 +95,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from kernels.delta_rule.pairwise import column, pair_grads, pair_scores, row, row_of
-from kernels.delta_rule.pallas import _local_cumsum
-from kernels.gla.pallas import _dot
+from kernels.delta_rule.pairwise import pair_grads, pair_scores
+from kernels.pallas_blocks import EXACT, column, dot, local_cumsum, row, row_of
 from kernels.segments import document_index
 from kernels.x64 import indicator, iota
 
 f32 = jnp.float32
-_EXACT = SimpleNamespace(dtype="float32", exact=True)  # _dot settings of the inverse's matmuls
 _TOKEN_FIELDS = ("beta", "G", "first", "last", "start", "doc")  # the per-token scalars, (B, H, N, 6, C)
 
 
@@ -140,7 +138,7 @@ def _inverse(A):
     b = 1
     while b < C:
         lower_left = ((ii ^ jj) < 2 * b) & ((ii & b) != 0) & ((jj & b) == 0)
-        M = M - _dot(_dot(M, jnp.where(lower_left, A, 0.0), (1, 0), _EXACT), M, (1, 0), _EXACT)
+        M = M - dot(dot(M, jnp.where(lower_left, A, 0.0), (1, 0), EXACT), M, (1, 0), EXACT)
         b *= 2
     return M
 
@@ -173,14 +171,14 @@ def _chunk(q_ref, k_ref, v_ref, tok_ref, g_ref, cfg, scores=True):
         c.G = G = column(G_row)  # (C, 1)
         G_last = at_last(G_row)
         c.E = jnp.where(c.vis, jnp.exp(jnp.where(c.vis, G - G_row, 0.0)), 0.0)  # masked before exp
-        c.KK = _dot(c.k, c.k, (1, 1), cfg) * c.E  # (C, C)
-        c.P = _dot(c.q, c.k, (1, 1), cfg) * c.E if scores else None
+        c.KK = dot(c.k, c.k, (1, 1), cfg) * c.E  # (C, C)
+        c.P = dot(c.q, c.k, (1, 1), cfg) * c.E if scores else None
         c.gamma = keep * jnp.exp(G_last)  # (1, 1)
     c.M = _inverse(jnp.where(c.strict, c.beta * c.KK, 0.0))
     c.cg = c.first * jnp.exp(G)  # (C, 1) or (C, K)
     c.kd = jnp.where(last, jnp.exp(jnp.where(last, G_last - G, 0.0)), 0.0)  # (C, 1) or (C, K)
-    c.Ut = _dot(c.M, c.beta * c.v, (1, 0), cfg)  # (C, V)
-    c.W = _dot(c.M, (c.beta * c.cg) * c.k, (1, 0), cfg)  # (C, K)
+    c.Ut = dot(c.M, c.beta * c.v, (1, 0), cfg)  # (C, V)
+    c.W = dot(c.M, (c.beta * c.cg) * c.k, (1, 0), cfg)  # (C, K)
     return c
 
 
@@ -197,12 +195,12 @@ def _fwd_kernel(*refs, cfg, states):
 
     c = _chunk(*ins[:4], ins[4] if cfg.channel else None, cfg, scores=not states)
     S = S_ref[...]
-    U = c.Ut - _dot(c.W, S, (1, 0), cfg)  # (C, V)
+    U = c.Ut - dot(c.W, S, (1, 0), cfg)  # (C, V)
     if states:
         out_ref[...] = S
     else:
-        out_ref[...] = (_dot(c.cg * c.q, S, (1, 0), cfg) + _dot(c.P, U, (1, 0), cfg)).astype(out_ref.dtype)
-    S = c.gamma * S + _dot((c.kd * c.k).T, U, (1, 0), cfg)
+        out_ref[...] = (dot(c.cg * c.q, S, (1, 0), cfg) + dot(c.P, U, (1, 0), cfg)).astype(out_ref.dtype)
+    S = c.gamma * S + dot((c.kd * c.k).T, U, (1, 0), cfg)
     S_ref[...] = S
 
     @pl.when(n == cfg.num_chunks - 1)
@@ -230,15 +228,15 @@ def _bwd_kernel(*refs, cfg):
 
     c = _chunk(q_ref, k_ref, v_ref, tok_ref, g_ref, cfg)
     dS, S = dS_ref[...], h_ref[...]  # (K, V) each; S: the state entering the chunk
-    U = c.Ut - _dot(c.W, S, (1, 0), cfg)
+    U = c.Ut - dot(c.W, S, (1, 0), cfg)
     do = do_ref[...].astype(f32)  # (C, V)
     kdk = c.kd * c.k  # (C, K)
-    dU = _dot(c.P.T, do, (1, 0), cfg) + _dot(kdk, dS, (1, 0), cfg)  # (C, V)
-    dW = -_dot(dU, S, (1, 1), cfg)  # (C, K)
+    dU = dot(c.P.T, do, (1, 0), cfg) + dot(kdk, dS, (1, 0), cfg)  # (C, V)
+    dW = -dot(dU, S, (1, 1), cfg)  # (C, K)
     MT = c.M.T
-    dVb, dKb = _dot(MT, dU, (1, 0), cfg), _dot(MT, dW, (1, 0), cfg)  # M^T dU, M^T dW
-    dA = -jnp.where(c.strict, _dot(dVb, c.Ut, (1, 1), cfg) + _dot(dKb, c.W, (1, 1), cfg), 0.0)
-    dP = jnp.where(c.vis, _dot(do, U, (1, 1), cfg), 0.0)  # dL/dP
+    dVb, dKb = dot(MT, dU, (1, 0), cfg), dot(MT, dW, (1, 0), cfg)  # M^T dU, M^T dW
+    dA = -jnp.where(c.strict, dot(dVb, c.Ut, (1, 1), cfg) + dot(dKb, c.W, (1, 1), cfg), 0.0)
+    dP = jnp.where(c.vis, dot(do, U, (1, 1), cfg), 0.0)  # dL/dP
     dKK = dA * c.beta  # dL/dKK through A
     rowsum = lambda x: jnp.sum(x, axis=1, keepdims=True)  # (C, 1)
     gate = (lambda x: x) if cfg.channel else rowsum  # a (C, K) term reduced to the gate's shape
@@ -246,11 +244,11 @@ def _bwd_kernel(*refs, cfg):
         dq, dk, dG = pair_grads(c.q, c.k, c.G, c.vis, dP, dKK)  # dG (C, K): through the pairs' decays
     else:
         dPE, dKE = dP * c.E, dKK * c.E  # w.r.t. the undecayed Q' K^T, K K^T
-        dq = _dot(dPE, c.k, (1, 0), cfg)
-        dk = _dot(dPE.T, c.q, (1, 0), cfg) + _dot(dKE + dKE.T, c.k, (1, 0), cfg)
+        dq = dot(dPE, c.k, (1, 0), cfg)
+        dk = dot(dPE.T, c.q, (1, 0), cfg) + dot(dKE + dKE.T, c.k, (1, 0), cfg)
         Z = dP * c.P + dKK * c.KK  # (C, C): dL/dD ⊙ D
         dG = rowsum(Z - Z.T)  # (C, 1)
-    dQs, dKd = _dot(do, S, (1, 1), cfg), _dot(U, dS, (1, 1), cfg)  # (C, K) each
+    dQs, dKd = dot(do, S, (1, 1), cfg), dot(U, dS, (1, 1), cfg)  # (C, K) each
     dq_ref[...] = ((dq + c.cg * dQs) * cfg.scale).astype(dq_ref.dtype)
     dk_ref[...] = (dk + (c.beta * c.cg) * dKb + c.kd * dKd).astype(dk_ref.dtype)
     dv_ref[...] = (c.beta * dVb).astype(dv_ref.dtype)
@@ -265,13 +263,13 @@ def _bwd_kernel(*refs, cfg):
           + jnp.where(iota((C, 1), 0) == C - 1, to_last, 0.0))  # dL/dG
     # dg_t = sum of dG_s over s >= t in t's chunk and document; 0 at a document start.
     if cfg.channel:
-        dg = _dot(indicator(c.vis).T, dG, (1, 0), _EXACT)  # (C, K)
+        dg = dot(indicator(c.vis).T, dG, (1, 0), EXACT)  # (C, K)
         dg_ref[...] = jnp.where(column(c.start_row) > 0, 0.0, dg)
         dg_row = jnp.zeros((1, C), f32)
     else:
         dg_row = jnp.where(c.start_row > 0, 0.0, jnp.sum(jnp.where(c.vis, dG, 0.0), axis=0, keepdims=True))
     dtok_ref[...] = jnp.where(iota((2, C), 0) == 0, row(dbeta), dg_row)
-    dS = c.gamma * dS + _dot((c.cg * c.q).T, do, (1, 0), cfg) - _dot(c.W.T, dU, (1, 0), cfg)
+    dS = c.gamma * dS + dot((c.cg * c.q).T, do, (1, 0), cfg) - dot(c.W.T, dU, (1, 0), cfg)
     dS_ref[...] = dS
 
     @pl.when(n == cfg.num_chunks - 1)
@@ -323,8 +321,8 @@ def _tokens(beta, g, masks, cfg):
     cumulative gates G (B, H, Tp, K) (None for a per-head gate, whose G is a field); masks
     (B, 4, Tp): first, last, start, doc."""
     B, H, Tp = beta.shape
-    G = _local_cumsum(g, cfg, axis=2) if cfg.channel else None
-    G_field = jnp.zeros_like(beta) if cfg.channel else _local_cumsum(g, cfg)
+    G = local_cumsum(g, cfg.block_t, axis=2) if cfg.channel else None
+    G_field = jnp.zeros_like(beta) if cfg.channel else local_cumsum(g, cfg.block_t, axis=-1)
     fields = jnp.concatenate([beta[:, :, None], G_field[:, :, None],
                               jnp.broadcast_to(masks[:, None], (B, H, 4, Tp))], axis=2)  # (B, H, 6, Tp)
     return jnp.swapaxes(fields.reshape(B, H, len(_TOKEN_FIELDS), cfg.num_chunks, cfg.block_t), 2, 3), G

@@ -64,32 +64,23 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from kernels.pallas_blocks import (  # noqa: F401 (supports: re-exported)
+    BlockSizes,
+    col_of,
+    doc_suffix_sum,
+    dot,
+    fit_block,
+    local_cumsum,
+    supports,
+)
 from kernels.segments import document_starts
 from kernels.x64 import fori_loop, iota
 
 f32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tokens per chunk (block_t) and value columns per program (block_v), powers of two >= 16, and
-    GPU launch knobs. Blocks larger than the padded sequence or value width are shrunk to it."""
-
-    block_t: int = 16
-    block_v: int = 64
-    num_warps: int | None = None  # None: 4 when K * block_v <= 64 * 64, else 8
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_t", "block_v"):
-            b = getattr(self, name)
-            if b < 16 or b & (b - 1):
-                raise ValueError(f"BlockSizes.{name}={b} must be a power of two >= 16")
 
 
 BLOCK_SIZES = {
@@ -109,15 +100,6 @@ def default_block_sizes(backend: str | None = None, scalar_gate: bool = False) -
     return BLOCK_SIZES.get(backend, BLOCK_SIZES["cpu"])
 
 
-def supports(q, k, v) -> bool:
-    """Whether impl="auto" runs the kernel on GPU: float dtypes, head dims <= 256, and more than 16
-    tokens (a decode step is a few K x V updates, cheaper in XLA than a launch per head). A
-    heuristic, not measured."""
-    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
-    return (all(x.dtype in dtypes for x in (q, k, v)) and max(q.shape[-1], v.shape[-1]) <= 256
-            and q.shape[1] > 16)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Config:
     scale: float
@@ -132,20 +114,6 @@ class _Config:
     interpret: bool
     dtype: str  # operand dtype of the dots (the inputs')
     exact: bool  # float32 inputs: full-precision dots (no TF32) on GPU
-
-
-def _dot(a, b, dims, cfg):
-    """a @ b contracting a's axis dims[0] with b's axis dims[1] (2-D), float32 result."""
-    precision = lax.Precision.HIGHEST if cfg.exact else lax.Precision.DEFAULT
-    a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
-    return lax.dot_general(a, b, (((dims[0],), (dims[1],)), ((), ())), precision=precision,
-                           preferred_element_type=f32)
-
-
-
-def _column(M, j):
-    """Column j of a (C, C) tile, as (C, 1)."""
-    return jnp.sum(jnp.where(iota((1, M.shape[1]), 1) == j, M, 0.0), axis=1, keepdims=True)
 
 
 def _load(n, q_ref, k_ref, b_ref, doc_ref, prev_ref, cfg):
@@ -191,8 +159,8 @@ def _scores(c, k_ref, b_ref, doc_ref, cfg, dA=None):
     """The intra-chunk scores A (C, C), and with dA = dL/dA also dL/dk through A (C, K)."""
     C = cfg.block_t
     if cfg.scalar:
-        A = _dot(c.q, c.k, (1, 1), cfg) * c.E
-        return A if dA is None else (A, _dot(dA * c.E, c.q, (0, 0), cfg))
+        A = dot(c.q, c.k, (1, 1), cfg) * c.E
+        return A if dA is None else (A, dot(dA * c.E, c.q, (0, 0), cfg))
 
     def key(j, carry):
         A, dk = carry
@@ -200,7 +168,7 @@ def _scores(c, k_ref, b_ref, doc_ref, cfg, dA=None):
         a = jnp.where(vis, jnp.sum(c.q * kj * E, axis=1, keepdims=True), 0.0)  # (C, 1): column j
         A = A + jnp.where(iota((1, C), 1) == j, a, 0.0)
         if dA is not None:
-            dkj = jnp.sum(jnp.where(vis, _column(dA, j), 0.0) * c.q * E, axis=0, keepdims=True)  # (1, K)
+            dkj = jnp.sum(jnp.where(vis, col_of(dA, j), 0.0) * c.q * E, axis=0, keepdims=True)  # (1, K)
             dk = dk + jnp.where(iota((C, 1), 0) == j, dkj, 0.0)
         return A, dk
 
@@ -213,8 +181,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, prev_ref, s0_ref, o_ref, st
         c = _load(n, q_ref, k_ref, b_ref, doc_ref, prev_ref, cfg)
         v = v_ref[c.sl, :]  # (C, bv)
         A = _scores(c, k_ref, b_ref, doc_ref, cfg)
-        o_ref[c.sl, :] = (_dot(c.qd, St, (1, 1), cfg) + _dot(A, v, (1, 0), cfg)).astype(o_ref.dtype)
-        return St * c.decay + _dot(v, c.kd, (0, 0), cfg)
+        o_ref[c.sl, :] = (dot(c.qd, St, (1, 1), cfg) + dot(A, v, (1, 0), cfg)).astype(o_ref.dtype)
+        return St * c.decay + dot(v, c.kd, (0, 0), cfg)
 
     st_ref[...] = fori_loop(0, q_ref.shape[0] // cfg.block_t, chunk, s0_ref[...])
 
@@ -223,17 +191,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, prev_ref, s0_ref, do_ref, dq
     def chunk(n, St):
         c = _load(n, q_ref, k_ref, b_ref, doc_ref, prev_ref, cfg)
         v, do = v_ref[c.sl, :], do_ref[c.sl, :]
-        dA = _dot(do, v, (1, 1), cfg)  # (C, C)
-        dq = _dot(do, St, (1, 0), cfg) * c.q_decay  # (C, K), w.r.t. q'
+        dA = dot(do, v, (1, 1), cfg)  # (C, C)
+        dq = dot(do, St, (1, 0), cfg) * c.q_decay  # (C, K), w.r.t. q'
         if cfg.scalar:
-            dq = dq + _dot(dA * c.E, c.k, (1, 0), cfg)
+            dq = dq + dot(dA * c.E, c.k, (1, 0), cfg)
         else:
             def key(j, dq):
                 kj, E, vis = _key(j, c, k_ref, b_ref, doc_ref, cfg)
-                return dq + jnp.where(vis, _column(dA, j), 0.0) * kj * E
+                return dq + jnp.where(vis, col_of(dA, j), 0.0) * kj * E
             dq = fori_loop(0, cfg.block_t, key, dq)
         dq_ref[c.sl, :] = dq * cfg.scale
-        return St * c.decay + _dot(v, c.kd, (0, 0), cfg)
+        return St * c.decay + dot(v, c.kd, (0, 0), cfg)
 
     fori_loop(0, q_ref.shape[0] // cfg.block_t, chunk, s0_ref[...])
 
@@ -245,10 +213,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, prev_ref, do_ref, dst_ref, 
     def chunk(i, dSt):  # dSt (bv, K): dL/dS_[n], transposed
         c = _load(num_chunks - 1 - i, q_ref, k_ref, b_ref, doc_ref, prev_ref, cfg)
         v, do = v_ref[c.sl, :], do_ref[c.sl, :]
-        A, dk = _scores(c, k_ref, b_ref, doc_ref, cfg, dA=_dot(do, v, (1, 1), cfg))
-        dk_ref[c.sl, :] = dk + _dot(v, dSt, (1, 0), cfg) * c.k_decay
-        dv_ref[c.sl, :] = (_dot(c.kd, dSt, (1, 1), cfg) + _dot(A, do, (0, 0), cfg)).astype(dv_ref.dtype)
-        return dSt * c.decay + _dot(do, c.qd, (0, 0), cfg)
+        A, dk = _scores(c, k_ref, b_ref, doc_ref, cfg, dA=dot(do, v, (1, 1), cfg))
+        dk_ref[c.sl, :] = dk + dot(v, dSt, (1, 0), cfg) * c.k_decay
+        dv_ref[c.sl, :] = (dot(c.kd, dSt, (1, 1), cfg) + dot(A, do, (0, 0), cfg)).astype(dv_ref.dtype)
+        return dSt * c.decay + dot(do, c.qd, (0, 0), cfg)
 
     ds0_ref[...] = fori_loop(0, num_chunks, chunk, dst_ref[...])
 
@@ -282,32 +250,19 @@ def _forward(q, k, v, b, doc, prev, s0t, cfg):
                  "gla_fwd", q, k, v, b, doc, prev, s0t)
 
 
-def _local_cumsum(g, cfg):
+def _gate_cumsum(g, cfg):
     """b: the log-decays summed from each chunk's start, float32; (B, H, Tp) for a scalar gate."""
-    B, Tp = g.shape[:2]
-    b = jnp.cumsum(g.astype(f32).reshape(B, Tp // cfg.block_t, cfg.block_t, *g.shape[2:]), axis=2)
-    b = b.reshape(g.shape)
+    b = local_cumsum(g, cfg.block_t)
     return jnp.swapaxes(b, 1, 2) if cfg.scalar else b
-
-
-def _doc_suffix_sum(x, doc, prev):
-    """y_t = sum of x_s over s >= t in t's document, and 0 at a document start. x (B, T, ...)."""
-    d = doc.reshape(doc.shape + (1,) * (x.ndim - 2)).astype(f32)
-    same_next = jnp.concatenate([d[:, 1:] == d[:, :-1], jnp.zeros_like(d[:, :1], bool)], axis=1)
-    combine = lambda a, b: (a[0] * b[0], b[1] + b[0] * a[1])  # a: the later tokens, b: this one
-    _, y = lax.associative_scan(combine, (jnp.broadcast_to(same_next, x.shape).astype(f32), x),
-                                reverse=True, axis=1)
-    start = (doc != prev).reshape(d.shape)
-    return jnp.where(start, 0.0, y)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _gla(q, k, v, g, doc, prev, s0t, cfg):
-    return _forward(q, k, v, _local_cumsum(g, cfg), doc, prev, s0t, cfg)
+    return _forward(q, k, v, _gate_cumsum(g, cfg), doc, prev, s0t, cfg)
 
 
 def _gla_fwd(q, k, v, g, doc, prev, s0t, cfg):
-    b = _local_cumsum(g, cfg)
+    b = _gate_cumsum(g, cfg)
     o, st = _forward(q, k, v, b, doc, prev, s0t, cfg)
     return (o, st), (q, k, v, g, b, doc, prev, s0t, st)
 
@@ -330,17 +285,12 @@ def _gla_bwd(cfg, res, cts):
     final = jnp.sum(dst * st, axis=2)  # (B, H, K): the final state's own e^{B_T} factor
     if cfg.scalar:
         dB, final = dB.sum(-1), final.sum(-1)
-    dg = _doc_suffix_sum(dB.at[:, cfg.length - 1].add(final), doc, prev)
+    dg = doc_suffix_sum(dB.at[:, cfg.length - 1].add(final), doc, prev)
     group = lambda x: x.reshape(*x.shape[:2], -1, R, x.shape[-1]).sum(3)  # (B, Tp, G, K)
     return (group(dq).astype(q.dtype), group(dk).astype(k.dtype), dv, dg.astype(g.dtype), None, None, ds0t)
 
 
 _gla.defvjp(_gla_fwd, _gla_bwd)
-
-
-def _fit(block, n):
-    """The block shrunk to n (rounded up to a power of two), at least 16."""
-    return min(block, max(16, pl.next_power_of_2(n)))
 
 
 def gla_pallas(q: Float[Array, "B T G K"], k: Float[Array, "B T G K"], v: Float[Array, "B T H V"],
@@ -363,7 +313,7 @@ def gla_pallas(q: Float[Array, "B T G K"], k: Float[Array, "B T G K"], v: Float[
     backend = jax.default_backend()
     blocks = block_sizes or default_block_sizes(backend, scalar)
     Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
-    C, bv = _fit(blocks.block_t, T), min(blocks.block_v, Vp)
+    C, bv = fit_block(blocks.block_t, T), min(blocks.block_v, Vp)
     Tp = -(-T // C) * C
     cfg = _Config(scale=float(scale), scalar=scalar, segmented=segment_ids is not None, length=T,
                   groups=H // G, block_t=C, block_v=bv,

@@ -29,9 +29,10 @@ gathered (and in dK scattered back) by a 0/1 matmul, and e^{b_i - b_key} is form
 tile with its exponent masked to 0 where the key is not visible (i < key, or another document).
 Nothing is approximated: each score is the token loop's, up to float32 rounding.
 
-Gate gradient: the state-free identity of kernels/gla/pallas.py, in XLA after the kernels, with its
-helpers `_local_cumsum` and `_doc_suffix_sum`: dg_t = sum over s >= t of (q_s . dq_s - k_s . dk_s)
-(+ rowsum(dS_T ⊙ S_T) at the last token) within t's document, 0 at a document start.
+Gate gradient: the state-free identity of kernels/gla/pallas.py, in XLA after the kernels, with the
+helpers `local_cumsum` and `doc_suffix_sum` (kernels/pallas_blocks.py): dg_t = sum over s >= t of
+(q_s . dq_s - k_s . dk_s) (+ rowsum(dS_T ⊙ S_T) at the last token) within t's document, 0 at a
+document start.
 
 Documents: doc(t) counts the document starts up to t; A needs doc(i) == doc(j); the carried state
 is seen only by tokens of the document of the token before the chunk, kept only if the chunk holds
@@ -68,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from kernels.gla.pallas import _doc_suffix_sum, _local_cumsum
+from kernels.pallas_blocks import doc_suffix_sum, local_cumsum
 from kernels.segments import document_starts
 from kernels.x64 import div, fori_loop, indicator, iota
 
@@ -291,14 +292,14 @@ def _call(kernel, cfg, ins, outs, name, reverse=False):
 
 def _chunk_inputs(q, k, v, g, docs, cfg):
     """The inputs every kernel reads, with the gates' chunk-local cumulative sums b."""
-    b = _local_cumsum(g, cfg)  # (B, Tp, H, K), or (B, H, Tp) for a scalar gate
+    b = jnp.swapaxes(local_cumsum(g, cfg.block_t), 1, 2)  # (B, H, Tp, K), or (B, H, Tp) for a scalar gate
     ins = {"q": ("qk", q), "k": ("qk", k), "v": ("v", v)}
     if cfg.scalar:
         B, H, Tp = b.shape
         ins["b"] = ("b", b[..., None])
         ins["b_row"] = ("b_row", b.reshape(B, H, Tp // cfg.block_t, 1, cfg.block_t))
     else:
-        ins["b"] = ("b", jnp.swapaxes(b, 1, 2))  # (B, H, Tp, K)
+        ins["b"] = ("b", b)
     if cfg.segmented:
         doc, prev = docs
         B, Tp = doc.shape
@@ -343,7 +344,7 @@ def _gla_bwd(cfg, res, cts):
     if cfg.scalar:
         dB, final = dB.sum(-1), final.sum(-1)
     doc, prev = docs if cfg.segmented else (jnp.zeros((B, Tp), jnp.int32),) * 2
-    dg = _doc_suffix_sum(dB.at[:, cfg.length - 1].add(final), doc, prev)
+    dg = doc_suffix_sum(dB.at[:, cfg.length - 1].add(final), doc, prev)
     group = lambda x: x.reshape(B, G, R, Tp, K).sum(2)  # (B, G, Tp, K)
     return group(dq).astype(q.dtype), group(dk).astype(k.dtype), dv, dg.astype(g.dtype), None, ds0t
 

@@ -65,6 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float
 
+from kernels.pallas_blocks import col_of
 from kernels.x64 import fori_loop, iota
 
 f32 = jnp.float32
@@ -100,15 +101,9 @@ class _Config:
     interpret: bool
 
 
-def _col(tile, t):
-    """Column t of an (R, L) tile as (R, 1): a masked lane sum (t is dynamic)."""
-    lane = iota(tile.shape, 1)
-    return jnp.sum(jnp.where(lane == t, tile, 0.0), axis=1, keepdims=True)
-
-
 def _decay(dt, A, keep, t):
     """a_t = exp(Δ_t A) * keep_t, (N, bd) from Δ_t (1, bd), A (N, bd), keep (1, L)."""
-    return jnp.exp(dt * A) * _col(keep, t)
+    return jnp.exp(dt * A) * col_of(keep, t)
 
 
 def _put_row(tile, s, row):
@@ -144,8 +139,8 @@ def _fwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, h0_ref, y_r
         for s in range(G):
             t = g * G + s
             x, dt = xs[s:s + 1], dts[s:s + 1]  # (1, bd)
-            h = _decay(dt, A, keep, t) * h + _col(Bt, t) * (dt * x)
-            ys = _put_row(ys, s, jnp.sum(_col(Ct, t) * h, axis=0, keepdims=True) + D * x)
+            h = _decay(dt, A, keep, t) * h + col_of(Bt, t) * (dt * x)
+            ys = _put_row(ys, s, jnp.sum(col_of(Ct, t) * h, axis=0, keepdims=True) + D * x)
         y_ref[rows, :] = ys
         return h
 
@@ -175,7 +170,7 @@ def _bwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, hs_ref, dy_
             t = g * G + s
             hbuf[t] = h
             dt = dts[s:s + 1]
-            h = _decay(dt, A, keep, t) * h + _col(Bt, t) * (dt * xs[s:s + 1])
+            h = _decay(dt, A, keep, t) * h + col_of(Bt, t) * (dt * xs[s:s + 1])
         return h
 
     fori_loop(0, groups, recompute, hs_ref[...])
@@ -189,9 +184,9 @@ def _bwd_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, keep_ref, hs_ref, dy_
         for s in reversed(range(G)):
             t = g * G + s
             x, dt, dy = xs[s:s + 1], dts[s:s + 1], dys[s:s + 1]  # (1, bd)
-            a, h_prev, Bc, u = _decay(dt, A, keep, t), hbuf[t], _col(Bt, t), dt * x
+            a, h_prev, Bc, u = _decay(dt, A, keep, t), hbuf[t], col_of(Bt, t), dt * x
             h = a * h_prev + Bc * u
-            dh = dh + _col(Ct, t) * dy  # dL/dh_t
+            dh = dh + col_of(Ct, t) * dy  # dL/dh_t
             lane = iota(dBt.shape, 1) == t
             dCt = jnp.where(lane, jnp.sum(dy * h, axis=1, keepdims=True), dCt)
             dBt = jnp.where(lane, jnp.sum(dh * u, axis=1, keepdims=True), dBt)

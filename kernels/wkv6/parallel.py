@@ -4,14 +4,15 @@
 
 with G_t = sum_{i<=t} log w_i over the sequence. The per-channel decay makes the (T, T) score matrix
 a contraction over K of a decayed (T, T, K) product rather than one matmul, so it is built exactly
-as the chunk form builds a chunk's scores (chunk.decayed_scores: pairwise inside 16-token
+as the chunk form builds a chunk's scores (kernels/decayed_chunks.py's decayed_scores: pairwise inside 16-token
 sub-chunks, split at sub-chunk edges across them, every exponent a sum of log decays <= 0): this is
 the chunk form with one chunk spanning the sequence. Memory O(T (16 + T / 16) K) per head.
 """
 
 from jaxtyping import Array, Float, Int
 
-from kernels.wkv6.chunk import SUB, wkv6_chunk
+from kernels.decayed_chunks import SUB
+from kernels.wkv6.chunk import wkv6_chunk
 
 
 def wkv6_parallel(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],

@@ -18,18 +18,25 @@ parallel and only the cheap state pass is sequential:
     S_C  = diag(e^{G_{C-1}}) S_0 + sum_s e^{G_{C-1} - G_s} * (k_s v_s^T + b_s sa_s)
     o_t  = (r_t * e^{G_t})^T S_0 + sum_{s<=t} (A^rk_ts v_s + A^rb_ts sa_s)      (inclusive: o reads S_t)
 
-The scores use `decayed_scores` from the WKV6 chunk form (every exponent <= 0 and summed over its
-exact interval: stable and precise for any decay), and document resets are masks exactly as there
-(a reset zeroes S_{t-1}, hence sa_t's S_0 term and every cross-document score). Padding uses zeros
-for r, k, v, a, b and log w = 0.
+The scores use `decayed_scores` of kernels/decayed_chunks.py, as the WKV6 chunk form does (every
+exponent <= 0 and summed over its exact interval: stable and precise for any decay), and document
+resets are masks exactly as there (a reset zeroes S_{t-1}, hence sa_t's S_0 term and every
+cross-document score). Padding uses zeros for r, k, v, a, b and log w = 0.
 """
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from kernels.decayed_chunks import (
+    chunk_length,
+    chunk_masks,
+    cumsum_exclusive,
+    decayed_scores,
+    from_chunks,
+    to_chunks,
+)
 from kernels.linalg import unit_lower_inverse
-from kernels.wkv6.chunk import chunk_length, chunk_masks, cumsum_exclusive, decayed_scores, from_chunks, to_chunks
 
 
 def wkv7_chunk(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Array, "B T H K"],

@@ -66,7 +66,7 @@ Departures from fla's chunk_dplr_delta_rule:
 - one level of 16-token chunks; the scores loop over the chunk's keys with the exponent masked
   before exp (fla: 64-token chunks of 16-token sub-chunks, exponentials relative to a sub-chunk
   reference point, solve_tril merging 16 x 16 inverses);
-- M by forward substitution over the whole C x C tile (kernels/delta_rule/pallas.py's `_inverse_t`);
+- M by forward substitution over the whole C x C tile (`unit_lower_inverse_t` of kernels/pallas_blocks.py);
 - dr, dk, da, db and d log w of each value block are partial sums, added over the value blocks in
   XLA; the chunk-local cumulative decays are computed in XLA (as fla's chunk_local_cumsum), the
   suffix sums of the decay gradient inside the kernel (fla: a reverse cumsum kernel);
@@ -88,13 +88,20 @@ from jaxtyping import Array, Float, Int
 
 # The delta-rule kernels' triangular inverse; the GLA kernels' block knobs, dot and column helpers,
 # and auto-dispatch rule.
-from kernels.delta_rule.pallas import _inverse_t
-from kernels.gla.pallas import BlockSizes, _column, _dot, _fit, supports  # noqa: F401 (supports: re-exported)
+from kernels.pallas_blocks import (  # noqa: F401 (supports: re-exported)
+    EXACT,
+    BlockSizes,
+    col_of,
+    dot,
+    fit_block,
+    local_cumsum,
+    supports,
+    unit_lower_inverse_t,
+)
 from kernels.segments import document_index
 from kernels.x64 import fori_loop, iota
 
 f32 = jnp.float32
-_EXACT = SimpleNamespace(dtype="float32", exact=True)  # a `_dot` config for float32 bookkeeping (masks)
 
 BLOCK_SIZES = {
     # Not tuned (no GPU measurement yet): 16-token chunks keep the per-key loops and the C-step
@@ -159,8 +166,8 @@ def _score_grads(c, refs, dArk, dArb, dAak, dAab):
     def key(j, acc):
         dr, da, dk, db = acc
         kj, bj, E1, E2, incl, strict = _key(j, c, refs)
-        crk, crb = (jnp.where(incl, _column(d, j), 0.0) for d in (dArk, dArb))  # (C, 1)
-        cak, cab = (jnp.where(strict, _column(d, j), 0.0) for d in (dAak, dAab))
+        crk, crb = (jnp.where(incl, col_of(d, j), 0.0) for d in (dArk, dArb))  # (C, 1)
+        cak, cab = (jnp.where(strict, col_of(d, j), 0.0) for d in (dAak, dAab))
         rE, aE = c.r * E1, c.a * E2
         dr = dr + (crk * kj + crb * bj) * E1
         da = da + (cak * kj + cab * bj) * E2
@@ -194,9 +201,9 @@ def _chunk(n, refs, cfg):
     c.tail, c.ko, c.bo = tail, c.k * tail, c.b * tail
     c.gamma = jnp.where(doc_last == state_doc, jnp.exp(G_last), 0.0)  # (1, K)
     c.Ark, c.Arb, c.Aak, c.Aab = _scores(c, refs)
-    c.N = _inverse_t(-c.Aab)  # M^T
-    c.W = _dot(c.N, c.ai, (0, 0), cfg)  # (C, K): M (a ⊙ e^{G-})
-    c.Ut = _dot(c.N, _dot(c.Aak, c.v, (1, 0), cfg), (0, 0), cfg)  # (C, bv): M A^ak V
+    c.N = unit_lower_inverse_t(-c.Aab)  # M^T
+    c.W = dot(c.N, c.ai, (0, 0), cfg)  # (C, K): M (a ⊙ e^{G-})
+    c.Ut = dot(c.N, dot(c.Aak, c.v, (1, 0), cfg), (0, 0), cfg)  # (C, bv): M A^ak V
     return c
 
 
@@ -212,13 +219,13 @@ def _fwd_kernel(*refs, cfg, states):
 
     def chunk(n, St):  # St (bv, K): the state entering chunk n, transposed
         c = _chunk(n, ins, cfg)
-        SA = _dot(c.W, St, (1, 1), cfg) + c.Ut  # (C, bv)
+        SA = dot(c.W, St, (1, 1), cfg) + c.Ut  # (C, bv)
         if states:
             out_ref[pl.ds(pl.multiple_of(n * bv, bv), bv), :] = St
         else:
-            o = _dot(c.ri, St, (1, 1), cfg) + _dot(c.Ark, c.v, (1, 0), cfg) + _dot(c.Arb, SA, (1, 0), cfg)
+            o = dot(c.ri, St, (1, 1), cfg) + dot(c.Ark, c.v, (1, 0), cfg) + dot(c.Arb, SA, (1, 0), cfg)
             out_ref[c.sl, :] = o.astype(out_ref.dtype)
-        return St * c.gamma + _dot(c.v, c.ko, (0, 0), cfg) + _dot(SA, c.bo, (0, 0), cfg)
+        return St * c.gamma + dot(c.v, c.ko, (0, 0), cfg) + dot(SA, c.bo, (0, 0), cfg)
 
     st_ref[...] = fori_loop(0, ins.r.shape[0] // cfg.block_t, chunk, s0_ref[...])
 
@@ -234,31 +241,31 @@ def _bwd_kernel(*refs, cfg):
         c = _chunk(n, ins, cfg)
         St = h_ref[pl.ds(pl.multiple_of(n * bv, bv), bv), :]  # (bv, K): the state entering chunk n
         do = do_ref[c.sl, :].astype(f32)  # (C, bv)
-        SA = _dot(c.W, St, (1, 1), cfg) + c.Ut
-        dSA = _dot(c.Arb, do, (0, 0), cfg) + _dot(c.bo, dSt, (1, 1), cfg)  # (C, bv)
-        dX = _dot(c.N, dSA, (1, 0), cfg)  # M^T dSA
-        dW = _dot(dSA, St, (1, 0), cfg)  # (C, K)
-        dai = _dot(c.N, dW, (1, 0), cfg)  # M^T dW
+        SA = dot(c.W, St, (1, 1), cfg) + c.Ut
+        dSA = dot(c.Arb, do, (0, 0), cfg) + dot(c.bo, dSt, (1, 1), cfg)  # (C, bv)
+        dX = dot(c.N, dSA, (1, 0), cfg)  # M^T dSA
+        dW = dot(dSA, St, (1, 0), cfg)  # (C, K)
+        dai = dot(c.N, dW, (1, 0), cfg)  # M^T dW
         dr, da, dk, db = _score_grads(
-            c, ins, _dot(do, c.v, (1, 1), cfg), _dot(do, SA, (1, 1), cfg), _dot(dX, c.v, (1, 1), cfg),
-            _dot(dX, c.Ut, (1, 1), cfg) + _dot(dai, c.W, (1, 1), cfg))
-        dri = _dot(do, St, (1, 0), cfg)  # (C, K): dL/d(r ⊙ e^{G})
-        dko, dbo = _dot(c.v, dSt, (1, 0), cfg), _dot(SA, dSt, (1, 0), cfg)  # dL/d(k, b ⊙ e^{G_L - G})
+            c, ins, dot(do, c.v, (1, 1), cfg), dot(do, SA, (1, 1), cfg), dot(dX, c.v, (1, 1), cfg),
+            dot(dX, c.Ut, (1, 1), cfg) + dot(dai, c.W, (1, 1), cfg))
+        dri = dot(do, St, (1, 0), cfg)  # (C, K): dL/d(r ⊙ e^{G})
+        dko, dbo = dot(c.v, dSt, (1, 0), cfg), dot(SA, dSt, (1, 0), cfg)  # dL/d(k, b ⊙ e^{G_L - G})
         dr_ref[c.sl, :] = dr + dri * c.rdec
         da_ref[c.sl, :] = da + dai * c.adec
         dk_ref[c.sl, :] = dk + dko * c.tail
         db_ref[c.sl, :] = db + dbo * c.tail
-        dv_ref[c.sl, :] = (_dot(c.Ark, do, (0, 0), cfg) + _dot(c.Aak, dX, (0, 0), cfg)
-                           + _dot(c.ko, dSt, (1, 1), cfg)).astype(dv_ref.dtype)
+        dv_ref[c.sl, :] = (dot(c.Ark, do, (0, 0), cfg) + dot(c.Aak, dX, (0, 0), cfg)
+                           + dot(c.ko, dSt, (1, 1), cfg)).astype(dv_ref.dtype)
         out = c.ko * dko + c.bo * dbo  # (C, K): through e^{G_L - G_j}
         to_last = jnp.sum(out, axis=0, keepdims=True) + c.gamma * jnp.sum(dSt * St, axis=0, keepdims=True)
         dG = (c.r * dr + c.ri * dri - c.k * dk - c.b * db - out
               + jnp.where(iota((C, 1), 0) == C - 1, to_last, 0.0))  # (C, K): dL/dG
         dGm = c.a * da + c.ai * dai  # dL/dG-
         # d log w_t: sum over i >= t (G) and i > t (G-) in t's chunk and document.
-        dw = _dot(c.vis.astype(f32), dG, (0, 0), _EXACT) + _dot(c.strict.astype(f32), dGm, (0, 0), _EXACT)
+        dw = dot(c.vis.astype(f32), dG, (0, 0), EXACT) + dot(c.strict.astype(f32), dGm, (0, 0), EXACT)
         dw_ref[c.sl, :] = jnp.where(c.start, 0.0, dw)
-        return dSt * c.gamma + _dot(do, c.ri, (0, 0), cfg) + _dot(dSA, c.W, (0, 0), cfg)
+        return dSt * c.gamma + dot(do, c.ri, (0, 0), cfg) + dot(dSA, c.W, (0, 0), cfg)
 
     ds0_ref[...] = fori_loop(0, num_chunks, chunk, dst_ref[...])
 
@@ -302,10 +309,8 @@ def _forward(ins, s0t, cfg, states=False):
 
 def _cumsums(w_log, cfg):
     """G, G-: the log-decays summed from each chunk's start, inclusive and exclusive, float32."""
-    B, Tp, H, K = w_log.shape
-    lw = w_log.astype(f32)
-    G = jnp.cumsum(lw.reshape(B, Tp // cfg.block_t, cfg.block_t, H, K), axis=2).reshape(lw.shape)
-    return G, G - lw
+    G = local_cumsum(w_log, cfg.block_t)  # (B, Tp, H, K)
+    return G, G - w_log.astype(f32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
@@ -355,7 +360,7 @@ def wkv7_pallas(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: F
     backend = jax.default_backend()
     blocks = block_sizes or default_block_sizes(backend)
     Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
-    C, bv = _fit(blocks.block_t, T), min(blocks.block_v, Vp)
+    C, bv = fit_block(blocks.block_t, T), min(blocks.block_v, Vp)
     Tp = -(-T // C) * C
     cfg = _Config(block_t=C, block_v=bv, num_warps=blocks.num_warps or (4 if Kp * bv <= 64 * 64 else 8),
                   num_stages=blocks.num_stages, interpret=backend != "gpu" if interpret is None else interpret,

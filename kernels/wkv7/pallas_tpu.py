@@ -80,6 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from kernels.pallas_blocks import col_of, row_of
 from kernels.segments import document_index
 from kernels.x64 import fori_loop, indicator, iota
 
@@ -121,16 +122,6 @@ def _mm_nt(x, y, exact=True):
     return lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=f32)
 
 
-def _row(x, j):
-    """Row j of a 2-D tile as (1, D) (j may be traced): a masked sum, no unaligned slice."""
-    return jnp.sum(jnp.where(iota((x.shape[0], 1), 0) == j, x, 0.0), axis=0, keepdims=True)
-
-
-def _col(x, j):
-    """Column j of a 2-D tile as (C, 1)."""
-    return jnp.sum(jnp.where(iota((1, x.shape[1]), 1) == j, x, 0.0), axis=1, keepdims=True)
-
-
 def _decays(G, Gm, Gj, j):
     """e^{G_t - G_j} (t >= j) and e^{G^-_t - G_j} (t > j) for all t (C, K); exponents masked to 0
     before exp elsewhere (they would be positive), so nothing overflows."""
@@ -144,22 +135,22 @@ def _chunk(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, fl_ref, row_ref, cfg):
     r, lw, k, a, b = (x[...].astype(f32) for x in (r_ref, w_ref, k_ref, a_ref, b_ref))  # (C, K)
     v = v_ref[...].astype(f32)  # (C, V)
     fl = fl_ref[...]  # (C, 4)
-    doc, cont, last, start = (_col(fl, i) for i in range(4))  # (C, 1)
+    doc, cont, last, start = (col_of(fl, i) for i in range(4))  # (C, 1)
     ti, si = iota((C, C), 0), iota((C, C), 1)
     same = doc == row_ref[...]  # (C, C): same document ((C, 1) against the (1, C) doc row)
     incl, strict = (ti >= si) & same, (ti > si) & same
     G = _mm(indicator(ti >= si), lw)  # (C, K): chunk-local cumulative sums, exact dots
     Gm = _mm(indicator(ti > si), lw)
-    Gl, carry = _row(G, C - 1), _row(cont, C - 1)  # (1, K), (1, 1)
+    Gl, carry = row_of(G, C - 1), row_of(cont, C - 1)  # (1, K), (1, 1)
     eG, eGm = jnp.exp(G), jnp.exp(Gm)
     r_in = jnp.where(cont > 0, r * eG, 0.0)
     a_in = jnp.where(cont > 0, a * eGm, 0.0)
     tail = jnp.where(last > 0, jnp.exp(Gl - G), 0.0)  # G_l - G_t <= 0
-    g_end = jnp.exp(_col(G.T, C - 1)) * carry  # (K, 1)
+    g_end = jnp.exp(col_of(G.T, C - 1)) * carry  # (K, 1)
 
     def key(j, As):  # column j of the four scores, unmasked
         Ark, Arb, Aak, Aab = As
-        Gj, kj, bj = _row(G, j), _row(k, j), _row(b, j)  # (1, K)
+        Gj, kj, bj = row_of(G, j), row_of(k, j), row_of(b, j)  # (1, K)
         E, Em = _decays(G, Gm, Gj, j)
         rE, aE = r * E, a * Em
         put = lambda A, x: jnp.where(iota((1, C), 1) == j, jnp.sum(x, axis=1, keepdims=True), A)
@@ -231,9 +222,9 @@ def _bwd_kernel(*refs, cfg):
 
     def key(j, acc):  # through the scores' column j: dr, da (all rows) and dk, db (row j)
         dr, da, dk, db = acc
-        Gj, kj, bj = _row(G, j), _row(k, j), _row(b, j)
+        Gj, kj, bj = row_of(G, j), row_of(k, j), row_of(b, j)
         E, Em = _decays(G, Gm, Gj, j)
-        c_rk, c_rb, c_ak, c_ab = (_col(M, j) for M in (dArk, dArb, dAak, dAab))  # (C, 1)
+        c_rk, c_rb, c_ak, c_ab = (col_of(M, j) for M in (dArk, dArb, dAak, dAab))  # (C, 1)
         rE, aE = r * E, a * Em
         row_j = iota((C, 1), 0) == j
         dk = jnp.where(row_j, jnp.sum(c_rk * rE + c_ak * aE, axis=0, keepdims=True), dk)

@@ -15,7 +15,7 @@ O(T^2 (K + V)) work; it suits short sequences on wide hardware.
 
 from jaxtyping import Array, Float, Int
 
-from kernels.wkv6.chunk import SUB
+from kernels.decayed_chunks import SUB
 from kernels.wkv7.chunk import wkv7_chunk
 
 

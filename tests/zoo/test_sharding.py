@@ -10,7 +10,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from layers.sharding import MESH_AXES
-from zoo.config import MeshConfig, from_dict, load_config
+from zoo import load_config
+from zoo.config import MeshConfig, from_dict
 from zoo.model import LanguageModel
 from zoo.registry import FFNS, MIXERS
 from zoo.sharding import logical_axes, make_mesh, partition_spec

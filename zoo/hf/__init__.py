@@ -1,0 +1,45 @@
+"""Hugging Face checkpoints in and out: `load(folder) -> (model, tokenizer)` and `save(model, folder)`.
+
+A folder is what `save_pretrained` writes: config.json, model.safetensors (or shards listed in
+model.safetensors.index.json) and tokenizer.json. `load` derives the zoo config from config.json,
+builds the model abstractly (no weights made), then reads the checkpoint one tensor at a time
+(memory-mapped, zoo/safetensors.py), casts each to `dtype` and places it on the mesh's sharding when
+a mesh is given: beyond the model itself, at most one tensor is held (its mapped pages and one copy).
+
+Architectures (config.json `architectures`), with the zoo options each needs:
+- LlamaForCausalLM (Llama 1/2/3: rope_scaling linear, llama3, yarn, dynamic), MistralForCausalLM (window),
+  Qwen2ForCausalLM (qkv_bias), Qwen3ForCausalLM (qk_norm): attention + SwiGLU MLP blocks;
+- MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM: attention + MoE blocks (softmax,
+  top-k, renormalised for Mixtral and where the Qwen configs' norm_topk_prob says; dropless
+  dispatch; Qwen2-MoE's shared expert of its own width behind a sigmoid gate);
+- MambaForCausalLM, Mamba2ForCausalLM: mixer-only blocks (ffn: none); Mamba-2 with its own gated
+  norm (norm_before_gate: false, per group, eps layer_norm_epsilon);
+- GLAForCausalLM and RWKV7ForCausalLM in the layout of flash-linear-attention's model hub
+  (fla-hub/gla-*, fla-hub/rwkv7-*): GLA mixer (its short convolutions when use_short_conv) and SwiGLU
+  MLP blocks; RWKV-7 time and channel mix in LayerNorm blocks (model.norm: layer, embed_norm for the
+  first block's pre_norm), as fla's blocks compute them.
+Anything else is refused naming the architecture and this list, and a config.json setting the zoo
+cannot honour (a rope type, a bias, an activation) is refused naming the field.
+
+Parity: logits equal transformers' (fla's for GLA and RWKV-7) to float32 rounding within the context
+(tests/zoo/test_hf.py against fixtures made by tests/fixtures/hf/make_fixtures.py and
+make_fla_fixtures.py). Past max_position_embeddings the
+loaded attention sees every earlier token (long_context: full), as transformers does.
+
+`save` writes the same layout back from any zoo model made only of these pieces (attention mixers
+with MLP or MoE FFNs; mamba or mamba2 mixers with ffn none; gla with an MLP; rwkv7 with its channel
+mix), choosing the architecture from its options; transformers (fla for GLA, RWKV-7) reads it with
+the same logits (checked by the fixture scripts). The loaded model is in eval mode (model.train()
+before fine-tuning).
+
+Layout: folder.py reads and writes a folder whatever its architecture; architectures.py picks the
+module of each architecture (llama.py: the Llama-style and MoE families, mamba.py, gla.py, rwkv7.py),
+which knows its config.json fields, its tensor names and the config.json it saves; convert.py holds
+what those modules share.
+"""
+
+from zoo.hf.architectures import ARCHITECTURES, architecture, hf_config, model_config
+from zoo.hf.folder import derived_model_section, load, read_config, read_params, save
+
+__all__ = ["load", "save", "model_config", "read_config", "read_params", "derived_model_section", "hf_config",
+           "architecture", "ARCHITECTURES"]

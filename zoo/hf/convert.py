@@ -1,0 +1,35 @@
+"""What every architecture module of zoo/hf needs: the conversions between a checkpoint's tensors
+and the zoo's parameters, and reading and refusing config.json values.
+
+A tensor table (each family's `tensors`) is a list of rows (zoo parameter path, checkpoint names,
+names' arrays -> the zoo array, zoo array -> the arrays); `one`, `same`, `linear` and `conv` make the
+last two for a parameter that is one checkpoint tensor.
+"""
+
+one = lambda to, back: (lambda a: to(a[0]), lambda w: [back(w)])  # one checkpoint tensor <-> one parameter
+same, linear = one(lambda a: a, lambda w: w), one(lambda a: a.T, lambda w: w.T)  # torch Linear: (out, in)
+conv = one(lambda a: a[:, 0].T, lambda w: w.T[:, None])  # torch depthwise Conv1d (C, 1, W) <-> (W, C)
+
+
+def number(v) -> float:
+    """A config.json number; transformers 5 writes infinities as {"__float__": "Infinity"}."""
+    return float(v["__float__"] if isinstance(v, dict) else v)
+
+
+def refuse(hf: dict, where: str, **bad):
+    """A ValueError naming the first config.json field whose value the zoo cannot honour."""
+    for key, ok in bad.items():
+        if not ok(hf.get(key)):
+            raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported by the zoo's layers")
+
+
+def fla_model_tensors(cfg) -> list[tuple]:
+    """The rows outside the blocks in flash-linear-attention's layout (GLA, RWKV-7): embeddings, final
+    norm (with its bias for LayerNorm), head."""
+    rows = [(("embed", "embedding"), ["model.embeddings.weight"], *same),
+            (("norm", "weight"), ["model.norm.weight"], *same)]
+    if cfg.norm == "layer":
+        rows.append((("norm", "bias"), ["model.norm.bias"], *same))
+    if not cfg.tie_embeddings:
+        rows.append((("head",), ["lm_head.weight"], *linear))
+    return rows
