@@ -108,7 +108,7 @@ def parse_command(words):
         return cli.commands[words[1]].make_context(shlex.join(words[:2]), words[2:])  # click's own parsing
     from infer.__main__ import parser as infer_parser
     from train.__main__ import parser as train_parser
-    from zoo.config import load_config
+    from zoo import load_config
 
     assert words[:2] == ["python", "-m"], words
     program, argv = words[2], words[3:]
@@ -119,7 +119,7 @@ def parse_command(words):
         args = infer_parser().parse_args(argv)
         if args.source.endswith(".yaml"):
             load_config(ROOT / args.source, args.overrides)
-        elif (ROOT / args.source / "config.json").is_file():  # a Hugging Face folder (zoo/hf.py)
+        elif (ROOT / args.source / "config.json").is_file():  # a Hugging Face folder (zoo/hf)
             assert not args.overrides, "a folder takes no overrides"
         else:
             assert args.source.startswith("runs/") and not args.overrides, "a run folder takes no overrides"
