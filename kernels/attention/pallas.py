@@ -164,8 +164,8 @@ class KernelBand:
         if span is None and dilation is None:
             return None  # sinks alone add nothing to every key
         return KernelBand(span, None if dilation is None else tuple(int(d) for d in dilation),
-                    None if sinks is None else tuple(int(x) for x in sinks),
-                    None if growth is None else tuple(float(x) for x in growth))
+                          None if sinks is None else tuple(int(x) for x in sinks),
+                          None if growth is None else tuple(float(x) for x in growth))
 
     @property
     def max_span(self) -> int | None:
