@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import print_table, save_json, timeit
-from kernels.attention import attention, attention_reference
+from kernels.attention import Band, attention, attention_reference
 from kernels.delta_rule import delta_rule
 from kernels.gla import gla
 from kernels.selective_scan import selective_scan
@@ -148,7 +148,7 @@ def bench_sinks_window(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[
         keys = jax.random.split(jax.random.key(T), 4)
         q, k, v, do = (jax.random.normal(key, (B, T, H, D), dtype) for key in keys)
         W, sinks = max(1, T // 8), 4
-        band = partial(attention, window=W, sinks=sinks)
+        band = partial(attention, band=Band(window=W, sinks=sinks))
         impls = {"pallas": partial(band, impl="pallas"), "xla": partial(band, impl="xla"),
                  "pallas causal (no mask)": flash_attention}
         pairs = sum(min(t + 1, W + sinks) for t in range(T))  # each query's visible keys
@@ -156,7 +156,7 @@ def bench_sinks_window(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[
         for impl, f in impls.items():
             row = {"kernel": "flash_attention sinks+window", "impl": impl, "T": T}
             if impl == "pallas" and n == 0:
-                ref = partial(attention_reference, window=W, sinks=sinks)
+                ref = partial(attention_reference, band=Band(window=W, sinks=sinks))
                 row["max rel err"] = f"{_check(f, ref, (q, k, v), do):.1e}"
             rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), (q, k, v), flops, ceil))
             rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), (q, k, v), 3.5 * flops, ceil))

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import print_table, save_json
-from train.calibrate import Mask, _arrays, attention_layers, calibrate, uniform
+from train.calibrate import Mask, attention_layers, calibrate, mask_arrays, set_bands, uniform
 from train.prepare import prepare
 from train.tasks import TaskBatches
 from zoo.checkpoint import load_model
@@ -39,9 +39,7 @@ N_COPY = 12
 @functools.partial(jax.jit, static_argnums=0)
 def _predict(graphdef, state, masks: dict, x):
     model = nnx.merge(graphdef, state)
-    for i, layer in enumerate(attention_layers(model)):
-        for name, a in masks.items():
-            setattr(layer, name, a[i])
+    set_bands(model, masks)
     return jnp.argmax(model(x), axis=-1)
 
 
@@ -78,7 +76,7 @@ def recalls(cfg, batches: int, seed: int) -> dict:
 def copy_accuracy(graphdef, state, masks, tests) -> dict:
     acc = {}
     for d, (x, at, target) in tests.items():
-        pred = np.asarray(_predict(graphdef, state, _arrays(masks), jnp.asarray(x)))
+        pred = np.asarray(_predict(graphdef, state, mask_arrays(masks), jnp.asarray(x)))
         hit = pred[:, at] == target if target.ndim == 2 else pred[np.arange(len(at)), at] == target  # text: (rows, n)
         acc[d] = float(hit.mean())
     return acc

@@ -18,11 +18,13 @@ def document_starts(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T"]:
     return jnp.pad(change, ((0, 0), (1, 0)))
 
 
-def document_index(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> Int[Array, "B T"]:
-    """Number of document starts at or before t: 0 for the document the incoming state belongs to."""
-    if segment_ids is None:
-        return jnp.zeros((batch, length), jnp.int32)
-    return jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
+def document_index(segment_ids: Int[Array, "B T"] | None, batch: int, length: int,
+                   start: Int[Array, " B"] | None = None) -> Int[Array, "B T"]:
+    """Number of document starts at or before t, counted from `start` (default 0), the number of the
+    document the incoming state belongs to: a running document number per token."""
+    index = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else \
+        jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
+    return index if start is None else start[:, None] + index
 
 
 def positions_in_document(segment_ids: Int[Array, "B T"] | None, batch: int, length: int,

@@ -61,8 +61,8 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, Int8
 
 from kernels import check_impl
-from kernels.attention import attention, attention_cached, write_rows
-from kernels.segments import document_starts, positions_in_document
+from kernels.attention import Band, CacheView, attention, attention_cached, write_rows
+from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.norm import RMSNorm
 from layers.quant import quantize_rows
@@ -133,13 +133,6 @@ def _head_masks(H: int, window, sinks: int, dilation: int, head_masks, ring_spar
     return list(head_masks)
 
 
-def _documents(segment_ids, B, T, start):
-    """Running document number per token: `start` for token 0, +1 at each document start."""
-    if segment_ids is None:
-        return jnp.broadcast_to(start[:, None], (B, T))
-    return start[:, None] + jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
-
-
 class Attention(nnx.Module):
     grows_with_context = True  # the KV cache holds max_len slots (every other mixer's state is fixed)
     kv_cache = None  # the cache's storage, read by init_state: None (compute dtype) or "int8"
@@ -183,18 +176,13 @@ class Attention(nnx.Module):
         self.q_norm, self.k_norm = (RMSNorm(K, eps=norm_eps), RMSNorm(K, eps=norm_eps)) if qk_norm else (None, None)
 
     def _band(self, masks):
-        """The masks in force, as the kernels take them: self.window (the window, or the heads'),
-        self.sinks, self.dilation, self.growth: None when no head has one, one number when all heads
-        share it, else a tuple per head (a head without a window: 2**30)."""
-        for name, none in (("window", None), ("sinks", 0), ("dilation", 1), ("growth", 0.0)):
+        """self.band, the masks in force as the kernels take them (kernels.attention.Band): each field
+        one number when all heads share it, else a tuple per head (a head without a window: 2**30)."""
+        fields = {}
+        for name in ("window", "sinks", "dilation", "growth"):
             values = [getattr(m, name) for m in masks]
-            if len(set(values)) == 1:
-                setattr(self, name, None if values[0] == none else values[0])
-            else:
-                setattr(self, name, tuple(2 ** 30 if x is None else x for x in values))
-
-    def _masks(self) -> dict:
-        return dict(window=self.window, sinks=self.sinks, dilation=self.dilation, growth=self.growth)
+            fields[name] = values[0] if len(set(values)) == 1 else tuple(2 ** 30 if x is None else x for x in values)
+        self.band = Band(**fields)
 
     def _qkv(self, x, positions):
         x = x.astype(self.dtype)
@@ -225,9 +213,8 @@ class Attention(nnx.Module):
         self._check_length(T, "a sequence")
         positions = positions_in_document(segment_ids, B, T)
         q, k, v = self._qkv(x, positions)
-        doc = None if segment_ids is None else _documents(segment_ids, B, T, jnp.zeros((B,), jnp.int32))
-        return self._out(attention(q, k, v, segment_ids=doc, impl=self.impl, q_doc_positions=positions,
-                                   **self._masks()))
+        doc = None if segment_ids is None else document_index(segment_ids, B, T)
+        return self._out(attention(q, k, v, segment_ids=doc, band=self.band, impl=self.impl))
 
     def init_state(self, batch_size: int, max_len: int) -> KVCache:
         """A KV cache of max_len slots, or of a ring buffer's whatever max_len (module docstring)."""
@@ -261,12 +248,11 @@ class Attention(nnx.Module):
                 and (n := int(np.max(cache.index))) + T > S:
             raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
-        doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
+        doc = document_index(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v = self._qkv(x, positions)
         ck, cv = _load(cache.k, cache.k_scale, self.dtype), _load(cache.v, cache.v_scale, self.dtype)  # (B, G, S, K)
-        o = attention_cached(q, k, v, ck, cv, cache_length=cache.index, segment_ids=doc, cache_segment_ids=cache.doc,
-                             impl=self.impl, doc_positions=positions, cache_positions=cache.token_index,
-                             **self._masks())
+        o = attention_cached(q, k, v, CacheView(ck, cv, cache.index, cache.doc, cache.token_index), segment_ids=doc,
+                             doc_positions=positions, band=self.band, impl=self.impl)
         # Written after the read: XLA then updates the cache in place.
         if self.ring is None:
             write = lambda c, a: None if c is None else write_rows(c, a.transpose(0, 2, 1, 3), cache.index, 2)

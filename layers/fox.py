@@ -34,9 +34,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kernels import check_impl
-from kernels.attention import attention, attention_cached, write_rows
-from kernels.segments import positions_in_document
-from layers.attention import KVCache, _documents
+from kernels.attention import CacheView, attention, attention_cached, write_rows
+from kernels.segments import document_index, positions_in_document
+from layers.attention import KVCache
 from layers.linear import project
 from layers.norm import RMSNorm
 from layers.rotary import apply_rotary
@@ -107,7 +107,7 @@ class ForgettingAttention(nnx.Module):
         B, T, _ = x.shape
         q, k, v, c = self._project(x, positions_in_document(segment_ids, B, T),
                                    jnp.zeros((B, self.num_heads), jnp.float32))
-        doc = None if segment_ids is None else _documents(segment_ids, B, T, jnp.zeros((B,), jnp.int32))
+        doc = None if segment_ids is None else document_index(segment_ids, B, T)
         return self._out(attention(q, k, v, segment_ids=doc, impl=self.impl, decay=c), x)
 
     def init_state(self, batch_size: int, max_len: int) -> FoXCache:
@@ -129,10 +129,10 @@ class ForgettingAttention(nnx.Module):
         if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > S:
             raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
-        doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
+        doc = document_index(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v, c = self._project(x, positions, cache.c_last)
-        o = attention_cached(q, k, v, cache.k, cache.v, cache_length=cache.index, segment_ids=doc,
-                             cache_segment_ids=cache.doc, impl=self.impl, decay=c, cache_decay=cache.c)
+        o = attention_cached(q, k, v, CacheView(cache.k, cache.v, cache.index, cache.doc, decay=cache.c),
+                             segment_ids=doc, decay=c, impl=self.impl)
         # Written after the read: XLA then updates the cache in place.
         write = lambda a, new: write_rows(a, new.transpose(0, 2, 1, 3), cache.index, 2)  # (B, T, G, K) as (B, G, T, K)
         slots = dict(k=write(cache.k, k), v=write(cache.v, v), doc=write_rows(cache.doc, doc, cache.index, 1),

@@ -47,7 +47,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from kernels import check_impl
-from kernels.attention import attention, attention_cached, write_rows
+from kernels.attention import Band, CacheView, attention, attention_cached, write_rows
 from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.norm import RMSNorm
@@ -150,7 +150,7 @@ class MultiHeadLatentAttention(nnx.Module):
         qc, qr = self._queries(x, positions)
         k, v = self._expand(self._latent(x, positions))
         doc = None if segment_ids is None else document_index(segment_ids, B, T)  # ids may repeat: number them
-        o = attention(jnp.concatenate([qc, qr], axis=-1), k, v, segment_ids=doc, window=self.window,
+        o = attention(jnp.concatenate([qc, qr], axis=-1), k, v, segment_ids=doc, band=Band(window=self.window),
                       scale=self.scale, impl=self.impl)
         return self._out(o)
 
@@ -174,17 +174,17 @@ class MultiHeadLatentAttention(nnx.Module):
         x = x.astype(self.dtype)
         qc, qr = self._queries(x, positions)
         new = self._latent(x, positions)  # (B, T, L + R)
-        masks = dict(cache_length=cache.index, segment_ids=doc, cache_segment_ids=cache.doc, window=self.window,
-                     scale=self.scale, impl=self.impl)
+        masks = dict(segment_ids=doc, band=Band(window=self.window), scale=self.scale, impl=self.impl)
+        view = lambda k, v: CacheView(k, v, cache.index, cache.doc)  # keys, values (B, G, S, K|V)
         if self.absorb:
             q = jnp.concatenate([jnp.einsum("BTHK,LHK->BTHL", qc, self._w(self.wuk)), qr], axis=-1)  # (B, T, H, L + R)
             kv, ckv = new[:, :, None], cache.kv[:, None]  # (B, T, 1, L + R), (B, 1, S, L + R): keys and values
-            o = attention_cached(q, kv, kv, ckv, ckv, **masks)[..., :L]  # (B, T, H, L)
+            o = attention_cached(q, kv, kv, view(ckv, ckv), **masks)[..., :L]  # (B, T, H, L)
             o = jnp.einsum("BTHL,LHV->BTHV", o, self._w(self.wuv))
         else:
             (k, v), (ck, cv) = self._expand(new), self._expand(cache.kv)  # (B, T|S, H, K + R | V)
-            o = attention_cached(jnp.concatenate([qc, qr], axis=-1), k, v, ck.transpose(0, 2, 1, 3),
-                                 cv.transpose(0, 2, 1, 3), **masks)
+            o = attention_cached(jnp.concatenate([qc, qr], axis=-1), k, v,
+                                 view(ck.transpose(0, 2, 1, 3), cv.transpose(0, 2, 1, 3)), **masks)
         # Written after the read: XLA then updates the cache in place.
         slots = dict(kv=write_rows(cache.kv, new, cache.index, 1), doc=write_rows(cache.doc, doc, cache.index, 1))
         if steps:

@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 from kernels.attention import write_rows
 from kernels.attention.xla import attention_dense_parts
 from kernels.moba import attend_blocks, take
-from kernels.nsa import check_nsa, masked_attention, nsa, overlap_in_strides, select_blocks
+from kernels.nsa import NSASizes, masked_attention, nsa, overlap_in_strides, select_blocks
 from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.moba import BlockSparse
@@ -52,7 +52,7 @@ class NativeSparseAttention(BlockSparse):
                  head_dim: int | None = None, block_len: int = 16, stride: int = 8, select_len: int = 16,
                  num_selected: int = 4, window: int = 32, rope_base: float = 10000.0, impl: str = "auto",
                  dtype=jnp.float32, rngs: nnx.Rngs):
-        check_nsa(block_len, stride, select_len, num_selected, window, "NativeSparseAttention")
+        NSASizes(block_len, stride, select_len, num_selected, window)  # refuses sizes NSA cannot run
         super().__init__(d_model, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          rope_base=rope_base, long_context="full", impl=impl, dtype=dtype, rngs=rngs)
         self.block_len, self.stride, self.select_len = block_len, stride, select_len
@@ -75,9 +75,8 @@ class NativeSparseAttention(BlockSparse):
         g = project(x.astype(self.dtype), self.wg[...].astype(self.dtype))  # (B, T, H, 3)
         return (jax.nn.sigmoid(g.astype(jnp.float32) + self.bg[...]),)
 
-    def _sizes(self):
-        return dict(block_len=self.block_len, stride=self.stride, select_len=self.select_len,
-                    num_selected=self.num_selected, window=self.sliding)
+    def _sizes(self) -> NSASizes:
+        return NSASizes(self.block_len, self.stride, self.select_len, self.num_selected, self.sliding)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
         check_input(x, self.d_model, segment_ids, "NativeSparseAttention")
@@ -87,7 +86,7 @@ class NativeSparseAttention(BlockSparse):
         blocks = lambda a: jnp.moveaxis(a[:, slots], 3, 2)  # (B, T, G, l, K): the l tokens ending at each slot
         k_cmp, v_cmp = self._compress(blocks(k), 0), self._compress(blocks(v), 1)  # (B, T, G, K)
         doc = None if segment_ids is None else document_index(segment_ids, B, T)
-        o = nsa(q, k, v, k_cmp, v_cmp, *self._extra(x), **self._sizes(), segment_ids=doc, impl=self.impl)
+        o = nsa(q, k, v, k_cmp, v_cmp, *self._extra(x), self._sizes(), segment_ids=doc, impl=self.impl)
         return self._out(o)
 
     def init_table(self, batch_size: int, max_len: int) -> NSACompressed:

@@ -48,6 +48,7 @@ import optax
 import yaml
 from flax import nnx
 
+from kernels.attention import Band
 from kernels.attention.reference import visible
 from layers import Attention
 from train.prepare import prepare
@@ -82,13 +83,12 @@ def family(L: int) -> list[Mask]:
 def density(m: Mask, L: int) -> float:
     """The fraction of the causal (L, L) pairs mask m keeps."""
     p = jnp.arange(L, dtype=jnp.int32)[None]
-    seen = visible(p, p, None, None, True, m.window, m.sinks or None, m.dilation if m.dilation > 1 else None,
-                   m.growth or None, p)
+    seen = visible(p, p, None, None, True, Band(m.window, m.sinks, m.dilation, m.growth), p)
     return float(np.asarray(seen).sum()) / (L * (L + 1) / 2)
 
 
-def _arrays(masks) -> dict:
-    """masks[layer][head] -> the four (layers, heads) arrays the kernels take."""
+def mask_arrays(masks) -> dict:
+    """masks[layer][head] -> the four (layers, heads) arrays of the Band fields the kernels take."""
     field = lambda f, dtype: np.array([[f(m) for m in layer] for layer in masks], dtype)
     return dict(window=field(lambda m: NONE if m.window is None else m.window, np.int32),
                 sinks=field(lambda m: m.sinks, np.int32), dilation=field(lambda m: m.dilation, np.int32),
@@ -102,13 +102,17 @@ def attention_layers(model) -> list[Attention]:
     return layers
 
 
+def set_bands(model, arrays: dict):
+    """Attention layer l of the model takes the band of mask_arrays' arrays[name][l] (traced under jit)."""
+    for i, layer in enumerate(attention_layers(model)):
+        layer.band = Band(**{name: a[i] for name, a in arrays.items()})
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _losses(graphdef, state, masks: dict, x, y, weight):
-    """(loss, correct) summed over the weighted positions, with masks[name][l] set on attention layer l."""
+    """(loss, correct) summed over the weighted positions, with the bands of `masks` (set_bands) set."""
     model = nnx.merge(graphdef, state)
-    for i, layer in enumerate(attention_layers(model)):
-        for name, a in masks.items():
-            setattr(layer, name, a[i])
+    set_bands(model, masks)
     logits = model(x)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
     return jnp.sum(loss * weight), jnp.sum((jnp.argmax(logits, -1) == y) * weight)
@@ -128,7 +132,7 @@ class Evaluator:
         self.num_layers = len(attention_layers(model))
 
     def __call__(self, masks) -> tuple[float, float]:
-        arrays = _arrays(masks)
+        arrays = mask_arrays(masks)
         total = correct = weight = 0.0
         for b in self.batches:
             s, c = _losses(self.graphdef, self.state, arrays, b["x"], b["y"], b["mask"])

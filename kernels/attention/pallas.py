@@ -21,8 +21,8 @@ Code names: `m`, `l`, `acc` (unnormalised O), `lse` (L), `delta` (D), `p` (P), `
 (the decay of the queries / keys, rows (bq,) / (bk,) of (B, H, T) / (B, H, S) float32), `qa` (the
 position where each query's document starts, (bq,)). Masks are the reference's (reference.py): key j
 is visible from query i iff kp_j <= qp_i (causal), the segment ids agree, and j is in query head h's
-band (`Band`: window, sinks, dilation and growth, static, each shared or per head; a per-head value
-is picked by a chain of selects on h); a query that sees no key returns zeros.
+band (`KernelBand`, of masks.Band: window, sinks, dilation and growth, static, each shared or per head; a
+per-head value is picked by a chain of selects on h); a query that sees no key returns zeros.
 Grouped-query attention: query head h reads kv head h // R (R = H / G) through the BlockSpec index
 map, so K/V are never repeated; the dK/dV kernel runs once per kv head and sums over its R query
 heads inside the kernel.
@@ -68,6 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from kernels.attention.masks import NO_WINDOW, Band, Tokens
 from kernels.attention.reference import default_positions, doc_positions
 from kernels.x64 import div, fori_loop
 
@@ -124,9 +125,6 @@ def supports(q, k, v) -> bool:
             and q.shape[1] > 16)
 
 
-NO_WINDOW = 2 ** 30  # a head's window when it has none (reference.py)
-
-
 def _pick(values, h):
     """values[h] for a traced head index h: the one value when all heads share it, else a chain of
     selects over the static per-head values (scalar ops, no table in memory)."""
@@ -140,8 +138,8 @@ def _pick(values, h):
 
 
 @dataclasses.dataclass(frozen=True)
-class Band:
-    """reference.py's band of keys per query head, with static values: span_h = window_h * dilation_h
+class KernelBand:
+    """A static masks.Band as the kernels read it, per query head: span_h = window_h * dilation_h
     (int32-capped; None: no window and no growth), dilation, sinks and growth (None: no head has one).
     Each is a tuple of H values, equal when the heads share one."""
 
@@ -151,11 +149,11 @@ class Band:
     growth: tuple[float, ...] | None
 
     @staticmethod
-    def of(window, sinks, dilation, growth, H: int) -> "Band | None":
-        """The band of `attention`'s window, sinks, dilation and growth (None, a number or per head;
-        static), or None when it is every key."""
+    def of(band: Band | None, H: int) -> "KernelBand | None":
+        """The kernels' form of a static band (each field a number or a tuple per head), or None when
+        it is every key."""
         heads = lambda x: None if x is None else (tuple(x) if isinstance(x, (tuple, list)) else (x,) * H)
-        window, sinks, dilation, growth = (heads(x) for x in (window, sinks, dilation, growth))
+        window, sinks, dilation, growth = (heads(x) for x in (Band() if band is None else band).terms())
         dil = dilation or (1,) * H
         span = None
         if window is not None or growth is not None:
@@ -165,9 +163,9 @@ class Band:
                 span = tuple(float(np.float32(w) * np.float32(d)) for w, d in zip(window, dil))
         if span is None and dilation is None:
             return None  # sinks alone add nothing to every key
-        return Band(span, None if dilation is None else tuple(int(d) for d in dilation),
-                    None if sinks is None else tuple(int(x) for x in sinks),
-                    None if growth is None else tuple(float(x) for x in growth))
+        return KernelBand(span, None if dilation is None else tuple(int(d) for d in dilation),
+                          None if sinks is None else tuple(int(x) for x in sinks),
+                          None if growth is None else tuple(float(x) for x in growth))
 
     @property
     def max_span(self) -> int | None:
@@ -197,7 +195,7 @@ class Band:
 class _Config:
     scale: float
     causal: bool
-    band: Band | None
+    band: KernelBand | None
     segmented: bool
     decay: bool  # qd, kd are inputs (and d kd an output of the dK/dV kernel)
     kv_len: int  # S before padding: keys at index >= kv_len are padding
@@ -488,16 +486,25 @@ def _fit(block, n):
     return min(block, max(16, pl.next_power_of_2(n)))
 
 
-def mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions, q_doc_positions=None):
+def mask_rows(T, S, segment_ids, tokens: Tokens):
     """The rows the masks compare, (1 or B, T) for queries and (1 or B, S) for keys: positions
     (by default the queries are the last T of the S keys), documents (kv_segment_ids alone mask
     nothing, as in the reference) and the position where each query's document starts (sinks and
     growth count from it; reference.doc_positions)."""
-    qp, kp = default_positions(T, S, q_positions, kv_positions)
-    qa = qp - doc_positions(T, S, q_positions, kv_positions, segment_ids, qp, q_doc_positions)
+    qp, kp = default_positions(T, S, tokens)
+    qa = qp - doc_positions(T, S, tokens, segment_ids, qp)
     if segment_ids is None:
         return qp, kp, jnp.zeros((1, T), jnp.int32), jnp.zeros((1, S), jnp.int32), qa
-    return qp, kp, segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids, qa
+    return qp, kp, segment_ids, segment_ids if tokens.kv_segment_ids is None else tokens.kv_segment_ids, qa
+
+
+def decay_rows(decay, tokens: Tokens, Tp: int, Sp: int):
+    """The decay of the queries (B, H, Tp) and of the keys (B, H, Sp) float32, padded; (None, None)
+    without one."""
+    if decay is None:
+        return None, None
+    rows = lambda x, n: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, n - x.shape[1]), (0, 0))).transpose(0, 2, 1)
+    return rows(decay, Tp), rows(decay if tokens.kv_decay is None else tokens.kv_decay, Sp)
 
 
 def flash_attention(
@@ -506,28 +513,22 @@ def flash_attention(
     v: Float[Array, "B S G V"],
     *,
     segment_ids: Int[Array, "B T"] | None = None,
-    kv_segment_ids: Int[Array, "B S"] | None = None,
-    q_positions: Int[Array, "#B T"] | None = None,  # rows of 1 broadcast
-    kv_positions: Int[Array, "#B S"] | None = None,
+    tokens: Tokens | None = None,
+    band: Band | None = None,
     causal: bool = True,
-    window: int | tuple | None = None,
     scale: float | None = None,
-    sinks: int | tuple | None = None,
-    dilation: int | tuple | None = None,
-    growth: float | tuple | None = None,
-    q_doc_positions: Int[Array, "#B T"] | None = None,
     decay: Float[Array, "B T H"] | None = None,
-    kv_decay: Float[Array, "B S H"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B T H V"]:
     """Same arguments and result as attention_reference; differentiable in q, k, v and the decay.
-    window, sinks, dilation and growth are static here: None, a number, or a tuple per query head.
+    The band is static here: each field None, a number, or a tuple per query head.
 
     interpret=None runs the kernel in interpret mode everywhere but on GPU.
     """
     B, T, H, K = q.shape
     S, V = k.shape[1], v.shape[-1]
+    tokens = Tokens() if tokens is None else tokens
     backend = jax.default_backend()
     blocks = block_sizes or default_block_sizes(backend)
     fitted = tuple(_fit(getattr(blocks, f.name), T if f.name.startswith("block_q") else S)
@@ -536,19 +537,17 @@ def flash_attention(
     Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
     cfg = _Config(
         scale=K ** -0.5 if scale is None else float(scale), causal=causal,
-        band=Band.of(window, sinks, dilation, growth, H), segmented=segment_ids is not None,
+        band=KernelBand.of(band, H), segmented=segment_ids is not None,
         decay=decay is not None, kv_len=S, kv_padded=Sp != S,
-        kv_is_index=kv_positions is None, q_offset=S - T if q_positions is None else None,
+        kv_is_index=tokens.kv_positions is None, q_offset=S - T if tokens.q_positions is None else None,
         blocks=fitted, num_warps=blocks.num_warps or (4 if max(Kp, Vp) <= 64 else 8),
         num_stages=blocks.num_stages, interpret=backend != "gpu" if interpret is None else interpret,
         exact=q.dtype == jnp.float32)
-    qp, kp, qs, ks, qa = mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions, q_doc_positions)
+    qp, kp, qs, ks, qa = mask_rows(T, S, segment_ids, tokens)
     row = lambda x, n, mode: jnp.pad(jnp.broadcast_to(x, (B, x.shape[1])).astype(jnp.int32),
                                      ((0, 0), (0, n - x.shape[1])), mode=mode)
     pad = lambda x, n, d: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d - x.shape[3])))
-    rows = lambda x, n: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, n - x.shape[1]), (0, 0))).transpose(0, 2, 1)
-    qd, kd = (None, None) if decay is None else \
-        (rows(decay, Tp), rows(decay if kv_decay is None else kv_decay, Sp))  # (B, H, Tp), (B, H, Sp)
+    qd, kd = decay_rows(decay, tokens, Tp, Sp)  # (B, H, Tp), (B, H, Sp)
     # Padded queries repeat the last position, so a block's min/max position (block skipping) holds.
     o = _flash(pad(q, Tp, Kp), pad(k, Sp, Kp), pad(v, Sp, Vp), row(qp, Tp, "edge"),
                row(kp, Sp, "constant"), row(qs, Tp, "constant"), row(ks, Sp, "constant"), row(qa, Tp, "edge"),

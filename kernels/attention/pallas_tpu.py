@@ -13,7 +13,7 @@ dS_ij = P_ij * (dO_i V_j^T - D_i), dQ_i = scale sum_j dS_ij K_j, dK_j = scale su
 dV_j = sum_i P_ij^T dO_i. Code names: `m`, `l`, `acc` (unnormalised O), `lse` (L), `delta` (D),
 `p` (P), `ds` (dS), `qa` (each query's document start). Masks are the reference's: key j is visible
 from query i iff kp_j <= qp_i (causal), the segment ids agree and j is in query head h's band (window,
-sinks, dilation, growth: pallas.Band, static, shared or per head); a query that sees no key returns
+sinks, dilation, growth: masks.Band as pallas.KernelBand, static, shared or per head); a query that sees no key returns
 zeros (and has L = 0). A decay (reference.py; FoX's cumulative log forget gate) adds qd_i - kd_j to
 s_ij per query head, and the dK/dV kernel returns d kd_j = -sum_i dS_ij per query head (d qd = 0: a
 per-query shift cancels in the softmax), as in pallas.py.
@@ -65,7 +65,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from kernels.attention.pallas import MASK, Band, flash_vjp, mask_rows
+from kernels.attention.masks import Band, Tokens
+from kernels.attention.pallas import MASK, KernelBand, decay_rows, flash_vjp, mask_rows
 from kernels.x64 import div, iota
 
 
@@ -98,7 +99,7 @@ class BlockSizes:
 class _Config:
     scale: float
     causal: bool
-    band: Band | None
+    band: KernelBand | None
     segmented: bool
     decay: bool  # qd, kd are inputs (and d kd an output of the dK/dV kernel)
     kv_len: int  # S before padding: keys at index >= kv_len are padding
@@ -411,28 +412,22 @@ def flash_attention_tpu(
     v: Float[Array, "B S G V"],
     *,
     segment_ids: Int[Array, "B T"] | None = None,
-    kv_segment_ids: Int[Array, "B S"] | None = None,
-    q_positions: Int[Array, "#B T"] | None = None,  # rows of 1 broadcast
-    kv_positions: Int[Array, "#B S"] | None = None,
+    tokens: Tokens | None = None,
+    band: Band | None = None,
     causal: bool = True,
-    window: int | tuple | None = None,
     scale: float | None = None,
-    sinks: int | tuple | None = None,
-    dilation: int | tuple | None = None,
-    growth: float | tuple | None = None,
-    q_doc_positions: Int[Array, "#B T"] | None = None,
     decay: Float[Array, "B T H"] | None = None,
-    kv_decay: Float[Array, "B S H"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B T H V"]:
     """Same arguments and result as attention_reference; differentiable in q, k, v and the decay.
-    window, sinks, dilation and growth are static here: None, a number, or a tuple per query head.
+    The band is static here: each field None, a number, or a tuple per query head.
 
     interpret=None runs the TPU interpreter everywhere but on a TPU.
     """
     B, T, H, K = q.shape
     S, G, V = k.shape[1], k.shape[2], v.shape[-1]
+    tokens = Tokens() if tokens is None else tokens
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     blocks = block_sizes or BlockSizes()
     fitted = tuple(_fit(getattr(blocks, f.name), T if f.name.startswith("block_q") else S)
@@ -446,20 +441,18 @@ def flash_attention_tpu(
     Kp, Vp = (d if interpret else -(-d // 128) * 128 for d in (K, V))
     cfg = _Config(
         scale=K ** -0.5 if scale is None else float(scale), causal=causal,
-        band=Band.of(window, sinks, dilation, growth, H), segmented=segment_ids is not None,
+        band=KernelBand.of(band, H), segmented=segment_ids is not None,
         decay=decay is not None, kv_len=S, kv_padded=Sp != S,
-        q_offset=S - T if q_positions is None and kv_positions is None else None,
+        q_offset=S - T if tokens.q_positions is None and tokens.kv_positions is None else None,
         heads=(H, G), blocks=fitted, padded=(Tp, Sp), interpret=interpret,
         exact=q.dtype == jnp.float32)
-    qp, kp, qs, ks, qa = mask_rows(T, S, segment_ids, kv_segment_ids, q_positions, kv_positions, q_doc_positions)
+    qp, kp, qs, ks, qa = mask_rows(T, S, segment_ids, tokens)
     q_row = lambda x: jnp.pad(jnp.broadcast_to(x, (B, T)).astype(jnp.int32), ((0, 0), (0, Tp - T)))
     kv_row = lambda x: jnp.pad(jnp.broadcast_to(x, (B, S)).astype(jnp.int32), ((0, 0), (0, Sp - S)))
     pad = lambda x, n, d: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d - x.shape[3])))
     heads = lambda x: x.reshape(*x.shape[:2], -1)  # (B, T, H, D) -> (B, T, H*D), free
-    rows = lambda x, n: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, n - x.shape[1]), (0, 0))).transpose(0, 2, 1)
-    qd, kd = (None, None) if decay is None else \
-        (rows(decay, Tp)[..., None], rows(decay if kv_decay is None else kv_decay, Sp)[:, :, None])
-    # qd (B, H, Tp, 1), kd (B, H, 1, Sp)
+    qd, kd = decay_rows(decay, tokens, Tp, Sp)
+    qd, kd = (None, None) if decay is None else (qd[..., None], kd[:, :, None])  # (B, H, Tp, 1), (B, H, 1, Sp)
     o = _flash(heads(pad(q, Tp, Kp)), heads(pad(k, Sp, Kp)), heads(pad(v, Sp, Vp)),
                q_row(qp)[..., None], kv_row(kp)[:, None], q_row(qs)[..., None], kv_row(ks)[:, None],
                q_row(qa)[..., None], qd, kd, cfg)

@@ -22,11 +22,14 @@ distance d = p_i - p_j and c_i the query's position inside its document (`q_doc_
   document of query i, exact for the keys of that document, the only ones the segment mask lets
   through.
 
-Each of window, sinks, dilation, growth is None (absent), one number for every head, or per query
-head (H,): a static tuple, or a traced array (a calibration loop runs many candidate masks through one
-compiled function). Per head, a window of 2**30 stands for no window, sinks 0, dilation 1 and growth 0
-for none. Grouped-query attention (Ainslie et al., 2023) reshapes the H query heads into G groups
-of R = H / G that share one kv head; K/V are never repeated in memory. Logits, softmax and the
+The band is one value, `Band(window, sinks, dilation, growth)` (masks.py): each field one number
+for every head, or per query head (H,): a static tuple, or a traced array (a calibration loop runs many
+candidate masks through one compiled function). Per head, a window of 2**30 stands for no window,
+sinks 0, dilation 1 and growth 0 for none. Queries and keys at other positions than self-attention's,
+the keys' own documents and decay: `Tokens` (masks.py).
+
+Grouped-query attention (Ainslie et al., 2023) reshapes the H query heads into G groups of R = H / G
+that share one kv head; K/V are never repeated in memory. Logits, softmax and the
 weighted sum accumulate in float32; a query that sees no key returns zeros. This is the truth the
 fast forms (xla.py, the Pallas kernels) are tested against: it materialises the (T, S) scores and
 autodiff differentiates its masked softmax as written.
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from kernels.attention.masks import Band, Tokens
 from kernels.segments import positions_in_document
 
 
@@ -45,29 +49,23 @@ def attention_reference(
     v: Float[Array, "B S G V"],
     *,
     segment_ids: Int[Array, "B T"] | None = None,
-    kv_segment_ids: Int[Array, "B S"] | None = None,
-    q_positions: Int[Array, "#B T"] | None = None,  # rows of 1 broadcast
-    kv_positions: Int[Array, "#B S"] | None = None,
+    tokens: Tokens | None = None,
+    band: Band | None = None,
     causal: bool = True,
-    window: int | tuple | Int[Array, "#H"] | None = None,
     scale: float | None = None,
-    sinks: int | tuple | Int[Array, "#H"] | None = None,
-    dilation: int | tuple | Int[Array, "#H"] | None = None,
-    growth: float | tuple | Float[Array, "#H"] | None = None,
-    q_doc_positions: Int[Array, "#B T"] | None = None,
     decay: Float[Array, "B T H"] | None = None,
-    kv_decay: Float[Array, "B S H"] | None = None,
 ) -> Float[Array, "B T H V"]:
     B, T, H, K = q.shape
     S, G = k.shape[1], k.shape[2]
+    tokens = Tokens() if tokens is None else tokens
     scale = K ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, G, H // G, K)  # (B, T, G, R, K)
     s = jnp.einsum("BTGRK,BSGK->BGRTS", qg, k, preferred_element_type=jnp.float32) * scale
     if decay is not None:
-        s = s + decay_bias(decay, decay if kv_decay is None else kv_decay, G)
-    qp, kp = default_positions(T, S, q_positions, kv_positions)
-    qdp = doc_positions(T, S, q_positions, kv_positions, segment_ids, qp, q_doc_positions)
-    mask = grouped(visible(qp, kp, segment_ids, kv_segment_ids, causal, window, sinks, dilation, growth, qdp), G)
+        s = s + decay_bias(decay, decay if tokens.kv_decay is None else tokens.kv_decay, G)
+    qp, kp = default_positions(T, S, tokens)
+    qdp = doc_positions(T, S, tokens, segment_ids, qp)
+    mask = grouped(visible(qp, kp, segment_ids, tokens.kv_segment_ids, causal, band, qdp), G)
     s = jnp.where(mask, s, -jnp.inf)
     # The shift cancels in the softmax, so no gradient goes through it (through the max of a row with -inf
     # entries and a decay, XLA on CPU at the tests' optimisation level returned NaN gradients).
@@ -90,20 +88,20 @@ def decay_bias(decay: Float[Array, "B T H"], kv_decay: Float[Array, "B S H"], G:
     return heads_first_decay(decay, G)[..., :, None] - heads_first_decay(kv_decay, G)[..., None, :]
 
 
-def default_positions(T: int, S: int, q_positions, kv_positions):
+def default_positions(T: int, S: int, tokens: Tokens):
     """(B|1, T) query and (B|1, S) key positions; by default the T queries are the last T of the S keys."""
-    qp = jnp.arange(S - T, S, dtype=jnp.int32)[None] if q_positions is None else q_positions
-    kp = jnp.arange(S, dtype=jnp.int32)[None] if kv_positions is None else kv_positions
+    qp = jnp.arange(S - T, S, dtype=jnp.int32)[None] if tokens.q_positions is None else tokens.q_positions
+    kp = jnp.arange(S, dtype=jnp.int32)[None] if tokens.kv_positions is None else tokens.kv_positions
     return qp, kp
 
 
-def doc_positions(T: int, S: int, q_positions, kv_positions, segment_ids, qp, q_doc_positions):
-    """Each query's position inside its document: q_doc_positions as given; else, for a self-attention
-    call on packed documents (default positions, T = S), counted from each document's start; else the
-    query positions (one document per row, from position 0)."""
-    if q_doc_positions is not None:
-        return q_doc_positions
-    if segment_ids is not None and q_positions is None and kv_positions is None and T == S:
+def doc_positions(T: int, S: int, tokens: Tokens, segment_ids, qp):
+    """Each query's position inside its document: tokens.q_doc_positions as given; else, for a
+    self-attention call on packed documents (default positions, T = S), counted from each document's
+    start; else the query positions qp (one document per row, from position 0)."""
+    if tokens.q_doc_positions is not None:
+        return tokens.q_doc_positions
+    if segment_ids is not None and tokens.q_positions is None and tokens.kv_positions is None and T == S:
         return positions_in_document(segment_ids, segment_ids.shape[0], T)
     return qp
 
@@ -124,13 +122,13 @@ def grouped(mask: Bool[Array, "#B #H T S"], G: int) -> Array:
 
 
 def visible(qp: Int[Array, "#B T"], kp: Int[Array, "#B S"], segment_ids: Int[Array, "B T"] | None,
-            kv_segment_ids: Int[Array, "B S"] | None, causal: bool, window, sinks=None, dilation=None,
-            growth=None, q_doc: Int[Array, "#B T"] | None = None) -> Bool[Array, "#B #H T S"]:
+            kv_segment_ids: Int[Array, "B S"] | None, causal: bool, band: Band | None = None,
+            q_doc: Int[Array, "#B T"] | None = None) -> Bool[Array, "#B #H T S"]:
     """True where query i may see key j (module docstring): causal (p_j <= p_i), the same segment
-    (kv_segment_ids default to segment_ids), and the band of window, sinks, dilation and growth (each
-    None, a number or per head), which needs q_doc (the queries' positions inside their documents)
-    for sinks and growth. Per-head parameters give (#B, H, T, S), else (#B, 1, T, S)."""
-    window, sinks, dilation, growth = (per_head(x) for x in (window, sinks, dilation, growth))
+    (kv_segment_ids default to segment_ids), and the band (None: every key), which needs q_doc (the
+    queries' positions inside their documents) for sinks and growth. A band per head gives (#B, H, T,
+    S), else (#B, 1, T, S)."""
+    window, sinks, dilation, growth = (per_head(x) for x in (Band() if band is None else band).terms())
     d = qp[:, None, :, None] - kp[:, None, None, :]  # (#B, 1, T, S)
     mask = jnp.ones((1, 1, qp.shape[1], kp.shape[1]), bool)
     if causal:

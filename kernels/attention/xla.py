@@ -7,7 +7,7 @@ function, arguments and masks as reference.py, in two forms:
   a few fused passes. The reference's masked softmax written out by hand (where, max, exp, where,
   divide) on a (B, G, R, T, S) layout is what made attention training slow on CPU: at B=8, T=256,
   H=4, K=32 its forward+backward takes 48-52 ms, this form 9-12 ms (benchmarks/attention.py).
-- `attention_blocked`: query blocks against key blocks with the online softmax of flash attention
+- blocked (`_blocked`): query blocks against key blocks with the online softmax of flash attention
   (Dao et al., 2022), so no (T, S) scores are ever held, and a block pair that no query of the
   block can see is skipped (`lax.cond`): above the causal diagonal, outside the sliding window (and
   not among the document's sinks), a KV cache's slots after the last written one. Its custom_vjp is
@@ -28,7 +28,7 @@ position at or below the queries' min minus the window, and no sink of the queri
 
 Skipping by the window reads static bounds: the largest window * dilation over the heads (and the
 largest growth and sinks), when window, sinks, dilation and growth are all Python numbers or tuples.
-When any of them is a traced array (per-head masks under calibration), only causality skips blocks:
+When any field of the Band is a traced array (per-head masks under calibration), only causality skips blocks:
 every block pair under the diagonal is computed and masked, which is exact for any values.
 
 Keys and values may come heads first, (B, G, S, K) (`kv_heads_first`): the layout of the KV cache
@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from kernels.attention.masks import Band, Tokens
 from kernels.attention.reference import (
     decay_bias,
     default_positions,
@@ -64,38 +65,35 @@ BLOCK = 128  # query and key block of the blocked form (training lengths: the wo
 LONG_BLOCK = 512  # ... and for calls longer than 1024 (fewer block pairs; 4K prefill 80 -> 54 ms)
 
 
-def attention_xla(q: Float[Array, "B T H K"], k: Array, v: Array, *,
-                  segment_ids: Int[Array, "B T"] | None = None, kv_segment_ids: Int[Array, "B S"] | None = None,
-                  q_positions: Int[Array, "#B T"] | None = None, kv_positions: Int[Array, "#B S"] | None = None,
-                  causal: bool = True, window=None, scale: float | None = None, kv_heads_first: bool = False,
-                  sinks=None, dilation=None, growth=None, q_doc_positions: Int[Array, "#B T"] | None = None,
-                  decay: Float[Array, "B T H"] | None = None,
-                  kv_decay: Float[Array, "B S H"] | None = None) -> Float[Array, "B T H V"]:
+def attention_xla(q: Float[Array, "B T H K"], k: Array, v: Array, *, segment_ids: Int[Array, "B T"] | None = None,
+                  tokens: Tokens | None = None, band: Band | None = None, causal: bool = True,
+                  scale: float | None = None, decay: Float[Array, "B T H"] | None = None,
+                  kv_heads_first: bool = False) -> Float[Array, "B T H V"]:
     """k, v: (B, S, G, K|V), or (B, G, S, K|V) with kv_heads_first. The masks and the decay of reference.py."""
     kt, vt = (k, v) if kv_heads_first else (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))  # (B, G, S, K)
     T, S = q.shape[1], kt.shape[2]
+    tokens, band = Tokens() if tokens is None else tokens, Band() if band is None else band
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qp, kp = default_positions(T, S, q_positions, kv_positions)
-    kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
-    band = (window, sinks, dilation, growth)
-    qdp = None if sinks is None and growth is None else \
-        doc_positions(T, S, q_positions, kv_positions, segment_ids, qp, q_doc_positions)
-    kv_decay = decay if kv_decay is None else kv_decay
+    qp, kp = default_positions(T, S, tokens)
+    kv_seg = segment_ids if tokens.kv_segment_ids is None else tokens.kv_segment_ids
+    _, sinks, _, growth = band.terms()
+    qdp = None if sinks is None and growth is None else doc_positions(T, S, tokens, segment_ids, qp)
+    kv_decay = decay if tokens.kv_decay is None else tokens.kv_decay
     if T * S > DENSE_MAX:
-        arrays = tuple(None if x is None else jnp.asarray(x) for x in band)
+        arrays = tuple(None if x is None else jnp.asarray(x) for x in band.terms())
         qc, kc = (None, None) if decay is None else (heads_first_decay(d, kt.shape[1]) for d in (decay, kv_decay))
-        return attention_blocked(q, kt, vt, qp, kp, segment_ids, kv_seg, qdp, arrays, causal, _skip(*band), scale,
-                                 kv_positions is None, qc, kc)
+        return _blocked(q, kt, vt, qp, kp, segment_ids, kv_seg, qdp, arrays, causal, _skip(band), scale,
+                        tokens.kv_positions is None, qc, kc)
     bias = None if decay is None else decay_bias(decay, kv_decay, kt.shape[1])
-    return attention_dense(q, kt, vt, visible(qp, kp, segment_ids, kv_seg, causal, *band, qdp), scale, bias)
+    return attention_dense(q, kt, vt, visible(qp, kp, segment_ids, kv_seg, causal, band, qdp), scale, bias)
 
 
-def _skip(window, sinks, dilation, growth):
+def _skip(band: Band):
     """The static bounds block skipping reads: (reach, growth, sinks), the largest window * dilation,
     growth and sinks over the heads; None (skip by causality only) when there is no window or any
-    parameter is a traced array."""
-    band = (window, sinks, dilation, growth)
-    if window is None or any(isinstance(x, jax.Array) for x in band):
+    field is a traced array."""
+    window, sinks, dilation, growth = band.terms()
+    if window is None or any(isinstance(x, jax.Array) for x in band.terms()):
         return None
     top = lambda x, none: none if x is None else max(np.atleast_1d(x).tolist())
     reach = max((np.atleast_1d(window) * np.atleast_1d(top(dilation, 1))).tolist())
@@ -205,17 +203,17 @@ def _key_loop(bounds, i, causal, skip, in_order, body, init):
 def _mask(qp, kp, kvalid, qseg, kvseg, qdp, band, i, j, bq, bk, causal, G):
     sl = lambda x, at, n: lax.dynamic_slice_in_dim(x, at * n, n, axis=1)
     m = visible(sl(qp, i, bq), sl(kp, j, bk), None if qseg is None else sl(qseg, i, bq),
-                None if kvseg is None else sl(kvseg, j, bk), causal, *band, sl(qdp, i, bq))
+                None if kvseg is None else sl(kvseg, j, bk), causal, Band(*band), sl(qdp, i, bq))
     return grouped(m & sl(kvalid, j, bk)[:, None, None, :], G)  # (B|1, G|1, R|1, bq, bk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def attention_blocked(q, kt, vt, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, in_order, qc=None, kc=None):
-    """q (B, T, H, K), kt/vt heads first (B, G, S, K|V), positions (B|1, T) / (B|1, S), segments
-    (B, T) / (B, S) or None, the queries' positions in their documents (B|1, T) or None, band the
-    arrays (or None) of window, sinks, dilation, growth; the arguments of attention_xla after defaults
-    are filled in. skip: `_skip`'s static bounds. in_order: key positions ascend with the slots.
-    qc (B, G, R, T) / kc (B, G, R, S): a decay heads first, or None."""
+def _blocked(q, kt, vt, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, in_order, qc=None, kc=None):
+    """The blocked form on the arguments of attention_xla after defaults are filled in: q (B, T, H, K),
+    kt/vt heads first (B, G, S, K|V), positions (B|1, T) / (B|1, S), segments (B, T) / (B, S) or None,
+    the queries' positions in their documents (B|1, T) or None, band the arrays (or None) of
+    Band.terms() (differentiated as zeros). skip: `_skip`'s static bounds. in_order: key positions
+    ascend with the slots. qc (B, G, R, T) / kc (B, G, R, S): a decay heads first, or None."""
     return _blocked_fwd(q, kt, vt, qp, kp, qseg, kvseg, qdp, band, causal, skip, scale, in_order, qc, kc)[0]
 
 
@@ -323,4 +321,4 @@ def _blocked_bwd(causal, skip, scale, in_order, res, do):
     return dq, dk, dv, none(qp), none(kp), none(qseg), none(kvseg), none(qdp), tuple(map(none, band)), dqc, dkc
 
 
-attention_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)

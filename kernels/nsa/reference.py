@@ -23,6 +23,8 @@ packed document gives exactly what it gives alone. A branch that sees no key (th
 before the first block completes) gives zeros and scores every selection block 0.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,30 @@ from kernels.segments import positions_in_document
 
 NEG = -1e30
 FORCED = 3  # the initial block and the two local blocks, always selected (the paper's 1 + 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class NSASizes:
+    """NSA's sizes (module docstring): compression blocks of block_len l every stride d tokens,
+    num_selected n selection blocks of select_len l', a sliding window of `window` w keys. Refused at
+    construction when NSA cannot run them."""
+
+    block_len: int
+    stride: int
+    select_len: int
+    num_selected: int
+    window: int
+
+    def __post_init__(self):
+        for name, value in dataclasses.asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"NSASizes: {name}={value!r}; expected a positive int")
+        if self.block_len % self.stride or self.select_len % self.stride:
+            raise ValueError(f"NSASizes: stride={self.stride} must divide block_len={self.block_len} and "
+                             f"select_len={self.select_len}")
+        if self.num_selected < FORCED:
+            raise ValueError(f"NSASizes: num_selected={self.num_selected}; expected at least {FORCED} (the initial "
+                             "block and the two local blocks are always selected)")
 
 
 def compressed_ends(pos: Int[Array, "B T"], block_len: int, stride: int) -> Bool[Array, "B T"]:
@@ -68,12 +94,13 @@ def masked_attention(qg, k, v, mask, scale):
     return jnp.einsum("BGRTS,BSGV->BGRTV", p, v.astype(jnp.float32)), p
 
 
-def nsa_select(q, k_cmp, *, block_len, stride, select_len, num_selected, segment_ids=None, scale=None):
-    """Each query's selected blocks (B, T, G, n), and the compressed branch's mask, from the definition."""
-    return _compressed(q, k_cmp, None, block_len, stride, select_len, num_selected, segment_ids, scale)[2]
+def nsa_select(q, k_cmp, sizes: NSASizes, *, segment_ids=None, scale=None):
+    """Each query's selected blocks (B, T, G, n), from the definition."""
+    return _compressed(q, k_cmp, None, sizes, segment_ids, scale)[2]
 
 
-def _compressed(q, k_cmp, v_cmp, bl, d, ls, n, segment_ids, scale):
+def _compressed(q, k_cmp, v_cmp, sizes: NSASizes, segment_ids, scale):
+    bl, d, ls, n = sizes.block_len, sizes.stride, sizes.select_len, sizes.num_selected
     B, T, H, K = q.shape
     G = k_cmp.shape[2]
     scale = K ** -0.5 if scale is None else scale
@@ -98,12 +125,8 @@ def nsa_reference(
     k_cmp: Float[Array, "B T G K"],
     v_cmp: Float[Array, "B T G V"],
     gates: Float[Array, "B T H 3"],
+    sizes: NSASizes,
     *,
-    block_len: int,
-    stride: int,
-    select_len: int,
-    num_selected: int,
-    window: int,
     segment_ids: Int[Array, "B T"] | None = None,
     scale: float | None = None,
     selected: Int[Array, "B T G n"] | None = None,
@@ -111,13 +134,13 @@ def nsa_reference(
     """gates: g^cmp, g^slc, g^win in [0, 1]. selected: each query's blocks (nsa_select), None = chosen here."""
     B, T, H, _ = q.shape
     G = k.shape[2]
-    o_cmp, same, chosen, qg, pos, scale = _compressed(q, k_cmp, v_cmp, block_len, stride, select_len, num_selected,
-                                                      segment_ids, scale)
+    o_cmp, same, chosen, qg, pos, scale = _compressed(q, k_cmp, v_cmp, sizes, segment_ids, scale)
     selected = chosen if selected is None else selected
-    in_selected = jnp.any(selected[..., None] == (pos // select_len)[:, None, None, None, :], axis=-2)  # (B, T, G, S)
+    blocks = (pos // sizes.select_len)[:, None, None, None, :]  # (B, 1, 1, 1, S): each key's selection block
+    in_selected = jnp.any(selected[..., None] == blocks, axis=-2)  # (B, T, G, S)
     o_slc, _ = masked_attention(qg, k, v, (jnp.moveaxis(in_selected, 2, 1) & same[:, None])[:, :, None], scale)
     t = jnp.arange(T)
-    in_window = t[None, :] > t[:, None] - window  # (T, S)
+    in_window = t[None, :] > t[:, None] - sizes.window  # (T, S)
     o_win, _ = masked_attention(qg, k, v, (same & in_window)[:, None, None], scale)
     o = jnp.stack([o_cmp, o_slc, o_win], axis=-1)  # (B, G, R, T, V, 3)
     g = jnp.moveaxis(gates.astype(jnp.float32).reshape(B, T, G, H // G, 3), 1, 3)[..., None, :]  # (B, G, R, T, 1, 3)

@@ -2,7 +2,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.attention import attention
+from kernels.attention import Band, attention
 from tests.util import assert_close, randn
 
 
@@ -28,7 +28,7 @@ def test_reference_matches_brute_force(G, window, packed):
     B, T, H, K = 2, 9, 4, 8
     q, k, v = randn(0, (B, T, H, K)), randn(1, (B, T, G, K)), randn(2, (B, T, G, K))
     seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 3, 3, 3]]) if packed else None
-    o = attention(q, k, v, segment_ids=seg, window=window)
+    o = attention(q, k, v, segment_ids=seg, band=Band(window))
     assert_close(o, brute_force(np.asarray(q, np.float64), np.asarray(k, np.float64), v, seg, window), 1e-5)
 
 
@@ -87,7 +87,7 @@ def test_sparse_masks_match_brute_force(band, packed):
     want = brute_force_band(np.asarray(q, np.float64), np.asarray(k, np.float64), v, seg, per("window", 2 ** 30),
                             per("sinks", 0), per("dilation", 1), per("growth", 0.0))
     for impl in ("reference", "xla"):
-        assert_close(attention(q, k, v, segment_ids=seg, impl=impl, **kw), want, 1e-5, impl)
+        assert_close(attention(q, k, v, segment_ids=seg, band=Band(**kw), impl=impl), want, 1e-5, impl)
 
 
 def test_sparse_mask_parameters_may_be_traced():
@@ -101,13 +101,12 @@ def test_sparse_mask_parameters_may_be_traced():
     @jax.jit
     def run(window, sinks, dilation, growth):
         traces.append(1)
-        return attention(q, k, v, window=window, sinks=sinks, dilation=dilation, growth=growth)
+        return attention(q, k, v, band=Band(window, sinks, dilation, growth))
 
     for masks in [((2, 3, 4, 5), (0, 1, 2, 3), (1, 2, 1, 2), (0.0, 0.5, 0.0, 0.25)),
                   ((5, 1, 2, 2 ** 30), (2, 0, 0, 1), (2, 1, 3, 1), (0.5, 0.0, 1.0, 0.0))]:
         arrays = [jnp.asarray(m) for m in masks]
-        assert_close(run(*arrays), attention(q, k, v, **dict(zip(("window", "sinks", "dilation", "growth"), masks))),
-                     1e-6)
+        assert_close(run(*arrays), attention(q, k, v, band=Band(*masks)), 1e-6)
     assert len(traces) == 1
 
 
@@ -115,4 +114,6 @@ def test_masks_the_flash_kernels_cannot_express_run_the_xla_forms():
     """impl="pallas" with sinks, dilation or per-head windows: the XLA forms, never a wrong result."""
     q, k, v = randn(0, (1, 20, 4, 16)), randn(1, (1, 20, 2, 16)), randn(2, (1, 20, 2, 16))
     for kw in (dict(window=3, sinks=2), dict(window=3, dilation=2), dict(window=(2, 3, 4, 5))):
-        assert_close(attention(q, k, v, impl="pallas", **kw), attention(q, k, v, impl="reference", **kw), 1e-5)
+        band = Band(**kw)
+        assert_close(attention(q, k, v, impl="pallas", band=band), attention(q, k, v, impl="reference", band=band),
+                     1e-5)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.attention import attention, attention_cached, xla
+from kernels.attention import Band, CacheView, Tokens, attention, attention_cached, xla
 from kernels.attention.reference import attention_reference
 from tests.kernels.test_attention_pallas import _inputs, _packed
 from tests.util import assert_close
@@ -65,7 +65,7 @@ def form(request, monkeypatch):
 
 
 def out_and_grads(attn, q, k, v, decay, kv_decay, ct, kw):
-    f = lambda *a: attn(*a[:3], decay=a[3], kv_decay=a[4], **kw)
+    f = lambda *a: attn(*a[:3], decay=a[3], tokens=Tokens(kv_decay=a[4]), **kw)
     o, vjp = jax.vjp(f, q, k, v, decay, kv_decay)
     return o, *vjp(ct)
 
@@ -86,7 +86,7 @@ def test_xla_forms_match_the_reference(case, form):
     q, k, v, ct = _inputs(B, T, S, H, G, 8, 8, seed=4)
     c = jnp.asarray(np.cumsum(log_gates(B, S, H, seed=5), axis=1))  # (B, S, H)
     decay, kv_decay = (c[:, S - T:], c) if cross else (c, None)
-    kw = dict(window=window, segment_ids=_packed(B, T, 6) if packed else None)
+    kw = dict(band=Band(window), segment_ids=_packed(B, T, 6) if packed else None)
     got = jax.jit(partial(out_and_grads, partial(attention, impl="xla"), kw=kw))(q, k, v, decay, kv_decay, ct)
     want = jax.jit(partial(out_and_grads, attention_reference, kw=kw))(q, k, v, decay, kv_decay, ct)
     for name, a, b in zip(("o", "dq", "dk", "dv", "d decay", "d kv_decay"), got, want):
@@ -114,10 +114,11 @@ def test_attention_cached_equals_the_full_call(T, monkeypatch):
         write = lambda a, x: rows(1)(a, jnp.swapaxes(x, 1, 2), index)  # row b's slots from index[b]
         pos = index[:, None] + jnp.arange(T)[None]
         return attention_reference(q, *(jnp.swapaxes(write(a, x), 1, 2) for a, x in ((ck, k), (cv, v))),
-                                   q_positions=pos, decay=decay, kv_decay=jnp.swapaxes(write(cache_c, decay), 1, 2))
+                                   decay=decay, tokens=Tokens(q_positions=pos,
+                                                              kv_decay=jnp.swapaxes(write(cache_c, decay), 1, 2)))
 
     def cached(q, k, v, decay, impl):
-        return attention_cached(q, k, v, ck, cv, cache_length=index, impl=impl, decay=decay, cache_decay=cache_c)
+        return attention_cached(q, k, v, CacheView(ck, cv, index, decay=cache_c), impl=impl, decay=decay)
 
     grads = lambda f: jax.jit(lambda *a: (f(*a), *jax.vjp(f, *a)[1](ct)))(q, k, v, new_c)
     want = grads(full)

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from kernels import IMPLS
-from kernels.attention import attention, attention_cached
+from kernels.attention import Band, CacheView, Tokens, attention, attention_cached
 from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention
 from kernels.attention.reference import attention_reference
 from layers import Attention
@@ -66,7 +66,7 @@ CASES = {
 def test_matches_reference_float32(case):
     B, T, H, G, K, V, causal, window, packed = CASES[case]
     q, k, v, ct = _inputs(B, T, T, H, G, K, V)
-    kw = dict(causal=causal, window=window, segment_ids=_packed(B, T, 5) if packed else None)
+    kw = dict(causal=causal, band=Band(window), segment_ids=_packed(B, T, 5) if packed else None)
     _compare(q, k, v, ct, kw, 1e-4)
 
 
@@ -77,7 +77,8 @@ def _decay(B, S, H, seed):
 
 
 def _with_decay(attn, q, k, v, decay, kv_decay, ct, kw):
-    o, vjp = jax.vjp(lambda q, k, v, d, kd: attn(q, k, v, decay=d, kv_decay=kd, **kw), q, k, v, decay, kv_decay)
+    o, vjp = jax.vjp(lambda q, k, v, d, kd: attn(q, k, v, decay=d, tokens=Tokens(kv_decay=kd), **kw),
+                     q, k, v, decay, kv_decay)
     return o, *vjp(ct)
 
 
@@ -100,7 +101,7 @@ def test_decay_matches_reference(case):
     q, k, v, ct = _inputs(B, T, S, H, G, 16, 8, seed=60)
     c = _decay(B, S, H, seed=61)
     decay, kv_decay = (c[:, S - T:], c) if cross else (c, None)
-    kw = dict(causal=causal, window=window, segment_ids=_packed(B, T, 62) if packed else None)
+    kw = dict(causal=causal, band=Band(window), segment_ids=_packed(B, T, 62) if packed else None)
     got = jax.jit(partial(_with_decay, partial(flash_attention, block_sizes=BS), kw=kw))(q, k, v, decay, kv_decay, ct)
     want = jax.jit(partial(_with_decay, attention_reference, kw=kw))(q, k, v, decay, kv_decay, ct)
     for name, a, b in zip(("o", "dq", "dk", "dv", "d decay", "d kv_decay"), got, want):
@@ -121,8 +122,8 @@ def test_decay_through_attention_cached():
     new = jnp.stack([c[b, i:i + T] for b, i in enumerate(index.tolist())])  # (B, T, H)
 
     def grads(impl):
-        f = partial(attention_cached, cache_k=ck, cache_v=cv, cache_length=index, impl=impl,
-                    cache_decay=jnp.swapaxes(c[:, :S], 1, 2))  # (B, H, S)
+        f = partial(attention_cached, cache=CacheView(ck, cv, index, decay=jnp.swapaxes(c[:, :S], 1, 2)),
+                    impl=impl)  # cache decay (B, H, S)
         step = lambda q, k, v, d: f(q, k, v, decay=d)
         return jax.jit(lambda *a: (step(*a), *jax.vjp(step, *a)[1](ct)))(q, k, v, new)
 
@@ -140,7 +141,7 @@ def test_cache_positions_and_documents():
     cache_doc = jnp.where(jnp.arange(S) < 23, jnp.array([[0], [1]]), -1)  # (B, S)
     cache_doc = cache_doc.at[1, 22].set(2).at[1, 5:15].set(0)
     seg = jnp.array([[7, 7, 7], [1, 1, 2]], jnp.int32)  # row 0: no key in document 7
-    kw = dict(segment_ids=seg, kv_segment_ids=cache_doc, q_positions=slots, window=6)
+    kw = dict(segment_ids=seg, tokens=Tokens(kv_segment_ids=cache_doc, q_positions=slots), band=Band(window=6))
     o = _compare(q, k, v, ct, kw, 1e-4)
     assert float(jnp.abs(o[0]).max()) == 0.0  # a query that sees no key returns zeros
 
@@ -151,14 +152,14 @@ def test_cache_positions_and_documents():
 # without a window, heads with and without sinks, three dilations); growth with sinks; T queries the
 # last of S keys with their positions inside their documents given (a prefill after a cache).
 BAND_CASES = {
-    "sinks-window": (2, 53, 53, 4, 2, False, dict(window=7, sinks=3)),
-    "sinks-window-packed": (2, 53, 53, 4, 2, True, dict(window=7, sinks=2)),
-    "dilated-G1": (1, 45, 45, 2, 1, False, dict(window=5, dilation=3)),
-    "per-head-gqa-packed": (2, 41, 41, 4, 2, True, dict(window=(3, 2 ** 30, 9, 5), sinks=(0, 0, 2, 4),
-                                                         dilation=(1, 1, 2, 3))),
-    "growth-sinks": (1, 37, 37, 2, 1, False, dict(window=(4, 2), growth=(0.5, 0.25), sinks=1)),
-    "T20-of-S50-doc-positions": (1, 20, 50, 2, 2, False, dict(window=6, sinks=2, q_doc_positions=
-                                                               jnp.arange(18, 38, dtype=jnp.int32)[None])),
+    "sinks-window": (2, 53, 53, 4, 2, False, dict(band=Band(window=7, sinks=3))),
+    "sinks-window-packed": (2, 53, 53, 4, 2, True, dict(band=Band(window=7, sinks=2))),
+    "dilated-G1": (1, 45, 45, 2, 1, False, dict(band=Band(window=5, dilation=3))),
+    "per-head-gqa-packed": (2, 41, 41, 4, 2, True, dict(band=Band(window=(3, 2 ** 30, 9, 5), sinks=(0, 0, 2, 4),
+                                                                  dilation=(1, 1, 2, 3)))),
+    "growth-sinks": (1, 37, 37, 2, 1, False, dict(band=Band(window=(4, 2), growth=(0.5, 0.25), sinks=1))),
+    "T20-of-S50-doc-positions": (1, 20, 50, 2, 2, False, dict(band=Band(window=6, sinks=2), tokens=Tokens(
+        q_doc_positions=jnp.arange(18, 38, dtype=jnp.int32)[None]))),
 }
 
 
@@ -176,7 +177,7 @@ def test_band_matches_reference(case):
 def test_single_query_step():
     B, S, H, G, K = 2, 37, 4, 2, 16
     q, k, v, _ = _inputs(B, 1, S, H, G, K, K, seed=20)
-    kw = dict(q_positions=jnp.array([[36], [11]], jnp.int32), window=5)
+    kw = dict(tokens=Tokens(q_positions=jnp.array([[36], [11]], jnp.int32)), band=Band(window=5))
     fast = jax.jit(partial(flash_attention, block_sizes=BS, **kw))
     assert_close(fast(q, k, v), jax.jit(partial(attention_reference, **kw))(q, k, v), 1e-4)
 
@@ -184,7 +185,7 @@ def test_single_query_step():
 def test_bfloat16_within_bf16_tolerance_of_float32_reference():
     B, T, H, G, K, V, causal, window, _ = CASES["gqa4-window-packed-K8"]
     q, k, v, ct = _inputs(B, T, T, H, G, K, V, dtype=jnp.bfloat16, seed=30)
-    _compare(q, k, v, ct, dict(causal=causal, window=window, segment_ids=_packed(B, T, 6)), 2e-2)
+    _compare(q, k, v, ct, dict(causal=causal, band=Band(window), segment_ids=_packed(B, T, 6)), 2e-2)
 
 
 def test_dispatch():
@@ -192,8 +193,8 @@ def test_dispatch():
     jaxpr = lambda impl, **kw: str(jax.make_jaxpr(partial(attention, impl=impl, **kw))(q, q, q))
     assert "pallas_call" in jaxpr("pallas")
     assert "pallas_call" in jaxpr("pallas", decay=jnp.zeros((1, 32, 2)))
-    assert "pallas_call" in jaxpr("pallas", sinks=2, window=(4, 2 ** 30))
-    assert "pallas_call" not in jaxpr("pallas", sinks=2, window=jnp.array([4, 8]))  # traced: XLA
+    assert "pallas_call" in jaxpr("pallas", band=Band(sinks=2, window=(4, 2 ** 30)))
+    assert "pallas_call" not in jaxpr("pallas", band=Band(sinks=2, window=jnp.array([4, 8])))  # traced: XLA
     assert ("pallas_call" in jaxpr("auto")) == ON_GPU  # CPU: "auto" is the XLA reference
     assert "pallas_call" not in jaxpr("xla")
     assert IMPLS == ("auto", "reference", "xla", "pallas")
@@ -211,11 +212,11 @@ def test_lowers_for_cuda_through_triton():
     gpu_blocks = partial(flash_attention, block_sizes=default_block_sizes("gpu"), interpret=False)
     q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in ((2, 300, 8, 64), (2, 300, 2, 64), (2, 300, 2, 64)))
     seg = jnp.zeros((2, 300), jnp.int32)
-    per_head = dict(window=(3, 2 ** 30, 90, 5) * 2, sinks=(0, 0, 2, 4) * 2, dilation=2, growth=0.5)
-    for query, kw in ((q, dict(window=100, segment_ids=seg, decay=jnp.zeros((2, 300, 8)))),
-                      (q, dict(window=100, sinks=4, segment_ids=seg)), (q, per_head),
-                      (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
-                                      kv_segment_ids=seg))):
+    per_head = dict(band=Band(window=(3, 2 ** 30, 90, 5) * 2, sinks=(0, 0, 2, 4) * 2, dilation=2, growth=0.5))
+    for query, kw in ((q, dict(band=Band(window=100), segment_ids=seg, decay=jnp.zeros((2, 300, 8)))),
+                      (q, dict(band=Band(window=100, sinks=4), segment_ids=seg)), (q, per_head),
+                      (q[:, :3], dict(tokens=Tokens(q_positions=jnp.arange(3)[None] + 50, kv_segment_ids=seg),
+                                      segment_ids=seg[:, :3]))):
         f = partial(_out_and_grads, partial(gpu_blocks, **kw), kw={})
         hlo = jax.jit(f).trace(query, k, v, query).lower(lowering_platforms=("cuda",)).as_text()
         assert hlo.count("__gpu$xla.gpu.triton") == 3
@@ -261,6 +262,6 @@ def test_compiled_kernel_on_gpu(dtype, tol):
     """Default GPU block sizes, ragged lengths, GQA 4, window and packed documents."""
     B, T, H, G, K = 2, 300, 8, 2, 64
     q, k, v, ct = _inputs(B, T, T, H, G, K, K, dtype=dtype, seed=50)
-    kw = dict(window=100, segment_ids=_packed(B, T, 7))
+    kw = dict(band=Band(window=100), segment_ids=_packed(B, T, 7))
     with jax.default_matmul_precision("highest"):  # a float32 reference without TF32
         _compare(q, k, v, ct, kw, tol, block_sizes=None)

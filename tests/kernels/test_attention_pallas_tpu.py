@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.attention import attention
+from kernels.attention import Band, Tokens, attention
 from kernels.attention.pallas_tpu import BlockSizes, flash_attention_tpu
 from kernels.attention.reference import attention_reference
 from tests.kernels.test_attention_pallas import _compare as _compare_kernel
@@ -48,7 +48,7 @@ CASES = {
 def test_matches_reference_float32(case):
     B, T, H, G, K, V, causal, window, packed, blocks = CASES[case]
     q, k, v, ct = _inputs(B, T, T, H, G, K, V)
-    kw = dict(causal=causal, window=window, segment_ids=_packed(B, T, 5) if packed else None)
+    kw = dict(causal=causal, band=Band(window), segment_ids=_packed(B, T, 5) if packed else None)
     _compare(q, k, v, ct, kw, 1e-4, blocks)
 
 
@@ -57,7 +57,7 @@ def test_queries_shorter_than_keys(T):
     """Decode-style: the T queries are the last T of S = 21 keys (one step, then a chunk of 5 that
     spans a block boundary), with a window that skips the first key blocks."""
     q, k, v, ct = _inputs(1, T, 21, 4, 2, 16, 16, seed=10 + T)
-    _compare(q, k, v, ct, dict(window=7), 1e-4, BS8)
+    _compare(q, k, v, ct, dict(band=Band(window=7)), 1e-4, BS8)
 
 
 def test_cache_positions_and_documents():
@@ -70,14 +70,14 @@ def test_cache_positions_and_documents():
     cache_doc = jnp.where(jnp.arange(S) < 23, jnp.array([[0], [1]]), -1)  # (B, S)
     cache_doc = cache_doc.at[1, 22].set(2).at[1, 5:15].set(0)
     seg = jnp.array([[7, 7, 7], [1, 1, 2]], jnp.int32)  # row 0: no key in document 7
-    kw = dict(segment_ids=seg, kv_segment_ids=cache_doc, q_positions=slots, window=6)
+    kw = dict(segment_ids=seg, tokens=Tokens(kv_segment_ids=cache_doc, q_positions=slots), band=Band(window=6))
     o = _compare(q, k, v, ct, kw, 1e-4, BS16)
     assert float(jnp.abs(o[0]).max()) == 0.0  # a query that sees no key returns zeros
 
 
 def test_bfloat16_within_bf16_tolerance_of_float32_reference():
     q, k, v, ct = _inputs(1, 21, 21, 4, 1, 16, 16, dtype=jnp.bfloat16, seed=30)
-    _compare(q, k, v, ct, dict(window=9, segment_ids=_packed(1, 21, 6)), 2e-2, BS8)
+    _compare(q, k, v, ct, dict(band=Band(window=9), segment_ids=_packed(1, 21, 6)), 2e-2, BS8)
 
 
 # (B, T, S, H, G, causal, window, packed, own kv_decay, blocks): ragged T with GQA 2, a window and
@@ -97,7 +97,7 @@ def test_decay_matches_reference(case):
     q, k, v, ct = _inputs(B, T, S, H, G, 16, 8, seed=80)
     c = _decay(B, S, H, seed=81)
     decay, kv_decay = (c[:, S - T:], c) if cross else (c, None)
-    kw = dict(causal=causal, window=window, segment_ids=_packed(B, T, 82) if packed else None)
+    kw = dict(causal=causal, band=Band(window), segment_ids=_packed(B, T, 82) if packed else None)
     kernel = partial(flash_attention_tpu, block_sizes=blocks, interpret=True)
     got = jax.jit(partial(_with_decay, kernel, kw=kw))(q, k, v, decay, kv_decay, ct)
     want = jax.jit(partial(_with_decay, attention_reference, kw=kw))(q, k, v, decay, kv_decay, ct)
@@ -113,8 +113,8 @@ def test_decay_matches_reference(case):
 def test_band_matches_reference(case):
     """The GPU kernel's band cases (tests/kernels/test_attention_pallas.py) that reach the TPU kernel's
     own logic: sink blocks fetched and masked outside the window's range, per-head values by the head
-    program id, a span without a start bound, a prefill after a cache (the band itself is pallas.Band's,
-    shared)."""
+    program id, a span without a start bound, a prefill after a cache (the band itself is
+    pallas.KernelBand's, shared)."""
     compare_band(case, partial(flash_attention_tpu, interpret=True), BS16)
 
 
@@ -141,12 +141,12 @@ def test_lowers_for_tpu_through_mosaic():
     q, k = jnp.zeros((1, 1024, 2, 128), jnp.bfloat16), jnp.zeros((1, 1024, 1, 128), jnp.bfloat16)
     seg = jnp.zeros((1, 1024), jnp.int32)
     tpu = partial(flash_attention_tpu, interpret=False)
-    per_head = dict(window=(300, 2 ** 30), sinks=(0, 4), dilation=(1, 3), growth=0.5)
-    for query, kw in ((q, dict(window=300, segment_ids=seg, decay=jnp.zeros((1, 1024, 2)))),
-                      (q, dict(window=300, sinks=4, segment_ids=seg)), (q, per_head),
-                      (q[:, :3], dict(q_positions=jnp.arange(3)[None] + 50, segment_ids=seg[:, :3],
-                                      kv_segment_ids=seg, decay=jnp.zeros((1, 3, 2)),
-                                      kv_decay=jnp.zeros((1, 1024, 2))))):
+    per_head = dict(band=Band(window=(300, 2 ** 30), sinks=(0, 4), dilation=(1, 3), growth=0.5))
+    for query, kw in ((q, dict(band=Band(window=300), segment_ids=seg, decay=jnp.zeros((1, 1024, 2)))),
+                      (q, dict(band=Band(window=300, sinks=4), segment_ids=seg)), (q, per_head),
+                      (q[:, :3], dict(tokens=Tokens(q_positions=jnp.arange(3)[None] + 50, kv_segment_ids=seg,
+                                                    kv_decay=jnp.zeros((1, 1024, 2))),
+                                      segment_ids=seg[:, :3], decay=jnp.zeros((1, 3, 2))))):
         f = partial(_out_and_grads, partial(tpu, **kw), kw={})
         text = jax.jit(f).trace(query, k, k, query).lower(lowering_platforms=("tpu",)).as_text()
         assert text.count("tpu_custom_call") == 3

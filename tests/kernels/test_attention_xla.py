@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels.attention import attention, xla
+from kernels.attention import Band, CacheView, Tokens, attention, xla
 from kernels.attention.reference import attention_reference
 from tests.kernels.test_attention_pallas import CASES, _compare, _inputs, _out_and_grads, _packed
 from tests.util import assert_close
@@ -40,7 +40,8 @@ def compare(q, k, v, ct, kw, tol):
 def test_matches_reference(case, form):
     B, T, H, G, K, V, causal, window, packed = CASES[case]
     q, k, v, ct = _inputs(B, T, T, H, G, K, V)
-    compare(q, k, v, ct, dict(causal=causal, window=window, segment_ids=_packed(B, T, 5) if packed else None), 1e-4)
+    compare(q, k, v, ct, dict(causal=causal, band=Band(window), segment_ids=_packed(B, T, 5) if packed else None),
+            1e-4)
 
 
 def test_decode_style_call_against_a_cache(form):
@@ -49,8 +50,8 @@ def test_decode_style_call_against_a_cache(form):
     B, T, S, H, G, K = 2, 3, 40, 4, 2, 16
     q, k, v, ct = _inputs(B, T, S, H, G, K, K, seed=10)
     cache_doc = jnp.where(jnp.arange(S) < 23, jnp.array([[0], [1]]), -1).at[1, 22].set(2).at[1, 5:15].set(0)
-    kw = dict(segment_ids=jnp.array([[7, 7, 7], [1, 1, 2]], jnp.int32), kv_segment_ids=cache_doc,
-              q_positions=jnp.arange(20, 23, dtype=jnp.int32)[None], window=6)
+    kw = dict(segment_ids=jnp.array([[7, 7, 7], [1, 1, 2]], jnp.int32), band=Band(window=6),
+              tokens=Tokens(kv_segment_ids=cache_doc, q_positions=jnp.arange(20, 23, dtype=jnp.int32)[None]))
     o = compare(q, k, v, ct, kw, 1e-4)
     assert float(jnp.abs(o[0]).max()) == 0.0
 
@@ -58,13 +59,13 @@ def test_decode_style_call_against_a_cache(form):
 def test_one_query_against_a_long_cache_reads_only_written_blocks(form):
     """A decode step at slot 37 of a 100-slot cache: the blocked form skips the blocks past it."""
     q, k, v, ct = _inputs(2, 1, 100, 4, 1, 16, 16, seed=20)
-    compare(q, k, v, ct, dict(q_positions=jnp.array([[37], [37]], jnp.int32)), 1e-4)
+    compare(q, k, v, ct, dict(tokens=Tokens(q_positions=jnp.array([[37], [37]], jnp.int32))), 1e-4)
 
 
 def test_bfloat16(form):
     B, T, H, G, K, V, causal, window, _ = CASES["gqa4-window-packed-K8"]
     q, k, v, ct = _inputs(B, T, T, H, G, K, V, dtype=jnp.bfloat16, seed=30)
-    compare(q, k, v, ct, dict(causal=causal, window=window, segment_ids=_packed(B, T, 6)), 2e-2)
+    compare(q, k, v, ct, dict(causal=causal, band=Band(window), segment_ids=_packed(B, T, 6)), 2e-2)
 
 
 def test_auto_and_xla_take_the_xla_form_on_cpu_and_reference_the_reference():
@@ -82,14 +83,16 @@ def test_explicit_key_positions_in_any_order(form):
 
     q, k, v, ct = _inputs(1, 29, 29, 4, 2, 16, 16, seed=40)
     kp = jnp.asarray(np.random.default_rng(0).permutation(29), jnp.int32)[None]
-    compare(q, k, v, ct, dict(kv_positions=kp, q_positions=jnp.arange(29, dtype=jnp.int32)[None], window=11), 1e-4)
+    tokens = Tokens(kv_positions=kp, q_positions=jnp.arange(29, dtype=jnp.int32)[None])
+    compare(q, k, v, ct, dict(tokens=tokens, band=Band(window=11)), 1e-4)
 
 
 def test_keys_heads_first_are_the_same_call():
     q, k, v, _ = _inputs(2, 9, 9, 4, 2, 16, 16, seed=50)
-    heads_first = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), kv_heads_first=True, window=4)
+    heads_first = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), kv_heads_first=True,
+                            band=Band(window=4))
     for impl in ("reference", "xla"):
-        assert_close(attention(q, k, v, window=4, impl=impl), heads_first, 1e-5, impl)
+        assert_close(attention(q, k, v, band=Band(window=4), impl=impl), heads_first, 1e-5, impl)
 
 
 @pytest.mark.parametrize("T,window", [(1, None), (3, 6), (12, None)])
@@ -112,12 +115,12 @@ def test_attention_cached_reads_the_cache_before_the_step(T, window, monkeypatch
         write = lambda c, x: rows(1)(c, x.transpose(0, 2, 1, 3), index)  # row b's slots from index[b]
         seg = rows(0)(cache_doc, doc, index)
         return attention_reference(q, write(ck, k).transpose(0, 2, 1, 3), write(cv, v).transpose(0, 2, 1, 3),
-                                   segment_ids=doc, kv_segment_ids=seg, window=window,
-                                   q_positions=index[:, None] + jnp.arange(T)[None])
+                                   segment_ids=doc, band=Band(window),
+                                   tokens=Tokens(kv_segment_ids=seg, q_positions=index[:, None] + jnp.arange(T)[None]))
 
     def cached(q, k, v, impl):
-        return attention_cached(q, k, v, ck, cv, cache_length=index, segment_ids=doc,
-                                cache_segment_ids=cache_doc, window=window, impl=impl)
+        return attention_cached(q, k, v, CacheView(ck, cv, index, cache_doc), segment_ids=doc, band=Band(window),
+                                impl=impl)
 
     want = _out_and_grads(lambda q, k, v: reference(q, k, v), q, k, v, ct, kw={})
     for impl in ("xla", "reference"):
@@ -127,10 +130,10 @@ def test_attention_cached_reads_the_cache_before_the_step(T, window, monkeypatch
 
 
 SPARSE = {  # the masks of reference.py beyond the window: sinks, dilation, per head, growing spans
-    "sinks": dict(window=5, sinks=3),
-    "dilated": dict(window=4, dilation=3, sinks=1),
-    "per-head": dict(window=(3, 2 ** 30, 6, 2), sinks=(0, 2, 1, 4), dilation=(1, 1, 2, 4)),
-    "growth": dict(window=(2, 1, 3, 1), growth=(0.0, 0.5, 0.25, 1.0), sinks=(1, 0, 2, 0)),
+    "sinks": Band(window=5, sinks=3),
+    "dilated": Band(window=4, dilation=3, sinks=1),
+    "per-head": Band(window=(3, 2 ** 30, 6, 2), sinks=(0, 2, 1, 4), dilation=(1, 1, 2, 4)),
+    "growth": Band(window=(2, 1, 3, 1), growth=(0.0, 0.5, 0.25, 1.0), sinks=(1, 0, 2, 0)),
 }
 
 
@@ -141,7 +144,7 @@ def test_sparse_masks_match_reference(name, packed, form):
     window's range), packed documents (each with its own sinks)."""
     B, T, H, G, K = 2, 45, 4, 2, 16
     q, k, v, ct = _inputs(B, T, T, H, G, K, K, seed=60)
-    compare(q, k, v, ct, dict(SPARSE[name], segment_ids=_packed(B, T, 7) if packed else None), 1e-4)
+    compare(q, k, v, ct, dict(band=SPARSE[name], segment_ids=_packed(B, T, 7) if packed else None), 1e-4)
 
 
 def test_traced_per_head_masks_match_reference(form):
@@ -150,10 +153,12 @@ def test_traced_per_head_masks_match_reference(form):
     B, T, H, G, K = 2, 37, 4, 1, 16
     q, k, v, ct = _inputs(B, T, T, H, G, K, K, seed=61)
     seg = _packed(B, T, 8)
-    band = {n: jnp.asarray(x) for n, x in SPARSE["growth"].items()} | {"dilation": jnp.array([1, 2, 1, 3])}
+    growth = SPARSE["growth"]
+    band = dict(window=growth.window, sinks=growth.sinks, dilation=(1, 2, 1, 3), growth=growth.growth)
+    band = {n: jnp.asarray(x) for n, x in band.items()}
 
     def run(attn, q, k, v, ct, band):
-        return _out_and_grads(lambda q, k, v: attn(q, k, v, segment_ids=seg, **band), q, k, v, ct, kw={})
+        return _out_and_grads(lambda q, k, v: attn(q, k, v, segment_ids=seg, band=Band(**band)), q, k, v, ct, kw={})
 
     got = jax.jit(partial(run, xla.attention_xla))(q, k, v, ct, band)
     want = jax.jit(partial(run, attention_reference))(q, k, v, ct, band)
@@ -167,8 +172,8 @@ def test_sinks_with_explicit_key_positions(form):
 
     q, k, v, ct = _inputs(1, 40, 40, 4, 2, 16, 16, seed=62)
     kp = jnp.asarray(np.random.default_rng(1).permutation(40), jnp.int32)[None]
-    compare(q, k, v, ct, dict(kv_positions=kp, q_positions=jnp.arange(40, dtype=jnp.int32)[None], window=4,
-                              sinks=2, dilation=2), 1e-4)
+    compare(q, k, v, ct, dict(tokens=Tokens(kv_positions=kp, q_positions=jnp.arange(40, dtype=jnp.int32)[None]),
+                              band=Band(window=4, sinks=2, dilation=2)), 1e-4)
 
 
 @pytest.mark.parametrize("T", [1, 4, 30])
@@ -194,19 +199,19 @@ def test_attention_cached_on_a_ring_of_slots(T, monkeypatch):
     seg = jnp.zeros((B, T), jnp.int32).at[1, T // 2 + 1:].set(1)
     slots = index[:, None] + jnp.arange(T)[None]
     cpos = jnp.where(seg == 0, slots, slots - (index[:, None] + T // 2 + 1))  # positions in the document
-    band = dict(window=4, sinks=2, dilation=2)
+    band = Band(window=4, sinks=2, dilation=2)
 
     def reference(q, k, v):
         seen = (pos >= 0) & (pos < index[:, None])
         kp = jnp.concatenate([jnp.where(seen, pos, 10 ** 6), slots], 1)
         cat = lambda c, x: jnp.concatenate([c.transpose(0, 2, 1, 3), x], 1)
-        return attention_reference(q, cat(ck, k), cat(cv, v), segment_ids=seg,
-                                   kv_segment_ids=jnp.concatenate([doc, seg], 1), q_positions=slots, kv_positions=kp,
-                                   q_doc_positions=cpos, **band)
+        tokens = Tokens(kv_segment_ids=jnp.concatenate([doc, seg], 1), q_positions=slots, kv_positions=kp,
+                        q_doc_positions=cpos)
+        return attention_reference(q, cat(ck, k), cat(cv, v), segment_ids=seg, tokens=tokens, band=band)
 
     def cached(q, k, v):
-        return attention_cached(q, k, v, ck, cv, cache_length=index, segment_ids=seg, cache_segment_ids=doc,
-                                doc_positions=cpos, cache_positions=pos, impl="xla", **band)
+        return attention_cached(q, k, v, CacheView(ck, cv, index, doc, positions=pos), segment_ids=seg,
+                                doc_positions=cpos, band=band, impl="xla")
 
     want = jax.jit(partial(_out_and_grads, reference, kw={}))(q, k, v, ct)
     got = jax.jit(partial(_out_and_grads, cached, kw={}))(q, k, v, ct)

@@ -2,16 +2,18 @@
 attention probabilities, eq. 9's overlap weights, eq. 10's sum over a kv group, the forced initial
 and local blocks), exact causality, and the given-choice path equal to the op's own choice."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.nsa import nsa, nsa_select
+from kernels.nsa import NSASizes, nsa, nsa_select
 from tests.util import assert_close
 
 B, T, H, G, K = 2, 29, 4, 2, 8
-SIZES = dict(block_len=4, stride=2, select_len=4, num_selected=4, window=5)
+SIZES = NSASizes(block_len=4, stride=2, select_len=4, num_selected=4, window=5)
 
 
 def randn(seed, shape):
@@ -58,19 +60,17 @@ def brute_force_choice(q, kc, seg, *, block_len, stride, select_len, num_selecte
 
 def test_block_choice_matches_the_definition():
     q, k, v, kc, vc, gates, seg = inputs()
-    got = np.asarray(jax.jit(lambda q, kc, seg: nsa_select(q, kc, segment_ids=seg, **{
-        n: SIZES[n] for n in ("block_len", "stride", "select_len", "num_selected")}))(q, kc, seg))
-    want = brute_force_choice(q, kc, seg, **SIZES)
+    got = np.asarray(jax.jit(lambda q, kc, seg: nsa_select(q, kc, SIZES, segment_ids=seg))(q, kc, seg))
+    want = brute_force_choice(q, kc, seg, **dataclasses.asdict(SIZES))
     for index in np.ndindex(B, T, G):
         assert {int(n) for n in got[index] if n >= 0} == want[index], f"block choice at (b, t, g) = {index}"
 
 
 def test_causal_and_the_given_choice_equals_the_own():
     q, k, v, kc, vc, gates, seg = inputs()
-    run = jax.jit(lambda *a, selected=None: nsa(*a, **SIZES, segment_ids=seg, selected=selected))
+    run = jax.jit(lambda *a, selected=None: nsa(*a, SIZES, segment_ids=seg, selected=selected))
     o = run(q, k, v, kc, vc, gates)
-    sel = nsa_select(q, kc, segment_ids=seg, **{n: SIZES[n] for n in ("block_len", "stride", "select_len",
-                                                                      "num_selected")})
+    sel = nsa_select(q, kc, SIZES, segment_ids=seg)
     assert_close(run(q, k, v, kc, vc, gates, selected=sel), o, what="given choice")
     t0 = 17  # a change at t0 of every input leaves the outputs before t0 exactly as they were
     changed = [a.at[:, t0:].add(3.0) for a in (q, k, v, kc, vc, gates)]
@@ -81,6 +81,6 @@ def test_bad_arguments():
     x = jnp.zeros((1, 8, 2, 4))
     g = jnp.zeros((1, 8, 2, 3))
     with pytest.raises(ValueError, match="stride=3 must divide"):
-        nsa(x, x, x, x, x, g, **{**SIZES, "stride": 3})
+        nsa(x, x, x, x, x, g, dataclasses.replace(SIZES, stride=3))
     with pytest.raises(ValueError, match="num_selected=2"):
-        nsa(x, x, x, x, x, g, **{**SIZES, "num_selected": 2})
+        nsa(x, x, x, x, x, g, dataclasses.replace(SIZES, num_selected=2))

@@ -14,6 +14,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax._src.pallas.mosaic.interpret.race_detection_state import RaceDetectionState
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.attention import Band
 from kernels.attention.pallas_tpu import BlockSizes as AttentionBlocks
 from kernels.attention.pallas_tpu import flash_attention_tpu
 from kernels.delta_rule.pallas_tpu import BlockSizes as DeltaBlocks
@@ -43,7 +44,7 @@ def _cases():
     gla = lambda blocks: lambda *a: gla_pallas_tpu(*a[:4], segment_ids=SEG, initial_state=a[4], block_sizes=blocks,
                                                    interpret=True)
     return {  # kernel, its positional arguments (all differentiated)
-        "attention": (lambda *a: flash_attention_tpu(*a, segment_ids=SEG, window=9,
+        "attention": (lambda *a: flash_attention_tpu(*a, segment_ids=SEG, band=Band(window=9),
                                                      block_sizes=AttentionBlocks(*[8] * 6), interpret=True),
                       (q, k[:, :, :1], v[:, :, :1])),  # both query heads on one kv head
         "gla": (gla(GLABlocks(16, 8, 8)), (q, k, v, g, S0)),

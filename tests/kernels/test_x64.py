@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels.attention import attention
+from kernels.attention import Band, attention
 from kernels.delta_rule import delta_rule
 from kernels.gla import gla
 from kernels.linear_attention import linear_attention
@@ -82,7 +82,8 @@ def _inputs(op):
 def _call(op, x, **kw):
     """The op on inputs x with the packed row of documents (and its initial state); its outputs."""
     if op == "attention":
-        return (attention(x["q"], x["k"], x["v"], segment_ids=SEG[:B], window=9, sinks=2, dilation=(1, 2), **kw),)
+        band = Band(window=9, sinks=2, dilation=(1, 2))
+        return (attention(x["q"], x["k"], x["v"], segment_ids=SEG[:B], band=band, **kw),)
     kw |= {"segment_ids": SEG[:B], "output_final_state": True, "chunk_size": CHUNK}
     if op in ("ssd", "selective_scan"):
         return OPS[op](x["x"], x["dt"], x["A"], x["B"], x["C"], x["D"], initial_state=x["h0"], **kw)

@@ -39,7 +39,7 @@ def test_past_the_trained_context_a_window_of_the_trained_length_or_every_token(
     x = randn(3, (1, 20, 32))
     make = lambda **kw: Attention(32, num_heads=4, rngs=nnx.Rngs(0), **kw)
     window, full = make(max_seq_len=8), make(max_seq_len=8, long_context="full")
-    assert window.window == 8 and full.window is None and make(max_seq_len=8, window=4).window == 4
+    assert window.band.window == 8 and full.band.window is None and make(max_seq_len=8, window=4).band.window == 4
     assert_close(window(x), make(window=8)(x), 1e-6, "window vs a sliding window of 8")
     assert_close(window(x)[:, :8], full(x)[:, :8], 1e-6, "within the trained context")
     assert float(jnp.abs(window(x)[:, 8:] - full(x)[:, 8:]).max()) > 1e-3
@@ -137,7 +137,7 @@ def test_head_masks_are_checked():
     # the trained context narrows each head's span, the ring follows; a growing head keeps the full cache
     narrowed = make(head_masks=(HeadMask(64), HeadMask(4, dilation=8), HeadMask(None), HeadMask(2, sinks=1)),
                     max_seq_len=16)
-    assert narrowed.window == (16, 2, 16, 2) and narrowed.ring is None  # a head without its own window: full
-    assert make(window=64, dilation=4, max_seq_len=16).window == 4
+    assert narrowed.band.window == (16, 2, 16, 2) and narrowed.ring is None  # a head without its own window: full
+    assert make(window=64, dilation=4, max_seq_len=16).band.window == 4
     assert make(window=64, max_seq_len=16).ring == (0, 16 + 16)
     assert make(head_masks=(HeadMask(4, growth=0.5),) * 4).grows_with_context

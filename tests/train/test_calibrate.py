@@ -91,7 +91,7 @@ def test_calibrated_run_decodes(tmp_path, monkeypatch):
     out = tmp_path / "run" / "calibrated.yaml"
     assert yaml.safe_load(out.read_text())["model"]["layer_pattern"] == heads
     cfg, model, _ = load_model(tmp_path / "run", config=out)
-    assert model.blocks[0].mixer.window is not None  # the masks are in force
+    assert model.blocks[0].mixer.band.window is not None  # the masks are in force
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     new = generate(model, [prompt], max_new_tokens=7, temperature=0.0)[0]
     logits = model(jnp.asarray([prompt + new]))  # the full pass agrees with every decoded token
