@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import print_table, save_json
-from train.calibrate import Mask, _arrays, attention_layers, calibrate, uniform
+from train.calibrate import Mask, attention_layers, calibrate, mask_arrays, uniform
 from train.prepare import prepare
 from train.tasks import TaskBatches
 from zoo.checkpoint import load_model
@@ -78,7 +78,7 @@ def recalls(cfg, batches: int, seed: int) -> dict:
 def copy_accuracy(graphdef, state, masks, tests) -> dict:
     acc = {}
     for d, (x, at, target) in tests.items():
-        pred = np.asarray(_predict(graphdef, state, _arrays(masks), jnp.asarray(x)))
+        pred = np.asarray(_predict(graphdef, state, mask_arrays(masks), jnp.asarray(x)))
         hit = pred[:, at] == target if target.ndim == 2 else pred[np.arange(len(at)), at] == target  # text: (rows, n)
         acc[d] = float(hit.mean())
     return acc

@@ -87,7 +87,7 @@ def density(m: Mask, L: int) -> float:
     return float(np.asarray(seen).sum()) / (L * (L + 1) / 2)
 
 
-def _arrays(masks) -> dict:
+def mask_arrays(masks) -> dict:
     """masks[layer][head] -> the four (layers, heads) arrays the kernels take."""
     field = lambda f, dtype: np.array([[f(m) for m in layer] for layer in masks], dtype)
     return dict(window=field(lambda m: NONE if m.window is None else m.window, np.int32),
@@ -128,7 +128,7 @@ class Evaluator:
         self.num_layers = len(attention_layers(model))
 
     def __call__(self, masks) -> tuple[float, float]:
-        arrays = _arrays(masks)
+        arrays = mask_arrays(masks)
         total = correct = weight = 0.0
         for b in self.batches:
             s, c = _losses(self.graphdef, self.state, arrays, b["x"], b["y"], b["mask"])
