@@ -27,7 +27,7 @@ from flax import nnx
 
 from benchmarks.common import print_table, save_json
 from train import optim
-from train.loop import make_train_step
+from train.step import make_train_step
 from zoo import LanguageModel
 from zoo.config import from_dict
 

@@ -6,8 +6,8 @@ of parameters and optimiser state that each device holds.
 The 8 "devices" are XLA's host-platform devices sharing this machine's cores, so the tokens/s show
 the cost of partitioning (collectives, smaller per-device matmuls), not a speedup: on real devices
 each would bring its own compute. Each row builds the model with the loop's own pieces
-(train.loop.init_state, batch_placer, make_train_step), compiles the step, then times `--steps`
-steps (median). Bytes: the largest per-device total of the parameters' and the optimiser state's
+(zoo.sharding.init_state and batch_placer, train.step.make_train_step), compiles the step, then
+times `--steps` steps (median). Bytes: the largest per-device total of the parameters' and the optimiser state's
 shards; "one" holds everything.
 """
 
@@ -18,10 +18,10 @@ import jax
 
 from benchmarks.common import print_table, save_json
 from train import optim
-from train.loop import batch_placer, init_state, make_train_step
 from train.prepare import prepare
+from train.step import make_train_step
 from zoo.config import MeshConfig, from_dict
-from zoo.sharding import as_numpy, bytes_per_device, describe, make_mesh
+from zoo.sharding import as_numpy, batch_placer, bytes_per_device, describe, init_state, make_mesh
 
 MESHES = {
     "transformer": ["one", "data=8", "fsdp=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2", "tensor=4 data=2"],

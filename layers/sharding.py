@@ -18,9 +18,10 @@ Every layer writes a parameter's logical axes where it makes the parameter, as m
 (and shards once it names its axes). The key is `axes`, not flax's `out_sharding`: flax shards a
 variable with `out_sharding` eagerly when it is made, which needs a mesh in context and mesh-axis
 names, whereas these are logical names that `LOGICAL_TO_MESH` maps when the mesh is known
-(zoo/sharding.py). The scheme is Megatron's for `tensor` (projections into heads split by columns,
-out of heads by rows, so each block needs one all-reduce) and ZeRO-3's for `fsdp` (every weight
-sharded over the model width and gathered when used).
+(zoo/sharding.py, which also holds the mesh's axes and the placement of batches). This file holds
+only what a layer needs to declare its axes. The scheme is Megatron's for `tensor` (projections into
+heads split by columns, out of heads by rows, so each block needs one all-reduce) and ZeRO-3's for
+`fsdp` (every weight sharded over the model width and gathered when used).
 
 `constrain` is the activation hint layers use; it is a no-op without a multi-device mesh in
 context (`jax.set_mesh`), so single-device code traces exactly as before.
@@ -29,7 +30,6 @@ context (`jax.set_mesh`), so single-device code traces exactly as before.
 import jax
 from jax.sharding import PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")  # outermost (slowest links) first
 LOGICAL_TO_MESH = {
     "batch": ("data", "fsdp", "expert"),
     "embed": ("fsdp",),
@@ -39,9 +39,6 @@ LOGICAL_TO_MESH = {
     "vocab": ("tensor",),
     "expert": ("expert",),
 }
-# Split only where the mesh axis divides them, else kept whole: MQA's single key/value head is
-# copied to every tensor rank (as Megatron and vLLM do) rather than making tensor parallelism an error.
-WHOLE_WHEN_INDIVISIBLE = {"kv_heads"}
 COLUMNS, ROWS = ("embed", "heads"), ("heads", "embed")  # (D, H*K) into heads, (H*V, D) out of heads
 
 

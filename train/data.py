@@ -2,7 +2,8 @@
 
 Batches are a pure function of (seed, step): a resumed run sees exactly the batches it would have
 seen. A split's stream is its shards one after another, read window by window (os.pread, NpyFile), so
-a run's memory does not grow with the corpus; a host of a multi-process run reads only its rows.
+a run's memory does not grow with the corpus; a host of a multi-process run reads only its rows
+(zoo.sharding.batch_placer says which).
 """
 
 import os
@@ -116,9 +117,3 @@ class Batches:
         """The i-th validation batch: the same windows at every evaluation."""
         return self._windows(self.val, np.random.default_rng([self.seed, 1, i]), batch_size, rows)
 
-
-def process_rows(sharding, shape: tuple, axis: int) -> np.ndarray:
-    """Indices along `axis` of a global array of `shape` that this process's devices hold under
-    `sharding`, ascending: the rows this host reads (all of them with one process)."""
-    held = sharding.addressable_devices_indices_map(shape).values()
-    return np.unique(np.concatenate([np.arange(shape[axis])[index[axis]] for index in held]))

@@ -1,5 +1,9 @@
-"""A LanguageModel over a device mesh: the mesh from `train.mesh`, the logical axes every parameter
-carries, and the NamedShardings that follow from them.
+"""A LanguageModel over a device mesh, all of it in one place: the mesh from `train.mesh`, the
+NamedShardings of the parameters (from the logical axes each one carries) and of the optimiser state
+(from its parameters'), and the placement of batches (rows split over the batch axes, each process
+reading only its own rows). The training loop asks for three things (`make_mesh`, `init_state`,
+`batch_placer`); zoo/checkpoint.py loads a model onto any mesh with `init_on_mesh` (so infer
+decodes on one), and `make_mesh` builds a mesh for whoever asks (train, infer, benchmarks, tests).
 
 Everything runs through JAX's own SPMD machinery: arrays carry a `NamedSharding` over a `Mesh`, the
 jitted step is partitioned by XLA (GSPMD) from those shardings and the hints of
@@ -10,7 +14,7 @@ layers/sharding.py); `LOGICAL_TO_MESH` there maps the names to mesh axes. A para
 is replicated, so a new kind trains on any mesh with no edit here. Non-parameter state (MoE's router
 bias, Performer features, random-number counters) is small and replicated. An annotation of the
 wrong rank is an error naming the parameter; so is a mesh axis that does not divide the dimension
-it shards, or a mesh whose size is not the device count.
+it shards, a mesh whose size is not the device count, or a batch whose rows do not split over it.
 """
 
 import dataclasses
@@ -21,8 +25,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from layers.sharding import LOGICAL_TO_MESH, MESH_AXES, WHOLE_WHEN_INDIVISIBLE
-from zoo.config import MeshConfig
+from layers.sharding import LOGICAL_TO_MESH
+from zoo.config import Config, MeshConfig
+from zoo.model import LanguageModel
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # outermost (slowest links) first
+# Split only where the mesh axis divides them, else kept whole: MQA's single key/value head is
+# copied to every tensor rank (as Megatron and vLLM do) rather than making tensor parallelism an error.
+WHOLE_WHEN_INDIVISIBLE = {"kv_heads"}
 
 
 def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
@@ -121,11 +131,60 @@ def shardings_like_params(tree, param_shardings, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
+def init_state(cfg: Config, tx, mesh: Mesh):
+    """(graphdef, params, rest, opt_state, shardings) of a new run of `cfg` with optimiser `tx` on
+    `mesh`. The model and the optimiser state are made inside jit with the parameters' shardings as
+    outputs, so no device ever holds more than its shards; `shardings` = NamedShardings of (params,
+    rest, opt_state)."""
+    graphdef, params, rest, (param_sh, rest_sh) = init_on_mesh(
+        lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), mesh)
+    opt_sh = shardings_like_params(jax.eval_shape(tx.init, params), param_sh, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    return graphdef, params, rest, opt_state, (param_sh, rest_sh, opt_sh)
+
+
 def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0) -> NamedSharding:
     """Rows (dimension `axis`) split over the batch axes data, fsdp and expert; the rest whole."""
     spec = [None] * ndim
     spec[axis] = tuple(a for a in LOGICAL_TO_MESH["batch"] if mesh.shape[a] > 1) or None
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def process_rows(sharding, shape: tuple, axis: int) -> np.ndarray:
+    """Indices along `axis` of a global array of `shape` that this process's devices hold under
+    `sharding`, ascending: the rows this host reads (all of them with one process)."""
+    held = sharding.addressable_devices_indices_map(shape).values()
+    return np.unique(np.concatenate([np.arange(shape[axis])[index[axis]] for index in held]))
+
+
+def batch_placer(cfg: Config, mesh: Mesh):
+    """(train_batch(batches, step), val_batch(batches, i)): global arrays of the step's batch as
+    (micro_batches, b, T), and of the i-th validation batch as (B, T), rows split over the batch
+    axes, of which this process reads only its own. `batches` is a source of numpy batches with
+    `train_batch(step, batch_size, rows=)` and `val_batch(i, batch_size, rows=)` (train/data.py,
+    train/tasks.py). ValueError, before any work, if a micro-batch does not split over the mesh."""
+    t = cfg.train
+    k, micro = t.grad_accum, t.batch_size // t.grad_accum
+    split = math.prod(mesh.shape[a] for a in LOGICAL_TO_MESH["batch"])
+    if micro % split:
+        raise ValueError(f"train.batch_size: {t.batch_size} rows (train.grad_accum={k} micro-batches of {micro}) "
+                         f"do not split over the batch axes of train.mesh ({describe(mesh)}: data x fsdp x expert "
+                         f"= {split} devices); use a micro-batch that is a multiple of {split}")
+    train_sh, val_sh = batch_sharding(mesh, 3, axis=1), batch_sharding(mesh, 2)
+    local = process_rows(train_sh, (k, micro, t.seq_len), axis=1)
+    rows = (np.arange(k)[:, None] * micro + local).reshape(-1)  # this process's rows of the whole batch
+    val_rows = process_rows(val_sh, (t.batch_size, t.seq_len), axis=0)
+
+    def train_batch(batches, step: int) -> dict:
+        b = batches.train_batch(step, t.batch_size, rows=rows)
+        return {n: jax.make_array_from_process_local_data(train_sh, v.reshape(k, len(local), t.seq_len),
+                                                          (k, micro, t.seq_len)) for n, v in b.items()}
+
+    def val_batch(batches, i: int) -> dict:
+        b = batches.val_batch(i, t.batch_size, rows=val_rows)
+        return {n: jax.make_array_from_process_local_data(val_sh, v, (t.batch_size, t.seq_len)) for n, v in b.items()}
+
+    return train_batch, val_batch
 
 
 def bytes_per_device(tree) -> dict:

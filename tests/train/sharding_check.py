@@ -25,11 +25,12 @@ import jax
 from infer import generate
 from tests.zoo import toy_kind
 from train import optim
-from train.loop import batch_placer, init_state, make_train_step, run
+from train.loop import run
 from train.prepare import prepare
+from train.step import make_train_step
 from zoo.checkpoint import load_model
 from zoo.config import MeshConfig, from_dict
-from zoo.sharding import as_numpy, bytes_per_device, make_mesh
+from zoo.sharding import as_numpy, batch_placer, bytes_per_device, init_state, make_mesh
 
 MIXERS = {"transformer": {"kind": "attention", "num_heads": 4}, "gla": {"kind": "gla", "num_heads": 4},
           "mamba": {"kind": "mamba", "state_size": 4}, "moe": {"kind": "attention", "num_heads": 4},

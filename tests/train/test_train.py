@@ -16,8 +16,9 @@ from flax import nnx
 from infer.__main__ import main as infer_main
 from train import optim
 from train.data import segment_ids
-from train.loop import make_train_step, run
+from train.loop import run
 from train.prepare import prepare
+from train.step import make_train_step
 from zoo.checkpoint import load_model
 from zoo.config import from_dict, to_dict
 from zoo.model import LanguageModel
@@ -157,7 +158,7 @@ def test_sigterm_writes_a_checkpoint_before_exit(tmp_path):
 
 
 def test_performer_features_are_redrawn_as_a_function_of_step(tmp_path):
-    from train.loop import redraw_features
+    from train.step import redraw_features
 
     cfg = from_dict({"model": {"d_model": 32, "num_layers": 1, "mixer": {"kind": "linear_attention",
                                                                          "feature_map": "performer"}}})

@@ -9,12 +9,11 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from layers.sharding import MESH_AXES
 from zoo import load_config
 from zoo.config import MeshConfig, from_dict
 from zoo.model import LanguageModel
 from zoo.registry import FFNS, MIXERS
-from zoo.sharding import logical_axes, make_mesh, partition_spec
+from zoo.sharding import MESH_AXES, logical_axes, make_mesh, partition_spec
 
 CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
 # Options that add parameters beyond a kind's defaults.

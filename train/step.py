@@ -1,0 +1,91 @@
+"""The jitted computations of training: the forward pass with its losses, the train step (gradient
+accumulation over micro-batches, the optimiser update), the evaluation step, and the redraw of
+random features. Pure functions of (graphdef, params, rest, ...), so train/loop.py, benchmarks and
+tests build the same step.
+
+Layers report training-time losses and metrics by sowing nnx.Intermediate values (MoE: its balance
+and z losses, loads, drops); `aux_loss` entries are added to the loss. Non-parameter state that a
+layer updates in training (MoE's balancing bias) comes back as the new `rest`.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+def _sown_metrics(model) -> dict:
+    """The values the layers sowed, by `<sow name>_<metric>`, stacked over layers: (layers, ...)."""
+    sown = nnx.to_pure_dict(nnx.pop(model, nnx.Intermediate))
+    out = {}
+    for path, value in jax.tree_util.tree_leaves_with_path(sown):  # .../<sow name>/<call>/<metric>
+        names = [p.key for p in path if isinstance(getattr(p, "key", None), str)]
+        out.setdefault(f"{names[-2]}_{names[-1]}", []).append(value)
+    return {k: jnp.stack(v) for k, v in out.items()}
+
+
+def forward(graphdef, params, rest, batch, train: bool):
+    """One batch: (sum of token losses, counted tokens, correctly predicted tokens (argmax), aux loss,
+    layer metrics, new rest). Early exits add their weighted mean losses to `aux` and report them as
+    `exit<l>_loss`."""
+    model = nnx.merge(graphdef, params, rest, copy=True)  # copy: layers may write state under grad
+    model.train() if train else model.eval()
+    logits, hidden = model(batch["x"], segment_ids=batch.get("segment_ids"), return_exits=True)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    layer_metrics = _sown_metrics(model)
+    aux = sum((jnp.sum(v) for k, v in layer_metrics.items() if k.endswith("_aux_loss")), jnp.float32(0))
+    for j, (h, w) in enumerate(zip(hidden, model.cfg.exits.weights if hidden else ())):  # early exits
+        exit_ce = optax.softmax_cross_entropy_with_integer_labels(model.exit_logits(j, h), batch["y"])
+        layer_metrics[f"exit{model.exit_layers[j]}_loss"] = jnp.sum(exit_ce * batch["mask"]) / jnp.sum(batch["mask"])
+        aux = aux + w * layer_metrics[f"exit{model.exit_layers[j]}_loss"]
+    new_rest = nnx.state(model, nnx.Not(nnx.Param))
+    correct = jnp.sum((jnp.argmax(logits, axis=-1) == batch["y"]) * batch["mask"])
+    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), correct, aux, layer_metrics, new_rest
+
+
+def make_train_step(graphdef, tx, out_shardings=None):
+    """step(params, rest, opt_state, batch) with batch leaves shaped (micro_batches, b, T).
+    `out_shardings` (params, rest, opt_state, metrics) keeps a sharded state where it was.
+
+    Gradients of the summed token loss (plus each micro-batch's aux loss weighted by its tokens) are
+    accumulated over micro-batches and divided by the total token count once, so k micro-batches
+    give the gradient of one batch k times larger. `rest` (e.g. MoE biases) updates per micro-batch."""
+    def step(params, rest, opt_state, batch):
+        def objective(p, r, b):
+            loss_sum, count, _, aux, layer_metrics, r = forward(graphdef, p, r, b, train=True)
+            return loss_sum + aux * count, (loss_sum, count, layer_metrics, r)
+
+        def micro(acc, b):
+            loss_sum, count, layer_metrics, grads, r = acc
+            (_, (ls, n, lm, r)), g = jax.value_and_grad(objective, has_aux=True)(params, r, b)
+            lm = jax.tree.map(jnp.add, layer_metrics, lm)
+            return (loss_sum + ls, count + n, lm, jax.tree.map(jnp.add, grads, g), r), None
+
+        k = jax.tree.leaves(batch)[0].shape[0]
+        shapes = jax.eval_shape(lambda: forward(graphdef, params, rest, jax.tree.map(lambda x: x[0], batch), True))
+        zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[4]),
+                 jax.tree.map(jnp.zeros_like, params), rest)
+        (loss_sum, count, layer_metrics, grads, rest), _ = jax.lax.scan(micro, zeros, batch)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        loss, grad_norm = loss_sum / count, optax.tree.norm(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+                   "layers": jax.tree.map(lambda x: x / k, layer_metrics)}
+        return optax.apply_updates(params, updates), rest, opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 2), out_shardings=out_shardings)
+
+
+def make_eval_step(graphdef, out_shardings=None):
+    """evaluate(params, rest, batch) -> (sum of token losses, counted tokens, correct tokens) of a
+    (B, T) batch, in evaluation mode."""
+    return jax.jit(lambda p, r, b: forward(graphdef, p, r, b, train=False)[:3], out_shardings=out_shardings)
+
+
+def redraw_features(graphdef, params, rest, key):
+    """New random features in every layer that has them (Performer); returns the new `rest`."""
+    model = nnx.merge(graphdef, params, rest, copy=True)  # leave the caller's `rest` untouched
+    found = [m for _, m in nnx.iter_modules(model) if getattr(m, "feature_map", None) == "performer"]
+    for i, m in enumerate(found):
+        m.redraw_features(jax.random.fold_in(key, i))
+    return nnx.split(model, nnx.Param, ...)[2]
