@@ -54,9 +54,7 @@ quantized and read dequantized (layers/quant.py): a quarter of float32's bytes p
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, Int8
 
@@ -64,12 +62,13 @@ from kernels import check_impl
 from kernels.attention import Band, CacheView, attention, attention_cached, write_rows
 from kernels.segments import document_index, positions_in_document
 from layers.linear import project
+from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.quant import quantize_rows
 from layers.rotary import RopeScaling, apply_rotary
-from layers.shapes import check_input, head_shape
+from layers.shapes import head_shape
 from layers.sharding import axes, constrain
-from layers.state import check_steps, rollback, state
+from layers.state import cache_counters, empty_cache, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +132,7 @@ def _head_masks(H: int, window, sinks: int, dilation: int, head_masks, ring_spar
     return list(head_masks)
 
 
-class Attention(nnx.Module):
+class Attention(SequenceMixer):
     grows_with_context = True  # the KV cache holds max_len slots (every other mixer's state is fixed)
     kv_cache = None  # the cache's storage, read by init_state: None (compute dtype) or "int8"
 
@@ -208,7 +207,7 @@ class Attention(nnx.Module):
                              "the running length, which this layer cannot match); keep within it")
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
-        check_input(x, self.d_model, segment_ids, "Attention")
+        self._check(x, segment_ids)
         B, T, _ = x.shape
         self._check_length(T, "a sequence")
         positions = positions_in_document(segment_ids, B, T)
@@ -221,15 +220,13 @@ class Attention(nnx.Module):
         self._check_length(max_len, "a KV cache")
         max_len = max_len if self.ring is None else sum(self.ring)
         shape = (batch_size, self.num_kv_heads, max_len, self.head_dim)
-        zeros = jnp.zeros((batch_size,), jnp.int32)
         if self.kv_cache not in (None, "int8"):
             raise ValueError(f"Attention.kv_cache={self.kv_cache!r}; expected None or 'int8'")
         int8 = self.kv_cache == "int8"
         scale = (lambda: jnp.zeros((*shape[:3], 1), jnp.float32)) if int8 else (lambda: None)
         return KVCache(k=jnp.zeros(shape, jnp.int8 if int8 else self.dtype),
                        v=jnp.zeros(shape, jnp.int8 if int8 else self.dtype),
-                       doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros,
-                       index=zeros, k_scale=scale(), v_scale=scale(),
+                       **empty_cache(batch_size, max_len), k_scale=scale(), v_scale=scale(),
                        token_index=None if self.ring is None else jnp.full((batch_size, max_len), -1, jnp.int32))
 
     def decode(self, x: Float[Array, "B T D"], cache: KVCache, *, segment_ids: Int[Array, "B T"] | None = None,
@@ -237,16 +234,13 @@ class Attention(nnx.Module):
         """steps=True returns the cache after every token, for `rollback` (layers/state.py): index, pos
         and cur_doc per step, (T, B); the slots as written, since a rolled-back row masks the slots
         past its index as unwritten and its next decode overwrites them (a ring buffer: T <= ring_spare)."""
-        check_input(x, self.d_model, segment_ids, "Attention.decode")
-        check_steps(steps, segment_ids, "Attention.decode")
+        self._check(x, segment_ids, steps)
         B, T, _ = x.shape
-        S = cache.k.shape[2]
         if steps and self.ring is not None and T > self.ring_spare:
             raise ValueError(f"Attention.decode: steps=True over {T} tokens needs ring_spare >= {T} (it is "
                              f"{self.ring_spare}): a rollback would miss the window's tokens those slots held")
-        if self.ring is None and not isinstance(cache.index, jax.core.Tracer) \
-                and (n := int(np.max(cache.index))) + T > S:
-            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
+        if self.ring is None:
+            self._check_room(cache.index, T, cache.k.shape[2])
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = document_index(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v = self._qkv(x, positions)
@@ -266,11 +260,8 @@ class Attention(nnx.Module):
         (k, k_scale), (v, v_scale) = (_store(a, cache.k_scale is not None) for a in (k, v))
         slots = dict(k=write(cache.k, k), v=write(cache.v, v), doc=write_doc, token_index=token_index,
                      k_scale=write(cache.k_scale, k_scale), v_scale=write(cache.v_scale, v_scale))
-        if steps:
-            after = jnp.arange(1, T + 1, dtype=jnp.int32)[:, None]  # (T, 1)
-            return self._out(o), KVCache.stepped(**slots, cur_doc=doc.T, pos=(positions + 1).T,
-                                                 index=cache.index + after)  # (T, B) each
-        return self._out(o), KVCache(**slots, cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
+        counters = cache_counters(cache.index, doc, positions, steps)
+        return self._out(o), (KVCache.stepped if steps else KVCache)(**slots, **counters)
 
     def _ring_slots(self, index, positions, doc):
         """(B, T) the ring buffer's slot of each new token: the last document's tokens at positions
@@ -283,6 +274,3 @@ class Attention(nnx.Module):
         sink = (positions < n) & (doc == doc[:, -1:])
         in_ring = (positions >= n) & (t >= T - L)
         return jnp.where(sink, positions, jnp.where(in_ring, n + (index[:, None] + t) % L, n + L))
-
-    def rollback(self, stepped: KVCache, drop: Int[Array, " B"]) -> KVCache:
-        return rollback(stepped, drop)

@@ -29,7 +29,6 @@ a row never reads past its index) and takes c_last per step.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -38,11 +37,12 @@ from kernels.attention import CacheView, attention, attention_cached, write_rows
 from kernels.segments import document_index, positions_in_document
 from layers.attention import KVCache
 from layers.linear import project
+from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.rotary import apply_rotary
-from layers.shapes import check_input, head_shape
+from layers.shapes import head_shape
 from layers.sharding import axes, constrain
-from layers.state import check_steps, rollback, state
+from layers.state import cache_counters, empty_cache, per_token, state
 
 
 @state(final=("k", "v", "doc", "k_scale", "v_scale", "c"))
@@ -52,7 +52,7 @@ class FoXCache(KVCache):
     c_last: Float[Array, "B H"] | None = None  # (B, H) float32: c after the row's last token
 
 
-class ForgettingAttention(nnx.Module):
+class ForgettingAttention(SequenceMixer):
     """Args: num_heads, num_kv_heads (None = num_heads; GQA/MQA below it), head_dim (None = d_model /
     num_heads), rope_base (None = no positional encoding, as FoX), qk_norm, output_norm, output_gate
     (the Pro block's parts), norm_eps, impl ("auto" | "reference" | "xla" | "pallas"; the attention op's:
@@ -103,7 +103,7 @@ class ForgettingAttention(nnx.Module):
         return project(o.reshape(B, T, H * K), self.wo[...].astype(self.dtype).reshape(H * K, -1))  # (B, T, D)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
-        check_input(x, self.d_model, segment_ids, "ForgettingAttention")
+        self._check(x, segment_ids)
         B, T, _ = x.shape
         q, k, v, c = self._project(x, positions_in_document(segment_ids, B, T),
                                    jnp.zeros((B, self.num_heads), jnp.float32))
@@ -112,9 +112,8 @@ class ForgettingAttention(nnx.Module):
 
     def init_state(self, batch_size: int, max_len: int) -> FoXCache:
         shape = (batch_size, self.num_kv_heads, max_len, self.head_dim)
-        zeros = jnp.zeros((batch_size,), jnp.int32)
         return FoXCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
-                        doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros, index=zeros,
+                        **empty_cache(batch_size, max_len),
                         c=jnp.zeros((batch_size, self.num_heads, max_len), jnp.float32),
                         c_last=jnp.zeros((batch_size, self.num_heads), jnp.float32))
 
@@ -122,12 +121,9 @@ class ForgettingAttention(nnx.Module):
                steps: bool = False):
         """steps=True returns the cache after every token, for `rollback`: index, pos, cur_doc and c_last
         per step, (T, B, ...); the slots as written."""
-        check_input(x, self.d_model, segment_ids, "ForgettingAttention.decode")
-        check_steps(steps, segment_ids, "ForgettingAttention.decode")
+        self._check(x, segment_ids, steps)
         B, T, _ = x.shape
-        S = cache.k.shape[2]
-        if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > S:
-            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
+        self._check_room(cache.index, T, cache.k.shape[2])
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = document_index(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v, c = self._project(x, positions, cache.c_last)
@@ -137,12 +133,6 @@ class ForgettingAttention(nnx.Module):
         write = lambda a, new: write_rows(a, new.transpose(0, 2, 1, 3), cache.index, 2)  # (B, T, G, K) as (B, G, T, K)
         slots = dict(k=write(cache.k, k), v=write(cache.v, v), doc=write_rows(cache.doc, doc, cache.index, 1),
                      c=write_rows(cache.c, c.transpose(0, 2, 1), cache.index, 2), k_scale=None, v_scale=None)
-        if steps:
-            after = jnp.arange(1, T + 1, dtype=jnp.int32)[:, None]  # (T, 1)
-            return self._out(o, x), FoXCache.stepped(**slots, cur_doc=doc.T, pos=(positions + 1).T,  # (T, B, ...)
-                                                     index=cache.index + after, c_last=c.transpose(1, 0, 2))
-        return self._out(o, x), FoXCache(**slots, cur_doc=doc[:, -1], pos=positions[:, -1] + 1,
-                                         index=cache.index + T, c_last=c[:, -1])
-
-    def rollback(self, stepped: FoXCache, drop: Int[Array, " B"]) -> FoXCache:
-        return rollback(stepped, drop)
+        counters = cache_counters(cache.index, doc, positions, steps)
+        return self._out(o, x), (FoXCache.stepped if steps else FoXCache)(**slots, **counters,
+                                                                           c_last=per_token(c, steps))

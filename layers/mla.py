@@ -40,9 +40,7 @@ kv_a_proj_with_mqa is them side by side); no biases. Parameters carry their logi
 heads over `tensor`, the model width over `fsdp`, the latents whole.
 """
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -50,11 +48,11 @@ from kernels import check_impl
 from kernels.attention import Band, CacheView, attention, attention_cached, write_rows
 from kernels.segments import document_index, positions_in_document
 from layers.linear import project
+from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.rotary import apply_rotary
-from layers.shapes import check_input
 from layers.sharding import axes, constrain
-from layers.state import check_steps, rollback, state
+from layers.state import cache_counters, empty_cache, state
 
 
 # A stepped cache keeps its slots once (final): a row never reads past its index.
@@ -71,7 +69,7 @@ class LatentCache:
         return jnp.any(self.index > self.kv.shape[1])
 
 
-class MultiHeadLatentAttention(nnx.Module):
+class MultiHeadLatentAttention(SequenceMixer):
     grows_with_context = True  # the cache holds max_len slots, of L + R numbers each
 
     def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None,
@@ -144,7 +142,7 @@ class MultiHeadLatentAttention(nnx.Module):
         return project(o.reshape(B, T, H * V), self._w(self.wo).reshape(H * V, -1))  # (B, T, D)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
-        check_input(x, self.d_model, segment_ids, "MultiHeadLatentAttention")
+        self._check(x, segment_ids)
         B, T, _ = x.shape
         x, positions = x.astype(self.dtype), positions_in_document(segment_ids, B, T)
         qc, qr = self._queries(x, positions)
@@ -155,20 +153,17 @@ class MultiHeadLatentAttention(nnx.Module):
         return self._out(o)
 
     def init_state(self, batch_size: int, max_len: int) -> LatentCache:
-        zeros = jnp.zeros((batch_size,), jnp.int32)
         return LatentCache(kv=jnp.zeros((batch_size, max_len, self.kv_lora_rank + self.rope_dim), self.dtype),
-                           doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros, index=zeros)
+                           **empty_cache(batch_size, max_len))
 
     def decode(self, x: Float[Array, "B T D"], cache: LatentCache, *, segment_ids: Int[Array, "B T"] | None = None,
                steps: bool = False):
         """Absorbed (self.absorb) or naive decode; steps=True returns the cache after every token, for
         `rollback`, as layers/attention.py does (index, pos, cur_doc per step; the slots as written)."""
-        check_input(x, self.d_model, segment_ids, "MultiHeadLatentAttention.decode")
-        check_steps(steps, segment_ids, "MultiHeadLatentAttention.decode")
+        self._check(x, segment_ids, steps)
         B, T, _ = x.shape
-        S, L = cache.kv.shape[1], self.kv_lora_rank
-        if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > S:
-            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
+        L = self.kv_lora_rank
+        self._check_room(cache.index, T, cache.kv.shape[1])
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = cache.cur_doc[:, None] + document_index(segment_ids, B, T)  # (B, T)
         x = x.astype(self.dtype)
@@ -187,11 +182,5 @@ class MultiHeadLatentAttention(nnx.Module):
                                  view(ck.transpose(0, 2, 1, 3), cv.transpose(0, 2, 1, 3)), **masks)
         # Written after the read: XLA then updates the cache in place.
         slots = dict(kv=write_rows(cache.kv, new, cache.index, 1), doc=write_rows(cache.doc, doc, cache.index, 1))
-        if steps:
-            after = jnp.arange(1, T + 1, dtype=jnp.int32)[:, None]  # (T, 1)
-            return self._out(o), LatentCache.stepped(**slots, cur_doc=doc.T, pos=(positions + 1).T,
-                                                     index=cache.index + after)  # (T, B) each
-        return self._out(o), LatentCache(**slots, cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
-
-    def rollback(self, stepped: LatentCache, drop: Int[Array, " B"]) -> LatentCache:
-        return rollback(stepped, drop)
+        counters = cache_counters(cache.index, doc, positions, steps)
+        return self._out(o), (LatentCache.stepped if steps else LatentCache)(**slots, **counters)

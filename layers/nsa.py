@@ -36,7 +36,6 @@ from kernels.nsa import NSASizes, masked_attention, nsa, overlap_in_strides, sel
 from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.moba import BlockSparse
-from layers.shapes import check_input
 from layers.sharding import axes
 from layers.state import state
 
@@ -79,7 +78,7 @@ class NativeSparseAttention(BlockSparse):
         return NSASizes(self.block_len, self.stride, self.select_len, self.num_selected, self.sliding)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
-        check_input(x, self.d_model, segment_ids, "NativeSparseAttention")
+        self._check(x, segment_ids)
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions_in_document(segment_ids, B, T))
         slots = jnp.clip(jnp.arange(T)[:, None] - self.block_len + 1 + jnp.arange(self.block_len), 0, T - 1)  # (T, l)
