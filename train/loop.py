@@ -314,7 +314,7 @@ def _run(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool)
         if t.sample_tokens and not task:
             model = nnx.merge(graphdef, params, rest)
             out["sample"] = infer.generate_text(model, ["\n"], max_new_tokens=t.sample_tokens, tokenizer=tokenizer,
-                                                temperature=0.8, top_k=40, seed=t.seed)[0]
+                                                sampling=infer.Sampling(0.8, top_k=40), seed=t.seed)[0]
         return out
 
     last, step_time, eval_time, wall0 = {}, 0.0, 0.0, time.perf_counter()
