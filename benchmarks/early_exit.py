@@ -86,8 +86,8 @@ def tokens_per_s(model, prompt, new_tokens, repeats=3, **kwargs):
 
 def speed(model, prompt, new_tokens):
     base, _ = tokens_per_s(model, prompt, new_tokens)
-    rows = [{"decoding": "greedy", "layers": len(model.blocks), "tokens_per_s": round(base, 1), "vs_greedy": 1.0}]
-    tps, _ = tokens_per_s(model, prompt, new_tokens, exit_threshold=0.0, exit_level="sequence")
+    rows = [{"decoding": "greedy", "layers": model.cfg.num_layers, "tokens_per_s": round(base, 1), "vs_greedy": 1.0}]
+    tps, _ = tokens_per_s(model, prompt, new_tokens, exits=infer.Exits(0.0, level="sequence"))
     rows.append({"decoding": "depth per sequence", "layers": model.exit_layers[0], "tokens_per_s": round(tps, 1),
                  "vs_greedy": round(tps / base, 2)})  # threshold 0: every sequence stops at the first exit
     return rows
@@ -99,13 +99,13 @@ TOKEN_THRESHOLDS = {"softmax": (0.0, 0.5, 0.7, 0.9, 0.95), "margin": (0.5, 0.7, 
 def token_speed(model, prompts, new_tokens, repeats=5):
     """Section 3: rows for batch len(prompts) (see the module docstring). Each setting's best wall time, and
     its best CPU time of this process (all its threads): on a shared machine the steadier measure of work."""
-    L = len(model.blocks)
+    L = model.cfg.num_layers
     settings = {("greedy", None, None): {}}
     for measure, thresholds in TOKEN_THRESHOLDS.items():
         for threshold in thresholds:
             for full in (True, False):
-                settings[(measure, threshold, full)] = dict(exit_threshold=threshold, exit_measure=measure,
-                                                            exit_full_blocks=full)
+                settings[(measure, threshold, full)] = dict(exits=infer.Exits(threshold, measure=measure,
+                                                                              full_blocks=full))
     outs = {key: infer.generate(model, prompts, max_new_tokens=new_tokens, return_info=True, **kw)
             for key, kw in settings.items()}  # compiles (the threshold is traced: one per measure and path)
     wall, cpu = dict.fromkeys(settings, float("inf")), dict.fromkeys(settings, float("inf"))

@@ -66,18 +66,16 @@ def main():
                       packing=False).val_batch(0, max(args.batches))["x"]  # held-out text
 
     settings = [("greedy", {})]
-    settings += [(f"self k={k} (layers {d})", {"speculative": k, "draft_layers": d})
-                 for d in model.exit_layers[-2:] for k in args.ks]
-    settings += [(f"self k=4 tree {t}", {"speculative": 4, "draft_layers": model.exit_layers[-1], "tree": t})
-                 for t in ((2,), (2, 2))]
+    spec = lambda *a, **kw: {"speculation": infer.Speculation(*a, **kw)}
+    settings += [(f"self k={k} (layers {d})", spec(k, draft_layers=d)) for d in model.exit_layers[-2:] for k in args.ks]
+    settings += [(f"self k=4 tree {t}", spec(4, draft_layers=model.exit_layers[-1], tree=t)) for t in ((2,), (2, 2))]
     if draft is not None:
-        settings += [(f"draft k={k}", {"speculative": k, "draft_model": draft}) for k in args.ks]
-        settings += [(f"draft k=4 tree {t}", {"speculative": 4, "draft_model": draft, "tree": t})
-                     for t in ((2,), (2, 2))]
-    sampled = [("sampling", {}), ("sampling, self k=4", {"speculative": 4, "draft_layers": model.exit_layers[-1]})]
+        settings += [(f"draft k={k}", spec(k, draft_model=draft)) for k in args.ks]
+        settings += [(f"draft k=4 tree {t}", spec(4, draft_model=draft, tree=t)) for t in ((2,), (2, 2))]
+    sampled = [("sampling", {}), ("sampling, self k=4", spec(4, draft_layers=model.exit_layers[-1]))]
     if draft is not None:
-        sampled.append(("sampling, draft k=4", {"speculative": 4, "draft_model": draft}))
-    settings += [(name, {**kw, "temperature": 0.8}) for name, kw in sampled]
+        sampled.append(("sampling, draft k=4", spec(4, draft_model=draft)))
+    settings += [(name, {**kw, "sampling": infer.Sampling(0.8)}) for name, kw in sampled]
 
     rows = []
     for B in args.batches:
@@ -92,9 +90,9 @@ def main():
                 infer.generate(model, prompts, max_new_tokens=args.new_tokens, **kw)
                 best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
         for name, kw in settings:
-            if "temperature" not in kw:
+            if "sampling" not in kw:
                 assert outs[name] == outs["greedy"], f"{name}: speculation must give greedy decoding's tokens"
-            base = "sampling" if "temperature" in kw else "greedy"
+            base = "sampling" if "sampling" in kw else "greedy"
             tps = B * args.new_tokens / best[name]
             rows.append({"batch": B, "decoding": name, "tokens_per_s": round(tps, 1),
                          "vs_plain": round(best[base] / best[name], 2),

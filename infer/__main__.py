@@ -77,6 +77,23 @@ def load(source: str, overrides, dtype: str, config=None):
     return zoo.LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), None
 
 
+def techniques(args, draft) -> dict:
+    """generate's sampling, exits, speculation and quantization from the command line's flags."""
+    import infer
+
+    tree = tuple(int(w) for w in args.tree.split(",")) if args.tree else None
+    exits = None if args.exit_threshold is None else infer.Exits(
+        args.exit_threshold, measure=args.exit_measure, decay=args.exit_decay, level=args.exit_level)
+    if args.speculative is None and (draft is not None or tree is not None or args.draft_layers is not None):
+        raise ValueError("--draft, --draft-layers and --tree need --speculative K (the draft length)")
+    speculation = None if args.speculative is None else infer.Speculation(
+        args.speculative, draft_layers=args.draft_layers, draft_model=draft, tree=tree)
+    quantization = None if args.quantize is None and args.kv_cache is None else infer.Quantization(
+        weights=args.quantize, kv_cache=args.kv_cache)
+    return dict(sampling=infer.Sampling(args.temperature, top_k=args.top_k, top_p=args.top_p), exits=exits,
+                speculation=speculation, quantization=quantization)
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
     try:
@@ -90,21 +107,17 @@ def main(argv=None):
             raise ValueError(f"--config {args.config}: builds a run folder's model; {args.source} is not one")
         model, tokenizer = load(args.source, args.overrides, args.dtype, args.config)
         draft = load(args.draft, [], args.dtype)[0] if args.draft else None
-        tree = tuple(int(w) for w in args.tree.split(",")) if args.tree else None
         prompts = args.prompt or ["\n"]
         outs, info = infer.generate_text(
-            model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, exit_threshold=args.exit_threshold,
-            exit_measure=args.exit_measure, exit_decay=args.exit_decay, exit_level=args.exit_level,
-            speculative=args.speculative, draft_layers=args.draft_layers, draft_model=draft, tree=tree,
-            quantize=args.quantize, kv_cache=args.kv_cache, tokenizer=tokenizer, return_info=True)
+            model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop, tokenizer=tokenizer, seed=args.seed,
+            return_info=True, **techniques(args, draft))
     except ValueError as e:
         sys.exit(f"error: {e}")
     for prompt, out, layers in zip(prompts, outs, info["exit_layers"]):
         print(prompt + out)
         if args.show_exits:
             print(f"# layers used per token (mean {sum(layers) / max(len(layers), 1):.2f} of "
-                  f"{len(model.blocks)}): {' '.join(map(str, layers))}")
+                  f"{model.cfg.num_layers}): {' '.join(map(str, layers))}")
     if "acceptance" in info:
         print(f"# speculative: {info['acceptance']:.1%} of drafted tokens accepted in {info['rounds']} rounds",
               file=sys.stderr)

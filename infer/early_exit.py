@@ -34,8 +34,13 @@ states are those of running every block in full (`full_blocks=True`, the referen
 and the benchmark): the states bitwise under XLA's default CPU optimisation, and to rounding where a
 compiler fuses the smaller branch differently.
 
+The pass is a `step` of `LanguageModel.walk`, the model's one loop over its blocks: on a mesh it runs
+the blocks under the sharding hints of plain decoding (tests/train/test_sharding.py).
+
 Self-speculative decoding, which drafts with the first layers and an exit, is infer/speculative.py.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -94,37 +99,40 @@ def exit_pass(model, tokens, state, *, stop_rule, segment_ids=None, freeze: bool
     (their state is left as it was). Returns the chosen next-token logits (B, V), the layer count each row
     used (B,), and the new state."""
     B = tokens.shape[0]
-    L = len(model.blocks)
     where = {layer: j for j, layer in enumerate(model.exit_layers)}
     lean = skip or (freeze and not full_blocks)  # work past the exits is cut once every row has stopped
-    x, v_first = model.embed_tokens(tokens), None
-    done, used = jnp.zeros((B,), bool), jnp.full((B,), L, jnp.int32)
-    chosen = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
-    h_prev, new_state = x[:, -1], []
-    for i, (block, s) in enumerate(zip(model.blocks, state)):
-        run = lambda x, s, v, block=block: block.decode(x, s, segment_ids=segment_ids, v_first=v)
+    x = model.embed_tokens(tokens)
+
+    def step(i, run, x, rest, carry):
+        """Block i (`LanguageModel.walk`), then exit i + 1's decision if there is one."""
+        done = carry[2]
         if lean and i >= model.exit_layers[0]:  # v_first is set by now: both branches return one pytree
-            past = (lambda x, s, v: (x, s, v)) if skip else (lambda x, s, v: (x, *run(x, s, v)[1:]))
-            y, s, v_first = when(~jnp.all(done), run, *when(jnp.all(done), past, x, s, v_first))  # one of them
+            past = (lambda x, rest: (x, rest)) if skip else (lambda x, rest: (x, run(x, rest)[1]))
+            y, rest = when(~jnp.all(done), run, *when(jnp.all(done), past, x, rest))  # one of them
         else:
-            y, s, v_first = run(x, s, v_first)
-        x = jnp.where(done[:, None, None], x, y) if freeze else y
-        new_state.append(s)
+            y, rest = run(x, rest)
+        y = jnp.where(done[:, None, None], x, y) if freeze else y
         if i + 1 in where:
-            j = where[i + 1]
+            decide = functools.partial(_decide, model, stop_rule, where[i + 1], i + 1)
+            carry = jax.lax.cond(jnp.all(done), lambda y, c: c, decide, y, carry) if lean else decide(y, carry)
+        return y, rest, carry
 
-            def decide(x, chosen, used, done, h_prev, i=i, j=j):
-                h = x[:, -1]
-                logits = model.exit_logits(j, x[:, -1:])[:, 0]
-                stop = ~done & stop_rule(j, h, h_prev, logits)
-                return (jnp.where(stop[:, None], logits, chosen), jnp.where(stop, i + 1, used), done | stop, h)
-
-            carry = (x, chosen, used, done, h_prev)
-            chosen, used, done, h_prev = (jax.lax.cond(jnp.all(done), lambda x, *c: c, decide, *carry) if lean
-                                          else decide(*carry))
+    done, used = jnp.zeros((B,), bool), jnp.full((B,), model.cfg.num_layers, jnp.int32)
+    chosen = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
+    carry = (chosen, used, done, x[:, -1])  # the hidden state at the last exit passed: the embedding's at first
+    x, state, (chosen, used, done, _) = model.walk(x, state, segment_ids=segment_ids, step=step, carry=carry)
     final = lambda x, chosen: jnp.where(done[:, None], chosen, model.logits(x[:, -1:])[:, 0])
     chosen = jax.lax.cond(jnp.all(done), lambda x, c: c, final, x, chosen) if lean else final(x, chosen)
-    return chosen, used, tuple(new_state)
+    return chosen, used, state
+
+
+def _decide(model, stop_rule, j: int, layer: int, x, carry):
+    """Exit j (after `layer` blocks) for the rows not yet stopped: the new (chosen, used, done, h_prev)."""
+    chosen, used, done, h_prev = carry
+    h = x[:, -1]
+    logits = model.exit_logits(j, x[:, -1:])[:, 0]
+    stop = ~done & stop_rule(j, h, h_prev, logits)
+    return jnp.where(stop[:, None], logits, chosen), jnp.where(stop, layer, used), done | stop, h
 
 
 def prompt_depth(model, tokens, segment_ids, measure: str, threshold):
@@ -132,7 +140,7 @@ def prompt_depth(model, tokens, segment_ids, measure: str, threshold):
     own tokens (segment_ids == 1), reaches the threshold; else the full depth. Returns (B,) int32."""
     _, hidden = model(tokens, segment_ids=segment_ids, return_exits=True)
     mask = (segment_ids == 1).astype(jnp.float32)
-    depth = jnp.full(tokens.shape[:1], len(model.blocks), jnp.int32)
+    depth = jnp.full(tokens.shape[:1], model.cfg.num_layers, jnp.int32)
     h_prev = model.embed_tokens(tokens)
     B, T = tokens.shape
     flat = lambda a: a.reshape(B * T, *a.shape[2:])

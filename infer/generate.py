@@ -28,22 +28,67 @@ from zoo import tokenizer as tokenizer_lib
 TRACES = {"generate": 0}  # incremented at trace time: tests check the loop compiles once
 
 
-def sample_logits(logits: Float[Array, "B V"], key, temperature, top_k: int | None, top_p, greedy: bool
-                  ) -> Int[Array, " B"]:
-    """Pick one token per row from float32 logits (B, V); temperature and top_p are scalars (traced),
-    top_p None for no nucleus cut."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, speculative.warp(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_p"], meta_fields=["top_k"])
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a token is drawn from the logits: temperature 0 is greedy; top_k / top_p keep the k most likely
+    tokens / the smallest set whose probability reaches top_p (None: no cut)."""
+    temperature: float | Array | None = 0.0  # `traced`'s copy: an Array, or None for greedy decoding
+    top_k: int | None = None
+    top_p: float | Array | None = None
+
+    def traced(self) -> "Sampling":
+        """This sampling as the jitted loops take it: temperature and top_p float32 scalars (traced, so one
+        compile serves every value), None for greedy decoding and for no nucleus cut (static)."""
+        return Sampling(None if self.temperature == 0 else jnp.float32(self.temperature), self.top_k,
+                        None if self.top_p is None else jnp.float32(self.top_p))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["threshold"],
+                   meta_fields=["measure", "decay", "level", "full_blocks"])
+@dataclasses.dataclass(frozen=True)
+class Exits:
+    """Early exit (infer/early_exit.py): a row stops at the first exit whose confidence by `measure`
+    (softmax, margin, saturation, classifier) reaches `threshold` in [0, 1], which falls along the output
+    by CALM's `decay`; `level` token decides per token and row, sequence one depth per row from its prompt.
+    At the token level, the layers past the exit only advance their state (no output path) at a token
+    where every row of the batch has exited (batch 1: every token), and run in full at other tokens;
+    `full_blocks` always runs them in full (the same tokens and states, slower: the reference). Under
+    jit the threshold is traced, the rest static."""
+    threshold: float | Array  # an Array in generate's jitted loop
+    measure: str = "softmax"
+    decay: float = 0.0
+    level: str = "token"  # "token" or "sequence"
+    full_blocks: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
-class Exits:
-    """How `_generate` exits early (static under jit): see infer/early_exit.py."""
-    measure: str = "softmax"
-    level: str = "token"  # "token" or "sequence"
-    decay: float = 0.0
-    full_blocks: bool = False  # token level: run skipped blocks in full (the reference; same tokens, slower)
+class Speculation:
+    """Speculative decoding (infer/speculative.py): k draft tokens per round from `draft_model` (any model
+    of the same vocabulary) or else the first `draft_layers` layers of the model and their exit (default
+    the first exit), verified in one pass; `tree=(w_1, .., w_m)` (greedy only) checks w_1 ... w_m draft
+    paths per round, branching into the w_i most likely draft tokens at depth i."""
+    k: int
+    draft_layers: int | None = None
+    draft_model: nnx.Module | None = None
+    tree: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """Decoding with a quantized copy of the model (infer/quantize.py): `weights` int8 or int4, `kv_cache`
+    int8 (None: left in float)."""
+    weights: str | None = None
+    kv_cache: str | None = None
+
+
+def sample_logits(logits: Float[Array, "B V"], key, sampling: Sampling) -> Int[Array, " B"]:
+    """Pick one token per row from float32 logits (B, V) by `sampling` as `Sampling.traced` gives it
+    (temperature None: greedy)."""
+    if sampling.temperature is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = speculative.warp(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
 # Decode loops carry every layer's state through a while loop. XLA on CPU copies a loop-carried buffer
@@ -53,18 +98,16 @@ class Exits:
 DECODE_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "top_k", "greedy", "use_top_p", "exits"),
-                   compiler_options=DECODE_OPTIONS)
-def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, stop_token, threshold, *,
-              max_new_tokens: int, top_k, greedy: bool, use_top_p: bool, exits: Exits | None):
-    """(tokens (B, max_new_tokens) with -1 after the end, layers used per token, overflowed)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"), compiler_options=DECODE_OPTIONS)
+def _generate(graphdef, params, tokens, segment_ids, key, stop_token, sampling: Sampling, exits: Exits | None, *,
+              max_new_tokens: int):
+    """(tokens (B, max_new_tokens) with -1 after the end, layers used per token, overflowed); `sampling`
+    traced (`Sampling.traced`)."""
     TRACES["generate"] += 1
     model = nnx.merge(graphdef, params)
     model.eval()  # no training-time side effects (MoE jitter, bias updates) inside the loop
     B, P = tokens.shape
-    L = len(model.blocks)
-    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k,
-                               top_p=top_p if use_top_p else None, greedy=greedy)
+    L = model.cfg.num_layers
     state = model.init_state(B, P + max_new_tokens)
     if exits is None:
         def step(last, state, i):
@@ -75,11 +118,11 @@ def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, st
         logits, used = logits[:, -1], jnp.full((B,), L)
     else:
         if exits.level == "sequence":
-            depth = early_exit.prompt_depth(model, tokens, segment_ids, exits.measure, threshold)
+            depth = early_exit.prompt_depth(model, tokens, segment_ids, exits.measure, exits.threshold)
             rule = lambda i: lambda j, h, h_prev, z: depth == model.exit_layers[j]
         else:
             rule = lambda i: early_exit.confident(
-                model, exits.measure, early_exit.threshold_at(threshold, exits.decay, i, max_new_tokens))
+                model, exits.measure, early_exit.threshold_at(exits.threshold, exits.decay, i, max_new_tokens))
 
         def step(last, state, i):
             logits, used, state = early_exit.exit_pass(model, last[:, None], state, stop_rule=rule(i),
@@ -89,7 +132,7 @@ def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, st
 
         logits, used, state = early_exit.exit_pass(model, tokens, state, stop_rule=rule(0), segment_ids=segment_ids,
                                                    freeze=False)
-    first = sample(logits, jax.random.fold_in(key, 0))
+    first = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
     out = jnp.full((B, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
     layers = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(used)
 
@@ -100,7 +143,7 @@ def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, st
     def body(carry):
         i, state, last, out, layers, done = carry
         logits, state, used = step(last, state, i)
-        tok = sample(logits, jax.random.fold_in(key, i))
+        tok = sample_logits(logits, jax.random.fold_in(key, i), sampling)
         out = jax.lax.dynamic_update_slice(out, jnp.where(done, -1, tok)[:, None], (0, i))
         layers = jax.lax.dynamic_update_slice(layers, jnp.where(done, 0, used)[:, None], (0, i))
         return i + 1, state, tok, out, layers, done | (tok == stop_token)
@@ -110,31 +153,31 @@ def _generate(graphdef, params, tokens, segment_ids, key, temperature, top_p, st
     return out, layers, model.overflowed(state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "draft_graphdef", "max_new_tokens", "top_k", "greedy",
-                                             "use_top_p", "k", "draft_layers", "tree"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "draft_graphdef", "speculation", "max_new_tokens"),
                    compiler_options=DECODE_OPTIONS)
-def _speculate(graphdef, params, draft_graphdef, draft_params, tokens, segment_ids, key, temperature, top_p,
-               stop_token, *, max_new_tokens: int, top_k, greedy: bool, use_top_p: bool, k: int, draft_layers,
-               tree: tuple):
+def _speculate(graphdef, params, draft_graphdef, draft_params, tokens, segment_ids, key, stop_token,
+               sampling: Sampling, speculation: Speculation, *, max_new_tokens: int):
     """Speculative decoding (infer/speculative.py): (tokens (B, max_new_tokens) with -1 after the end,
-    accepted drafts per row, rounds per row, overflowed). Row b has produced i[b] tokens; it is active
-    until it reaches max_new_tokens or the stop token, and an inactive row's states are held."""
+    accepted drafts per row, rounds per row, overflowed); `sampling` traced (`Sampling.traced`),
+    `speculation` checked (`_speculation`, its draft model given as draft_graphdef and draft_params).
+    Row b has produced i[b] tokens; it is active until it reaches max_new_tokens or the stop token,
+    and an inactive row's states are held."""
     TRACES["generate"] += 1
     model = nnx.merge(graphdef, params)
     model.eval()
     B, P = tokens.shape
+    k, greedy = speculation.k, sampling.temperature is None
     size = P + max_new_tokens + k + 1  # an active row has fed at most max_new_tokens - 1 tokens, + k + 1 checked
-    warp_fn = lambda logits: speculative.warp(logits, temperature, top_k, top_p if use_top_p else None)
+    warp_fn = lambda logits: speculative.warp(logits, sampling.temperature, sampling.top_k, sampling.top_p)
     if draft_graphdef is None:
-        drafter, draft_state = speculative.self_drafter(model, draft_layers, k), None
+        drafter, draft_state = speculative.self_drafter(model, speculation.draft_layers, k), None
     else:
         draft = nnx.merge(draft_graphdef, draft_params)
         draft.eval()
         drafter = speculative.model_drafter(draft, k)
         draft_state = draft.decode(tokens, draft.init_state(B, size), segment_ids=segment_ids)[1]
     logits, state = model.decode(tokens, model.init_state(B, size), segment_ids=segment_ids)
-    first = sample_logits(logits[:, -1], jax.random.fold_in(key, 0), temperature, top_k,
-                          top_p if use_top_p else None, greedy)
+    first = sample_logits(logits[:, -1], jax.random.fold_in(key, 0), sampling)
     out = jnp.full((B, max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(first)
     write = jax.vmap(lambda row, kept, i: jax.lax.dynamic_update_slice(row, kept, (i,)))
     zeros = jnp.zeros((B,), jnp.int32)
@@ -142,7 +185,7 @@ def _speculate(graphdef, params, draft_graphdef, draft_params, tokens, segment_i
     def body(carry):
         r, i, state, draft_state, last, out, done, accepted, rounds = carry
         kept, n, new_state, new_draft_state = speculative.speculative_round(
-            model, drafter, last, state, draft_state, jax.random.fold_in(key, r + 1), k=k, tree=tree,
+            model, drafter, last, state, draft_state, jax.random.fold_in(key, r + 1), k=k, tree=speculation.tree,
             warp_fn=warp_fn, greedy=greedy)
         active = ~done
         state, draft_state = hold(active, state, new_state), hold(active, draft_state, new_draft_state)
@@ -159,84 +202,46 @@ def _speculate(graphdef, params, draft_graphdef, draft_params, tokens, segment_i
     return out[:, :max_new_tokens], accepted, rounds, model.overflowed(state)
 
 
-def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, stop_token: int | None = None,
-             exit_threshold: float | None = None, exit_measure: str = "softmax", exit_decay: float = 0.0,
-             exit_level: str = "token", speculative: int | None = None, draft_layers: int | None = None,
-             draft_model=None, tree: tuple[int, ...] | None = None, quantize: str | None = None,
-             kv_cache: str | None = None, return_info: bool = False, exit_full_blocks: bool = False):
+def generate(model, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(), exits: Exits | None = None,
+             speculation: Speculation | None = None, quantization: Quantization | None = None, seed: int = 0,
+             stop_token: int | None = None, return_info: bool = False):
     """New token ids for each prompt (a list of token-id lists of any lengths).
 
-    temperature 0 is greedy; top_k / top_p restrict sampling; a row ends after `stop_token` (which is
-    not returned) or `max_new_tokens`. The same seed gives the same tokens.
+    `sampling` (default greedy) draws each token; a row ends after `stop_token` (which is not returned) or
+    `max_new_tokens`. The same seed gives the same tokens.
 
-    Early exit (a model with `model.exits`, see infer/early_exit.py): `exit_threshold` in [0, 1] turns it
-    on, with `exit_measure` (softmax, margin, saturation, classifier), `exit_decay` (CALM's threshold
-    decay along the output) and `exit_level` (token: decided per token and row; sequence: one depth per
-    row, chosen from its prompt). At the token level, the layers past the exit only advance their state
-    (no output path) at a token where every row of the batch has exited (batch 1: every token); at other
-    tokens they run in full; `exit_full_blocks` always runs them in full (the same tokens and states,
-    slower: the reference).
-
-    Speculative decoding (infer/speculative.py): `speculative=k` drafts k tokens per round, with
-    `draft_model` (any model of the same vocabulary) or else the first `draft_layers` layers of this
-    model and their exit (default the first exit), and verifies them in one pass. Greedy (temperature
-    0) gives exactly plain greedy decoding's tokens; sampling gives exactly plain sampling's
-    distribution. `tree=(w_1, .., w_m)` (greedy only) checks w_1 ... w_m draft paths per round, branching
-    into the w_i most likely draft tokens at depth i.
+    `exits` (a model with `model.exits`) decodes with early exit, `speculation` with speculative decoding
+    (greedy: exactly plain greedy decoding's tokens; sampling: exactly plain sampling's distribution); one
+    of them at most. See `Exits` and `Speculation`.
 
     With `return_info`, also returns a dict with `exit_layers` (the layers each token used, per row)
     and, when speculating, `acceptance` (accepted drafts / drafted tokens) and `rounds` (summed over rows).
 
-    `quantize` ("int8" or "int4") and `kv_cache` ("int8") decode with a quantized copy of the model (and
-    of the draft model), made on each call by `infer.quantize` (infer/quantize.py, with its defaults:
-    W8A8 products, int4 groups of 32); to decode many times, call `infer.quantize` once and pass its
-    model instead.
+    `quantization` decodes with a quantized copy of the model (and of the draft model), made on each call
+    by `infer.quantize` (infer/quantize.py, with its defaults: W8A8 products, int4 groups of 32); to decode
+    many times, call `infer.quantize` once and pass its model instead.
     """
-    if quantize is not None or kv_cache is not None:
-        model = quantize_model(model, weights=quantize, kv_cache=kv_cache)
-        draft_model = draft_model and quantize_model(draft_model, weights=quantize, kv_cache=kv_cache)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: every prompt needs at least one token (e.g. a newline byte)")
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-    V = model.cfg.vocab_size
-    if temperature < 0 or (top_k is not None and not 1 <= top_k <= V) or (top_p is not None and not 0 < top_p <= 1):
-        raise ValueError(f"generate: need temperature >= 0, 1 <= top_k <= {V} (the vocabulary), 0 < top_p <= 1; "
-                         f"got temperature={temperature}, top_k={top_k}, top_p={top_p}")
-    bad = [(i, t) for i, p in enumerate(prompts) for t in p if not 0 <= t < V]
-    if bad:
-        raise ValueError(f"generate: token ids must be in [0, {V}) (model.vocab_size); prompt {bad[0][0]} holds "
-                         f"{bad[0][1]}")
-    if stop_token is not None and not 0 <= stop_token < V:
-        raise ValueError(f"generate: stop_token={stop_token} is not a token id in [0, {V})")
-    if speculative is None and (draft_model is not None or tree is not None or draft_layers is not None):
-        raise ValueError("generate: draft_model, draft_layers and tree need speculative=k (the draft length)")
-    P = max(len(p) for p in prompts)
-    tokens = np.zeros((len(prompts), P), np.int32)
-    segments = np.zeros((len(prompts), P), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, P - len(p):] = p
-        segments[i, P - len(p):] = 1
+    if quantization is not None:
+        model = quantize_model(model, weights=quantization.weights, kv_cache=quantization.kv_cache)
+        if speculation is not None and speculation.draft_model is not None:
+            speculation = dataclasses.replace(speculation, draft_model=quantize_model(
+                speculation.draft_model, weights=quantization.weights, kv_cache=quantization.kv_cache))
+    tokens, segments = _prompt_batch(model, prompts, max_new_tokens, sampling, stop_token)
     graphdef, params = nnx.split(model)
-    args = (jnp.asarray(tokens), jnp.asarray(segments), jax.random.key(seed), jnp.float32(max(temperature, 1e-6)),
-            jnp.float32(top_p or 1.0), jnp.int32(-2 if stop_token is None else stop_token))
-    flags = dict(max_new_tokens=max_new_tokens, top_k=top_k, greedy=temperature == 0, use_top_p=top_p is not None)
-    if speculative is not None:
-        if exit_threshold is not None:
-            raise ValueError("generate: give exit_threshold or speculative, not both")
-        draft_layers, tree = _speculation(model, temperature, speculative, draft_layers, draft_model, tree)
-        draft_graphdef, draft_params = nnx.split(draft_model) if draft_model is not None else (None, None)
-        out, accepted, rounds, overflowed = _speculate(
-            graphdef, params, draft_graphdef, draft_params, *args, **flags, k=speculative, draft_layers=draft_layers,
-            tree=tree)
-        layers = jnp.full(out.shape, len(model.blocks), jnp.int32)
+    args = (jnp.asarray(tokens), jnp.asarray(segments), jax.random.key(seed),
+            jnp.int32(-2 if stop_token is None else stop_token), sampling.traced())
+    if speculation is not None:
+        if exits is not None:
+            raise ValueError("generate: give exits or speculation, not both")
+        draft = speculation.draft_model
+        draft_graphdef, draft_params = nnx.split(draft) if draft is not None else (None, None)
+        speculation = dataclasses.replace(_speculation(model, sampling, speculation), draft_model=None)  # static
+        out, accepted, rounds, overflowed = _speculate(graphdef, params, draft_graphdef, draft_params, *args,
+                                                       speculation, max_new_tokens=max_new_tokens)
+        layers = jnp.full(out.shape, model.cfg.num_layers, jnp.int32)
     else:
-        exits = _exits(model, exit_threshold, exit_measure, exit_decay, exit_level)
-        exits = exits and dataclasses.replace(exits, full_blocks=exit_full_blocks)
-        out, layers, overflowed = _generate(
-            graphdef, params, *args, jnp.float32(1.0 if exit_threshold is None else exit_threshold), **flags,
-            exits=exits)
+        exits = exits and dataclasses.replace(_exits(model, exits), threshold=jnp.float32(exits.threshold))
+        out, layers, overflowed = _generate(graphdef, params, *args, exits, max_new_tokens=max_new_tokens)
         accepted = rounds = jnp.zeros((), jnp.int32)
     if not out.is_fully_addressable:  # params spread over several processes: every one gets all of it
         out, layers, accepted, rounds, overflowed = multihost_utils.process_allgather(
@@ -252,33 +257,60 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, t
     if not return_info:
         return rows
     info = {"exit_layers": used}
-    if speculative:
+    if speculation is not None:
         rounds = int(np.sum(rounds))
-        info.update(rounds=rounds, acceptance=int(np.sum(accepted)) / max(rounds * speculative, 1))
+        info.update(rounds=rounds, acceptance=int(np.sum(accepted)) / max(rounds * speculation.k, 1))
     return rows, info
 
 
-def _exits(model, threshold, measure, decay, level) -> Exits | None:
-    """Check the early-exit arguments against the model; None when early exit is off."""
-    if threshold is None:
-        return None
+def _prompt_batch(model, prompts, max_new_tokens: int, sampling: Sampling, stop_token) -> tuple[np.ndarray, ...]:
+    """Check the prompts and the sampling arguments; returns the left-padded (tokens, segment_ids), (B, P) each."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token (e.g. a newline byte)")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    V = model.cfg.vocab_size
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    if temperature < 0 or (top_k is not None and not 1 <= top_k <= V) or (top_p is not None and not 0 < top_p <= 1):
+        raise ValueError(f"generate: need temperature >= 0, 1 <= top_k <= {V} (the vocabulary), 0 < top_p <= 1; "
+                         f"got temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    bad = [(i, t) for i, p in enumerate(prompts) for t in p if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"generate: token ids must be in [0, {V}) (model.vocab_size); prompt {bad[0][0]} holds "
+                         f"{bad[0][1]}")
+    if stop_token is not None and not 0 <= stop_token < V:
+        raise ValueError(f"generate: stop_token={stop_token} is not a token id in [0, {V})")
+    P = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), P), np.int32)
+    segments = np.zeros((len(prompts), P), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, P - len(p):] = p
+        segments[i, P - len(p):] = 1
+    return tokens, segments
+
+
+def _exits(model, exits: Exits) -> Exits:
+    """Check the early-exit arguments against the model."""
     if not getattr(model, "exit_layers", ()):
         raise ValueError("generate: early exit needs a model with exits (model.exits in its config, e.g. "
                          "configs/early_exit.yaml)")
-    if not 0 <= threshold <= 1:
-        raise ValueError(f"generate: exit_threshold must be in [0, 1], got {threshold}")
+    if not 0 <= exits.threshold <= 1:
+        raise ValueError(f"generate: exit_threshold must be in [0, 1], got {exits.threshold}")
+    measure, level, decay = exits.measure, exits.level, exits.decay
     if measure not in early_exit.MEASURES or level not in ("token", "sequence") or decay < 0:
         raise ValueError(f"generate: exit_measure must be one of {', '.join(early_exit.MEASURES)}, exit_level "
                          f"token or sequence, exit_decay >= 0; got {measure!r}, {level!r}, {decay}")
-    return Exits(measure=measure, level=level, decay=float(decay))
+    return dataclasses.replace(exits, decay=float(decay))
 
 
-def _speculation(model, temperature, k, draft_layers, draft_model, tree) -> tuple[int | None, tuple]:
-    """Check the speculative-decoding arguments; returns (draft_layers, tree) as `_speculate` takes them."""
+def _speculation(model, sampling: Sampling, speculation: Speculation) -> Speculation:
+    """Check the speculative-decoding arguments; returns them as `_speculate` takes them: the draft layers
+    chosen (None with a draft model) and the tree a tuple."""
+    k, draft_layers, draft_model = speculation.k, speculation.draft_layers, speculation.draft_model
     if k < 1:
-        raise ValueError(f"generate: speculative=k needs k >= 1 draft tokens, got {k}")
-    tree = tuple(tree or ())
-    if tree and (temperature != 0 or any(w < 1 for w in tree) or len(tree) > k):
+        raise ValueError(f"generate: speculation needs k >= 1 draft tokens, got {k}")
+    tree = tuple(speculation.tree or ())
+    if tree and (sampling.temperature != 0 or any(w < 1 for w in tree) or len(tree) > k):
         raise ValueError(f"generate: tree={tree} needs greedy decoding (temperature 0), branching factors >= 1 "
                          f"and at most k={k} levels")
     if draft_model is not None:
@@ -287,7 +319,7 @@ def _speculation(model, temperature, k, draft_layers, draft_model, tree) -> tupl
         if draft_model.cfg.vocab_size != model.cfg.vocab_size:
             raise ValueError(f"generate: the draft model's vocabulary ({draft_model.cfg.vocab_size}, model.vocab_size) "
                              f"differs from the target's ({model.cfg.vocab_size}); both need one tokenizer")
-        return None, tree
+        return dataclasses.replace(speculation, tree=tree)
     layers = getattr(model, "exit_layers", ())
     if not layers:
         raise ValueError("generate: speculative decoding needs a draft_model, or a model with exits (model.exits "
@@ -296,7 +328,7 @@ def _speculation(model, temperature, k, draft_layers, draft_model, tree) -> tupl
     if draft_layers not in layers:
         raise ValueError(f"generate: draft_layers={draft_layers} is not an exit of this model; its exits are "
                          f"after layers {list(layers)}")
-    return draft_layers, tree
+    return dataclasses.replace(speculation, draft_layers=draft_layers, tree=tree)
 
 
 def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str | None = None, tokenizer=None,

@@ -19,7 +19,7 @@ in an int8 x int8 -> int32 dot (W8A8; int4 weights requantized to int8 for it, o
 the faster form on CPU (benchmarks/quantize_forms.py); "float" dequantizes the weight (exact
 activations), which XLA does once per decode call, so it decodes at float speed on a float copy.
 The first call compiles the quantizer for each weight shape (1.5 s for the d_model 512, 4-layer
-model on 2 busy CPU cores); later calls take 0.02 to 0.15 s, so `generate(quantize=...)` simply
+model on 2 busy CPU cores); later calls take 0.02 to 0.15 s, so `generate(quantization=...)` simply
 quantizes on every call, and a caller decoding many times may quantize once and pass the copy.
 A quantized model decodes and runs forward passes; it is not for training or checkpoints, and its
 parameters carry no sharding axes (one device).

@@ -76,11 +76,8 @@ def self_drafter(model, layers: int, k: int) -> Drafter:
     j = model.exit_layers.index(layers)
 
     def step(tok, states):
-        x, v_first, new = model.embed_tokens(tok[:, None]), None, []
-        for block, s in zip(model.blocks[:layers], states):
-            x, s, v_first = block.decode(x, s, v_first=v_first)
-            new.append(s)
-        return model.exit_logits(j, x)[:, 0], tuple(new), None
+        x, states, _ = model.walk(model.embed_tokens(tok[:, None]), states, depth=layers)
+        return model.exit_logits(j, x)[:, 0], states, None
 
     return Drafter(step, lambda state, _: tuple(state[:layers]), None, k)
 

@@ -305,7 +305,8 @@ def _evaluate(cfg: Config, data: Data, eval_fn, state: State) -> dict:
     out = {"val_loss": loss, "val_bpb": bits_per_byte(loss, data.corpus)}
     if t.sample_tokens:
         out["sample"] = infer.generate_text(state.model(), ["\n"], max_new_tokens=t.sample_tokens,
-                                            tokenizer=data.tokenizer, temperature=0.8, top_k=40, seed=t.seed)[0]
+                                            tokenizer=data.tokenizer, sampling=infer.Sampling(0.8, top_k=40),
+                                            seed=t.seed)[0]
     return out
 
 

@@ -9,6 +9,11 @@ first layer's values and passes them on: the one place a layer sees another laye
 `decode(..., steps=True)` and `rollback` pass through to every mixer and stateful FFN: speculative
 decoding rolls each row's state back to the draft tokens it keeps (layers/state.py).
 
+`walk` is the only loop over the blocks: the forward pass, `decode`, and the decoding techniques of
+infer/ (early exit's pass, self-speculation's drafting with the first layers) all go through it, so
+on a mesh they run the same blocks under the same sharding hints. A caller's `step` runs each block
+its own way (under a condition, holding a row's hidden state, deciding an exit after it).
+
 Early exits (`model.exits`): after block l of each configured layer count, an exit norm and the LM
 head (shared, or its own) give next-token logits from the hidden state there; `__call__(...,
 return_exits=True)` also returns those hidden states for the training loss. Each exit also has a
@@ -83,6 +88,20 @@ class Block(nnx.Module):
     def rollback(self, stepped, drop):
         ffn = None if stepped[1] is None else self.ffn.rollback(stepped[1], drop)
         return self.mixer.rollback(stepped[0], drop), ffn
+
+
+def _runner(block: Block, segment_ids, steps: bool, train: bool):
+    """Block as `LanguageModel.walk` runs it: (x, (state, v_first)) -> (y, (state, v_first)); in
+    training the state stays None."""
+    if train:
+        def run(x, rest):
+            y, v_first = block(x, segment_ids=segment_ids, v_first=rest[1])
+            return y, (None, v_first)
+    else:
+        def run(x, rest):
+            y, s, v_first = block.decode(x, rest[0], segment_ids=segment_ids, v_first=rest[1], steps=steps)
+            return y, (s, v_first)
+    return run
 
 
 class LanguageModel(nnx.Module):
@@ -170,21 +189,41 @@ class LanguageModel(nnx.Module):
                  return_exits: bool = False):
         """Logits (B, T, V); with return_exits, also the hidden state at each exit (a tuple of (B, T, D))."""
         self.check_tokens(tokens, segment_ids)
-        x, v_first = constrain(self.embed_tokens(tokens), RESIDUAL), None
-        hidden = []
-        drop = self.exit_layers and self.layer_dropout > 0 and not self.deterministic
-        L = len(self.blocks)
-        for i, block in enumerate(self.blocks):
-            y, v_first = block(x, segment_ids=segment_ids, v_first=v_first)
-            if drop and i > 0:
-                keep = jax.random.bernoulli(self.dropout_rngs(), 1 - self.layer_dropout * i / (L - 1), x.shape[:1])
-                y = jnp.where(keep[:, None, None], y, x)
-            x = constrain(y, RESIDUAL)
-            if i + 1 in self.exit_layers:
-                hidden.append(x)
+        x, _, hidden = self.walk(self.embed_tokens(tokens), segment_ids=segment_ids, step=self._train_block,
+                                   carry=())
         if self.cfg.head == "pooled_decoder":
             x = self.pooled_decode(x)
-        return (self.logits(x), tuple(hidden)) if return_exits else self.logits(x)
+        return (self.logits(x), hidden) if return_exits else self.logits(x)
+
+    def _train_block(self, i: int, run, x, rest, hidden: tuple):
+        """Block i of the training path (a `walk` step): LayerSkip's layer dropout, and the hidden state
+        after each exit's layer appended to `hidden`."""
+        y, rest = run(x, rest)
+        if self.exit_layers and self.layer_dropout > 0 and not self.deterministic and i > 0:
+            L = len(self.blocks)
+            keep = jax.random.bernoulli(self.dropout_rngs(), 1 - self.layer_dropout * i / (L - 1), x.shape[:1])
+            y = jnp.where(keep[:, None, None], y, x)
+        return y, rest, (*hidden, constrain(y, RESIDUAL)) if i + 1 in self.exit_layers else hidden
+
+    def walk(self, x: Float[Array, "B T D"], state: tuple | None = None, *, segment_ids=None, steps: bool = False,
+             depth: int | None = None, step=None, carry=None):
+        """The one loop over the blocks: the residual stream x through blocks 0 .. depth - 1 (default all),
+        held as RESIDUAL on a mesh after each. Returns (x, new state, carry).
+
+        Without `state` this is the training path (the new state is None); with a decode state (one block's
+        state per block run) each block decodes (with `steps`, as `decode`) and the new states are returned.
+        step(i, run, x, rest, carry) -> (y, rest, carry), when given, runs block i the caller's way:
+        run(x, rest) -> (y, rest) is the block itself, `rest` its state and RWKV-7's value residual (opaque
+        to the caller). The caller may run it under control flow or for its state alone, replace its output
+        (hold a row's hidden state) and update its own `carry` (early exit's decisions so far)."""
+        x, v_first, new_state = constrain(x, RESIDUAL), None, []
+        for i, block in enumerate(self.blocks[:depth]):
+            run = _runner(block, segment_ids, steps, train=state is None)
+            rest = (None if state is None else state[i], v_first)
+            y, (s, v_first), carry = step(i, run, x, rest, carry) if step else (*run(x, rest), carry)
+            x = constrain(y, RESIDUAL)
+            new_state.append(s)
+        return x, None if state is None else tuple(new_state), carry
 
     def pooled_decode(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         """model.head=pooled_decoder: every position decoded from the last position's state alone."""
@@ -218,13 +257,8 @@ class LanguageModel(nnx.Module):
             raise ValueError(f"LanguageModel.decode: model.head={self.cfg.head!r} is not a language model; "
                              "only model.head=lm decodes")
         self.check_tokens(tokens, segment_ids, "LanguageModel.decode")
-        x, v_first = constrain(self.embed_tokens(tokens), RESIDUAL), None
-        new_state = []
-        for block, s in zip(self.blocks, state):
-            x, s, v_first = block.decode(x, s, segment_ids=segment_ids, v_first=v_first, steps=steps)
-            x = constrain(x, RESIDUAL)
-            new_state.append(s)
-        return self.logits(x), tuple(new_state)
+        x, new_state, _ = self.walk(self.embed_tokens(tokens), state, segment_ids=segment_ids, steps=steps)
+        return self.logits(x), new_state
 
     def rollback(self, stepped: tuple, drop: Int[Array, " B"]) -> tuple:
         """The state after token T - 1 - drop[b] of the last decode(..., steps=True) for each row b,

@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import jax
@@ -7,6 +8,7 @@ import pytest
 from flax import nnx
 
 import infer
+from infer import Exits
 from infer.early_exit import MEASURES, confident, exit_pass
 from tests.layers.conformance import perturbed
 from tests.util import assert_tree_close, forward, tiny_config
@@ -36,14 +38,14 @@ def model():
 def test_threshold_one_is_the_full_model_and_zero_the_first_exit(model):
     greedy = infer.generate(model, PROMPTS, max_new_tokens=8)
     for measure in MEASURES:
-        full, info = infer.generate(model, PROMPTS, max_new_tokens=8, exit_threshold=1.0, exit_measure=measure,
+        full, info = infer.generate(model, PROMPTS, max_new_tokens=8, exits=Exits(1.0, measure=measure),
                                     return_info=True)
         assert full == greedy and {x for r in info["exit_layers"] for x in r} == {3}, measure
-        first, info = infer.generate(model, PROMPTS, max_new_tokens=8, exit_threshold=0.0, exit_measure=measure,
+        first, info = infer.generate(model, PROMPTS, max_new_tokens=8, exits=Exits(0.0, measure=measure),
                                      return_info=True)
         assert {x for r in info["exit_layers"] for x in r} == {1}, measure
     for threshold, layer in ((1.0, 3), (0.0, 1)):
-        out, info = infer.generate(model, PROMPTS, max_new_tokens=8, exit_threshold=threshold, exit_level="sequence",
+        out, info = infer.generate(model, PROMPTS, max_new_tokens=8, exits=Exits(threshold, level="sequence"),
                                    return_info=True)
         assert {x for r in info["exit_layers"] for x in r} == {layer}
         assert (out == greedy) == (layer == 3)
@@ -51,7 +53,7 @@ def test_threshold_one_is_the_full_model_and_zero_the_first_exit(model):
 
 def test_first_exit_tokens_follow_the_exit_head(model):
     """At threshold 0 the first token is exit 1's greedy token after the prompt."""
-    out = infer.generate(model, [PROMPTS[1]], max_new_tokens=1, exit_threshold=0.0)
+    out = infer.generate(model, [PROMPTS[1]], max_new_tokens=1, exits=Exits(0.0))
     _, hidden = nnx.jit(lambda m, t: m(t, return_exits=True))(model, jnp.asarray([PROMPTS[1]]))
     assert out[0][0] == int(jnp.argmax(model.exit_logits(0, hidden[0])[0, -1]))
 
@@ -59,15 +61,15 @@ def test_first_exit_tokens_follow_the_exit_head(model):
 def test_rows_exiting_at_different_layers_each_get_their_tokens_alone(model):
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41]]
     for threshold in (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99):
-        batch, info = infer.generate(model, prompts, max_new_tokens=6, exit_threshold=threshold,
-                                     exit_measure="saturation", return_info=True)
+        batch, info = infer.generate(model, prompts, max_new_tokens=6, exits=Exits(threshold, measure="saturation"),
+                                     return_info=True)
         if len({tuple(r) for r in info["exit_layers"]}) > 1 and len({x for r in info["exit_layers"] for x in r}) > 1:
             break
     else:
         pytest.fail("no threshold made the rows exit at different layers")
     for prompt, tokens, layers in zip(prompts, batch, info["exit_layers"]):
-        alone, alone_info = infer.generate(model, [prompt], max_new_tokens=6, exit_threshold=threshold,
-                                           exit_measure="saturation", return_info=True)
+        alone, alone_info = infer.generate(model, [prompt], max_new_tokens=6,
+                                           exits=Exits(threshold, measure="saturation"), return_info=True)
         assert alone == [tokens] and alone_info["exit_layers"] == [layers]
 
 
@@ -117,8 +119,10 @@ def test_skipped_layers_advancing_only_their_state_equal_running_in_full(mixer, 
 
 
 def test_generate_runs_skipped_blocks_in_full_on_request(model):
-    kwargs = dict(max_new_tokens=6, exit_threshold=0.9, exit_measure="saturation", return_info=True)
-    assert infer.generate(model, PROMPTS, exit_full_blocks=True, **kwargs) == infer.generate(model, PROMPTS, **kwargs)
+    exits = Exits(0.9, measure="saturation")
+    full = infer.generate(model, PROMPTS, max_new_tokens=6, exits=dataclasses.replace(exits, full_blocks=True),
+                          return_info=True)
+    assert full == infer.generate(model, PROMPTS, max_new_tokens=6, exits=exits, return_info=True)
 
 
 def test_exit_losses_fall_and_the_classifier_is_fitted(tmp_path):
@@ -167,13 +171,13 @@ def test_bad_exit_config_names_the_key(exits, message):
 
 def test_bad_exit_arguments_are_refused(model):
     plain = LanguageModel(tiny_config(), rngs=nnx.Rngs(0))
-    for m, kwargs, message in [
-        (plain, {"exit_threshold": 0.5}, "needs a model with exits"),
-        (model, {"exit_threshold": 1.5}, r"\[0, 1\]"),
-        (model, {"exit_threshold": 0.5, "exit_measure": "entropy"}, "exit_measure"),
+    for m, exits, message in [
+        (plain, Exits(0.5), "needs a model with exits"),
+        (model, Exits(1.5), r"\[0, 1\]"),
+        (model, Exits(0.5, measure="entropy"), "exit_measure"),
     ]:
         with pytest.raises(ValueError, match=message):
-            infer.generate(m, PROMPTS, max_new_tokens=2, **kwargs)
+            infer.generate(m, PROMPTS, max_new_tokens=2, exits=exits)
 
 
 def test_command_line_prints_exit_layers(model, capsys, tmp_path):

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 import infer
+from infer import Sampling
 from infer.generate import TRACES
 from tests.util import forward, tiny_model
 
@@ -32,17 +33,17 @@ def test_decode_loop_compiles_once_per_shape(model):
     infer.generate(model, [[1, 2, 3]], max_new_tokens=6)
     before = TRACES["generate"]
     for seed in range(3):  # new seeds, temperatures and prompts of the same shape: no new trace
-        infer.generate(model, [[seed, 2, 3]], max_new_tokens=6, temperature=0.5 + seed, seed=seed)
-    infer.generate(model, [[4, 5, 6]], max_new_tokens=6, temperature=0.7)
+        infer.generate(model, [[seed, 2, 3]], max_new_tokens=6, sampling=Sampling(0.5 + seed), seed=seed)
+    infer.generate(model, [[4, 5, 6]], max_new_tokens=6, sampling=Sampling(0.7))
     assert TRACES["generate"] - before == 1  # greedy and sampling are two programs, each traced once
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
-    a = infer.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=3)
-    assert a == infer.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=3)
-    assert a != infer.generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=4)
+    a = infer.generate(model, [[1, 2]], max_new_tokens=10, sampling=Sampling(1.0, top_k=50, top_p=0.9), seed=3)
+    assert a == infer.generate(model, [[1, 2]], max_new_tokens=10, sampling=Sampling(1.0, top_k=50, top_p=0.9), seed=3)
+    assert a != infer.generate(model, [[1, 2]], max_new_tokens=10, sampling=Sampling(1.0, top_k=50, top_p=0.9), seed=4)
     greedy = infer.generate(model, [[1, 2]], max_new_tokens=10)
-    assert infer.generate(model, [[1, 2]], max_new_tokens=10, temperature=2.0, top_k=1, seed=9) == greedy
+    assert infer.generate(model, [[1, 2]], max_new_tokens=10, sampling=Sampling(2.0, top_k=1), seed=9) == greedy
 
 
 def test_stop_token_ends_a_row(model):
@@ -58,4 +59,4 @@ def test_text_helper_and_errors(model):
     with pytest.raises(ValueError, match="at least one token"):
         infer.generate(model, [[1], []], max_new_tokens=3)
     with pytest.raises(ValueError, match="top_p"):
-        infer.generate(model, [[1]], max_new_tokens=3, temperature=1.0, top_p=1.5)
+        infer.generate(model, [[1]], max_new_tokens=3, sampling=Sampling(1.0, top_p=1.5))

@@ -4,6 +4,7 @@ import pytest
 from flax import nnx
 
 import infer
+from infer import Quantization
 from infer.generate import TRACES
 from layers.quant import Quantized, quantize_weight
 from tests.util import decode_in_pieces, forward, rel_err, tiny_model
@@ -104,9 +105,10 @@ def test_int8_kv_cache_decodes_close_to_the_float_cache(model):
 
 def test_generate_with_quantization_returns_tokens(model):
     before = TRACES["generate"]
-    out = infer.generate(model, [[5, 6, 7], [42]], max_new_tokens=4, quantize="int4", kv_cache="int8")
+    int4_int8 = Quantization(weights="int4", kv_cache="int8")
+    out = infer.generate(model, [[5, 6, 7], [42]], max_new_tokens=4, quantization=int4_int8)
     assert [len(r) for r in out] == [4, 4] and all(0 <= t < 256 for r in out for t in r)
-    again = infer.generate(model, [[5, 6, 8], [43]], max_new_tokens=4, quantize="int4", kv_cache="int8")
+    again = infer.generate(model, [[5, 6, 8], [43]], max_new_tokens=4, quantization=int4_int8)
     assert TRACES["generate"] - before == 1 and len(again) == 2  # a new copy each call, one compiled program
 
 
@@ -122,7 +124,7 @@ def test_bad_options_name_what_was_expected(model):
         with pytest.raises(ValueError, match=message):
             infer.quantize(model, **kwargs)
     with pytest.raises(ValueError, match="quantize: weights='int2'"):
-        infer.generate(model, [[1]], max_new_tokens=1, quantize="int2")
+        infer.generate(model, [[1]], max_new_tokens=1, quantization=Quantization("int2"))
     with pytest.raises(ValueError, match="needs attention layers"):
         infer.quantize(tiny_model({"kind": "gla", "num_heads": 2}), kv_cache="int8")
 

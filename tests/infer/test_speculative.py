@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import infer
-from infer import speculative
+from infer import Exits, Sampling, Speculation, speculative
 from tests.util import tiny_config
 from zoo import LanguageModel
 
@@ -56,10 +56,10 @@ def test_greedy_speculation_is_greedy(kind):
     model = target(KINDS[kind])
     greedy = infer.generate(model, PROMPTS, max_new_tokens=10)
     draft = target(KINDS[kind], scale_last=0.3)
-    for kwargs in ({"speculative": 3, "tree": (2,)}, {"speculative": 2, "draft_model": draft}):
-        out, info = infer.generate(model, PROMPTS, max_new_tokens=10, return_info=True, **kwargs)
-        assert out == greedy, kwargs
-        assert 0 < info["acceptance"] < 1, (kwargs, info)  # both the accept and the reject path ran
+    for speculation in (Speculation(3, tree=(2,)), Speculation(2, draft_model=draft)):
+        out, info = infer.generate(model, PROMPTS, max_new_tokens=10, speculation=speculation, return_info=True)
+        assert out == greedy, speculation
+        assert 0 < info["acceptance"] < 1, (speculation, info)  # both the accept and the reject path ran
 
 
 def test_a_mamba_drafts_for_a_transformer_whose_rows_accept_differently():
@@ -67,11 +67,12 @@ def test_a_mamba_drafts_for_a_transformer_whose_rows_accept_differently():
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41], [7]]
     greedy = infer.generate(model, prompts, max_new_tokens=16)
     for k, tree in ((4, None), (2, (2, 2))):
-        out, info = infer.generate(model, prompts, max_new_tokens=16, speculative=k, draft_model=drafter(model),
-                                   tree=tree, return_info=True)
+        out, info = infer.generate(model, prompts, max_new_tokens=16,
+                                   speculation=Speculation(k, draft_model=drafter(model), tree=tree), return_info=True)
         assert out == greedy and 0 < info["acceptance"] < 1, (tree, info)
     for p, row in zip(prompts, greedy):  # each row alone: rows advance independently
-        assert infer.generate(model, [p], max_new_tokens=16, speculative=4, draft_model=drafter(model)) == [row]
+        assert infer.generate(model, [p], max_new_tokens=16, speculation=Speculation(4, draft_model=drafter(model))
+                              ) == [row]
 
 
 def test_a_round_rolls_back_to_the_state_of_plain_decoding():
@@ -120,8 +121,8 @@ def test_sampled_speculation_follows_the_target_distribution():
         return np.asarray(first[:, None] * seconds).ravel()  # (V * V,): p(t1, t2)
 
     p = exact(model)
-    out = infer.generate(model, [prompt] * N, max_new_tokens=2, temperature=T, speculative=3, draft_model=draft,
-                         seed=0)
+    out = infer.generate(model, [prompt] * N, max_new_tokens=2, sampling=Sampling(T),
+                         speculation=Speculation(3, draft_model=draft), seed=0)
     counts = np.bincount([a * V + b for a, b in out], minlength=V * V)
 
     def chi2(probs):
@@ -137,24 +138,24 @@ def test_sampled_speculation_follows_the_target_distribution():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"speculative": 0}, "k >= 1"),
-    ({"speculative": 2, "draft_layers": 2}, "not an exit"),
-    ({"speculative": 2, "tree": (2,), "temperature": 0.7}, "greedy"),
-    ({"speculative": 2, "tree": (2, 2, 2)}, "at most k"),
-    ({"speculative": 2, "draft_model": "other vocabulary"}, "vocabulary"),
-    ({"speculative": 2, "draft_model": "draft", "draft_layers": 1}, "not both"),
-    ({"draft_model": "draft"}, "need speculative"),
-    ({"speculative": 2, "exit_threshold": 0.5}, "not both"),
+    ({"speculation": Speculation(0)}, "k >= 1"),
+    ({"speculation": Speculation(2, draft_layers=2)}, "not an exit"),
+    ({"speculation": Speculation(2, tree=(2,)), "sampling": Sampling(0.7)}, "greedy"),
+    ({"speculation": Speculation(2, tree=(2, 2, 2))}, "at most k"),
+    ({"speculation": Speculation(2), "draft": 128}, "vocabulary"),  # a draft model of another vocabulary
+    ({"speculation": Speculation(2, draft_layers=1), "draft": 256}, "not both"),
+    ({"speculation": Speculation(2), "exits": Exits(0.5)}, "not both"),
 ])
 def test_bad_speculation_arguments_are_refused(kwargs, message):
-    model = target(MHA)
-    if "draft_model" in kwargs:
-        kwargs["draft_model"] = drafter(vocab_size=128 if kwargs["draft_model"] == "other vocabulary" else 256)
+    model, kwargs = target(MHA), dict(kwargs)
+    if "draft" in kwargs:
+        draft = drafter(vocab_size=kwargs.pop("draft"))
+        kwargs["speculation"] = dataclasses.replace(kwargs["speculation"], draft_model=draft)
     with pytest.raises(ValueError, match=message):
         infer.generate(model, PROMPTS, max_new_tokens=2, **kwargs)
     plain = LanguageModel(tiny_config(), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="needs a draft_model"):
-        infer.generate(plain, PROMPTS, max_new_tokens=2, speculative=2)
+        infer.generate(plain, PROMPTS, max_new_tokens=2, speculation=Speculation(2))
 
 
 def test_command_line_drafts_with_another_model(tmp_path, capsys):
@@ -169,6 +170,8 @@ def test_command_line_drafts_with_another_model(tmp_path, capsys):
           "--draft", str(draft_yaml), "--tree", "2"])
     captured = capsys.readouterr()
     assert captured.out == greedy and "accepted in" in captured.err
+    with pytest.raises(SystemExit, match="need --speculative"):  # a draft without a draft length
+        main([str(target_yaml), "--prompt", "ab", "--draft", str(draft_yaml)])
 
 
 def test_tree_digits_enumerate_every_path():

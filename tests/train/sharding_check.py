@@ -10,19 +10,23 @@ prints one JSON object:
                        did resume (kept the written lines of steps 1-5)
   bytes[what]          (a) bytes of parameters / optimiser state on each device under fsdp=8, and total
   tokens[where]        (a) sampled tokens of the checkpointed model, one device and tensor=4 data=2
+  techniques[where]    (a) a tiny model with an exit: early-exit tokens and layers and self-speculative
+                       tokens, one device and tensor=4 data=2 (its sharding hints in force)
   errors[what]         (a) the messages of a mesh of the wrong size and of an axis that does not divide
 
 python tests/train/sharding_check.py RUN_DIR a|b
 """
 
+import contextlib
 import json
 import shutil
 import sys
 from pathlib import Path
 
 import jax
+from flax import nnx
 
-from infer import generate
+from infer import Exits, Sampling, Speculation, generate
 from tests.zoo import toy_kind
 from train import optim
 from train.loop import run
@@ -30,7 +34,8 @@ from train.prepare import prepare
 from train.step import make_train_step
 from zoo.checkpoint import load_model
 from zoo.config import MeshConfig, from_dict
-from zoo.sharding import as_numpy, batch_placer, bytes_per_device, init_state, make_mesh
+from zoo.model import LanguageModel
+from zoo.sharding import as_numpy, batch_placer, bytes_per_device, init_on_mesh, init_state, make_mesh
 
 MIXERS = {"transformer": {"kind": "attention", "num_heads": 4}, "gla": {"kind": "gla", "num_heads": 4},
           "mamba": {"kind": "mamba", "state_size": 4}, "moe": {"kind": "attention", "num_heads": 4},
@@ -73,6 +78,25 @@ def logged(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def techniques(mesh) -> dict:
+    """Early exit and self-speculation (greedy, 6 tokens) of a tiny 3-layer model with exits after layers 1
+    and 2, on one device or with its parameters sharded over `mesh` and decoded under it."""
+    model_cfg = from_dict({"model": {"d_model": 32, "num_layers": 3, "max_seq_len": 16, "mixer": MIXERS["transformer"],
+                                     "exits": {"layers": [1, 2], "weights": [0.5, 0.5]}},
+                           "train": {"seq_len": 16}}).model
+    build = lambda: LanguageModel(model_cfg, rngs=nnx.Rngs(0))
+    if mesh is None:
+        model, context = build(), contextlib.nullcontext()
+    else:
+        graphdef, params, rest, _ = init_on_mesh(build, mesh)
+        model, context = nnx.merge(graphdef, params, rest), jax.set_mesh(mesh)
+    prompts = [[10, 84, 104], [101, 32, 20, 30]]
+    with context:
+        exits = generate(model, prompts, max_new_tokens=6, exits=Exits(0.6, measure="saturation"), return_info=True)
+        drafted = generate(model, prompts, max_new_tokens=6, speculation=Speculation(2))
+    return {"exits": exits[0], "exit_layers": exits[1]["exit_layers"], "speculation": drafted}
+
+
 def part_a(root: Path, one, corpus) -> dict:
     """Transformer losses, checkpoints moving between meshes, FSDP bytes, sharded decoding."""
     out = {"losses": {}, "resume": {}, "bytes": {}, "tokens": {}, "errors": {}}
@@ -103,8 +127,10 @@ def part_a(root: Path, one, corpus) -> dict:
     prompts = [[10], [84, 104, 101, 32]]
     for where, mesh in (("one", None), ("tensor=4 data=2", make_mesh(MeshConfig(tensor=4, data=2)))):
         _, model, _ = load_model(root / "one", mesh=mesh)
-        out["tokens"][where] = generate(model, prompts, max_new_tokens=12, temperature=1.0, seed=3)
+        out["tokens"][where] = generate(model, prompts, max_new_tokens=12, sampling=Sampling(1.0), seed=3)
     out["tp_wq_spec"] = str(model.blocks[0].mixer.wq[...].sharding.spec)
+    out["techniques"] = {where: techniques(mesh) for where, mesh in (
+        ("one", None), ("tensor=4 data=2", make_mesh(MeshConfig(tensor=4, data=2))))}
 
     tx = optim.optimizer(config("transformer", MeshConfig()).train)
     for what, make in (("mesh size", lambda: make_mesh(MeshConfig(data=4, fsdp=1))),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import yaml
 
-from infer import generate
+from infer import Sampling, generate
 from train.calibrate import Evaluator, Mask, calibrate, choose, density, family, main, profile, refine
 from train.loop import run
 from zoo.checkpoint import load_model
@@ -93,7 +93,7 @@ def test_calibrated_run_decodes(tmp_path, monkeypatch):
     cfg, model, _ = load_model(tmp_path / "run", config=out)
     assert model.blocks[0].mixer.band.window is not None  # the masks are in force
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    new = generate(model, [prompt], max_new_tokens=7, temperature=0.0)[0]
+    new = generate(model, [prompt], max_new_tokens=7, sampling=Sampling(0.0))[0]
     logits = model(jnp.asarray([prompt + new]))  # the full pass agrees with every decoded token
     np.testing.assert_array_equal(np.argmax(logits[0, len(prompt) - 1:-1], -1), new)
 

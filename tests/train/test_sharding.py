@@ -1,6 +1,7 @@
 """Training on a mesh of 8 simulated CPU devices gives the losses of one device; checkpoints move
-between meshes; FSDP splits the state; a tensor-parallel model decodes the same tokens; two
-processes of 4 devices each, launched as docs/devices.md says, train like one device.
+between meshes; FSDP splits the state; a tensor-parallel model decodes the same tokens, with early
+exit and self-speculation too; two processes of 4 devices each, launched as docs/devices.md says,
+train like one device.
 
 The checks run in subprocesses (tests/train/sharding_check.py, and `python -m train` twice) so
 that this process keeps one device; they all start at once, since their compiles are
@@ -101,6 +102,14 @@ def test_tensor_parallel_decoding_gives_the_tokens_of_one_device(results):
     assert results["tp_wq_spec"] == "P(None, 'tensor', None)"  # the heads really are split
     assert results["tokens"]["tensor=4 data=2"] == results["tokens"]["one"]
     assert all(len(row) == 12 for row in results["tokens"]["one"])
+
+
+def test_early_exit_and_self_speculation_on_a_mesh_give_the_tokens_of_one_device(results):
+    one, mesh = results["techniques"]["one"], results["techniques"]["tensor=4 data=2"]
+    assert mesh == one
+    layers = [x for row in one["exit_layers"] for x in row]
+    assert {2, 3} <= set(layers)  # rows exit at different layers: both the lean and the full branches ran
+    assert all(len(row) == 6 for row in one["exits"] + one["speculation"])
 
 
 def test_mesh_errors_name_what_does_not_fit(results):

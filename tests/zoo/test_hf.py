@@ -44,7 +44,7 @@ def test_logits_and_greedy_tokens_match_transformers(case):
     for i, row in enumerate(rows):
         want = expected[f"greedy_{i}"].tolist()
         assert row == (want[:want.index(tok.eos_id)] if tok.eos_id in want else want)
-    texts = infer.generate_text(model, PROMPTS, max_new_tokens=10, temperature=0.0, tokenizer=tok)
+    texts = infer.generate_text(model, PROMPTS, max_new_tokens=10, sampling=infer.Sampling(0.0), tokenizer=tok)
     assert texts == [tok.decode(r) for r in rows]
 
 
@@ -150,7 +150,7 @@ def test_save_refuses_what_has_no_hugging_face_form(tmp_path, config, overrides,
 def test_the_cli_generates_from_a_folder(capsys):
     from infer.__main__ import main
     model, tok = zoo.hf.load(FIXTURES / "llama")
-    want = infer.generate_text(model, PROMPTS[:1], max_new_tokens=10, temperature=0.0, tokenizer=tok)[0]
+    want = infer.generate_text(model, PROMPTS[:1], max_new_tokens=10, sampling=infer.Sampling(0.0), tokenizer=tok)[0]
     main([str(FIXTURES / "llama"), "--prompt", PROMPTS[0], "--max-new-tokens", "10", "--temperature", "0"])
     assert capsys.readouterr().out == PROMPTS[0] + want + "\n"
 
@@ -184,9 +184,9 @@ def test_a_loaded_model_fine_tuned_with_exits_decodes_with_them(tmp_path):
     assert model.exit_layers == (1,)
     prompts = [[1, 40, 41, 42], [1, 50]]
     greedy = infer.generate(model, prompts, max_new_tokens=10)
-    spec, info = infer.generate(model, prompts, max_new_tokens=10, speculative=3, return_info=True)
+    spec, info = infer.generate(model, prompts, max_new_tokens=10, speculation=infer.Speculation(3), return_info=True)
     assert spec == greedy and 0 <= info["acceptance"] <= 1
-    _, info = infer.generate(model, prompts, max_new_tokens=10, exit_threshold=0.0, return_info=True)
+    _, info = infer.generate(model, prompts, max_new_tokens=10, exits=infer.Exits(0.0), return_info=True)
     assert all(layer == 1 for row in info["exit_layers"] for layer in row[1:])  # the prompt's token: full depth
 
 
