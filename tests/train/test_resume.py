@@ -196,23 +196,31 @@ def test_out_of_range_tokens_and_cache_overflow_are_loud():
 
 
 def test_command_line_errors_name_the_field_without_a_traceback(finished, tmp_path):
+    """Each error leaves main() as a clean exit with its message (what `python -m` prints to stderr,
+    status 1), no other exception; run in this process, unchecked as users run, but for one case
+    through `python -m infer` end to end (the kill test below runs `python -m train`)."""
+    import infer.__main__
+    import train.__main__
+    from tests.util import unchecked
+
     _, run_dir = finished
     cases = [
-        ([sys.executable, "-m", "train", "configs/transformer.yaml", "train.grad_clip=-1"],
+        (train.__main__, [str(ROOT / "configs" / "transformer.yaml"), "train.grad_clip=-1"],
          "error: train.grad_clip: expected 0 <= grad_clip, got -1"),
-        ([sys.executable, "-m", "train", "configs/transformer.yaml", "train.steps=[1"],
+        (train.__main__, [str(ROOT / "configs" / "transformer.yaml"), "train.steps=[1"],
          "error: override 'train.steps=[1': the value '[1' is not valid YAML"),
-        ([sys.executable, "-m", "infer", str(run_dir), "model.d_model=8"],
+        (infer.__main__, [str(run_dir), "model.d_model=8"],
          "error: overrides model.d_model=8: a run folder is loaded with the config it was trained with"),
-        ([sys.executable, "-m", "infer", str(run_dir), "--stop", ""],
-         "error: generate_text: stop='' must be a single token"),
-        ([sys.executable, "-m", "infer", str(run_dir), "--top-k", "1000"], "1 <= top_k <= 256 (the vocabulary)"),
+        (infer.__main__, [str(run_dir), "--stop", ""], "error: generate_text: stop='' must be a single token"),
     ]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd, _ in cases]
-    for proc, (cmd, message) in zip(procs, cases):
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode != 0 and message in err and "Traceback" not in err, (cmd, err[-2000:])
+    for module, argv, message in cases:
+        with unchecked(), pytest.raises(SystemExit) as e:
+            module.main(argv)
+        assert isinstance(e.value.code, str) and message in e.value.code, (module.__name__, argv, e.value.code)
+    cmd = [sys.executable, "-m", "infer", str(run_dir), "--top-k", "1000"]
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    message = "1 <= top_k <= 256 (the vocabulary)"
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 def _cmd(tmp_path, **train):
