@@ -8,6 +8,8 @@ Every sequence mixer follows one protocol:
     y, stepped = mixer.decode(x, state, steps=True)       # the same y; the state after each token
     state = mixer.rollback(stepped, drop)                 # row b without its last drop[b] tokens
 
+`layers.mixer.SequenceMixer`, the base of every mixer, holds what the protocol does alike (the input
+checks, the training call as a decode from a fresh state, decode's choice of form, `rollback`).
 `decode` continues from `state`; inside one call, a change of segment id starts a new document
 (see kernels/segments.py). `steps` and `rollback` serve speculative decoding, which verifies draft
 tokens in one call and keeps a different number per row (layers/state.py); a stateful FFN (RWKV's
@@ -40,6 +42,7 @@ from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
 from layers.mamba3 import Mamba3, Mamba3State
+from layers.mixer import SequenceMixer
 from layers.mla import LatentCache, MultiHeadLatentAttention
 from layers.mlp import MLP, NoFFN
 from layers.moba import MoBA, MoBABlocks

@@ -55,9 +55,7 @@ quantized and read dequantized (layers/quant.py): a quarter of float32's bytes p
 import dataclasses
 from typing import Annotated
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, Int8
 
@@ -65,13 +63,14 @@ from kernels import check_impl
 from kernels.attention import attention, attention_cached, write_rows
 from kernels.segments import document_starts, positions_in_document
 from layers.linear import project
+from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.options import Impl, NonNegFloat, NonNegInt, OneOf, PosFloat, PosInt
 from layers.quant import quantize_rows
 from layers.rotary import RopeScaling, apply_rotary
-from layers.shapes import check_input, head_shape
+from layers.shapes import head_shape
 from layers.sharding import axes, constrain
-from layers.state import check_steps, rollback, state
+from layers.state import cache_counters, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +142,7 @@ def _documents(segment_ids, B, T, start):
     return start[:, None] + jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
 
 
-class Attention(nnx.Module):
+class Attention(SequenceMixer):
     """Softmax attention: MHA (num_kv_heads = num_heads or None), GQA, MQA (num_kv_heads = 1); head_dim None = d_model /
     num_heads; window: sliding-window length in tokens (None = full causal); sinks: the first tokens of each document
     stay visible to every later query (StreamingLLM); dilation: the window takes every dilation-th token, spanning
@@ -236,7 +235,7 @@ class Attention(nnx.Module):
                              "the running length, which this layer cannot match); keep within it")
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
-        check_input(x, self.d_model, segment_ids, "Attention")
+        self._check(x, segment_ids)
         B, T, _ = x.shape
         self._check_length(T, "a sequence")
         positions = positions_in_document(segment_ids, B, T)
@@ -266,16 +265,13 @@ class Attention(nnx.Module):
         """steps=True returns the cache after every token, for `rollback` (layers/state.py): index, pos
         and cur_doc per step, (T, B); the slots as written, since a rolled-back row masks the slots
         past its index as unwritten and its next decode overwrites them (a ring buffer: T <= ring_spare)."""
-        check_input(x, self.d_model, segment_ids, "Attention.decode")
-        check_steps(steps, segment_ids, "Attention.decode")
+        self._check(x, segment_ids, steps)
         B, T, _ = x.shape
-        S = cache.k.shape[2]
         if steps and self.ring is not None and T > self.ring_spare:
             raise ValueError(f"Attention.decode: steps=True over {T} tokens needs ring_spare >= {T} (it is "
                              f"{self.ring_spare}): a rollback would miss the window's tokens those slots held")
-        if self.ring is None and not isinstance(cache.index, jax.core.Tracer) \
-                and (n := int(np.max(cache.index))) + T > S:
-            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
+        if self.ring is None:
+            self._check_room(cache.index, T, cache.k.shape[2])
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v = self._qkv(x, positions)
@@ -296,11 +292,8 @@ class Attention(nnx.Module):
         (k, k_scale), (v, v_scale) = (_store(a, cache.k_scale is not None) for a in (k, v))
         slots = dict(k=write(cache.k, k), v=write(cache.v, v), doc=write_doc, token_index=token_index,
                      k_scale=write(cache.k_scale, k_scale), v_scale=write(cache.v_scale, v_scale))
-        if steps:
-            after = jnp.arange(1, T + 1, dtype=jnp.int32)[:, None]  # (T, 1)
-            return self._out(o), KVCache.stepped(**slots, cur_doc=doc.T, pos=(positions + 1).T,
-                                                 index=cache.index + after)  # (T, B) each
-        return self._out(o), KVCache(**slots, cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
+        counters = cache_counters(cache.index, doc, positions, steps)
+        return self._out(o), (KVCache.stepped if steps else KVCache)(**slots, **counters)
 
     def _ring_slots(self, index, positions, doc):
         """(B, T) the ring buffer's slot of each new token: the last document's tokens at positions
@@ -313,6 +306,3 @@ class Attention(nnx.Module):
         sink = (positions < n) & (doc == doc[:, -1:])
         in_ring = (positions >= n) & (t >= T - L)
         return jnp.where(sink, positions, jnp.where(in_ring, n + (index[:, None] + t) % L, n + L))
-
-    def rollback(self, stepped: KVCache, drop: Int[Array, " B"]) -> KVCache:
-        return rollback(stepped, drop)

@@ -10,17 +10,16 @@ and sliding-window attention. The decode state is the convolution's window, (B, 
 (layers/conv.py, which also keeps documents apart).
 """
 
-
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from layers.conv import ShortConvolution
 from layers.linear import Linear
+from layers.mixer import SequenceMixer
 from layers.options import PosInt
-from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import check_steps, rollback, state
+from layers.state import state
 
 
 @state
@@ -28,7 +27,7 @@ class BaseConvState:
     conv: Float[Array, "B W _Di"]  # (B, kernel_size - 1, Di) the convolution's last inputs
 
 
-class BaseConv(nnx.Module):
+class BaseConv(SequenceMixer):
     """Based's gated short convolution (Arora et al. 2024): y = (silu(conv(u)) * g) W_out with [u, g] = x W_in, u and g
     expand * d_model / 2 wide, a causal depthwise conv of kernel_size taps; dtype: the compute dtype (parameters stay
     float32)."""
@@ -47,20 +46,9 @@ class BaseConv(nnx.Module):
         """max_len is ignored: the state has a fixed size."""
         return BaseConvState(conv=self.conv.init_state(batch_size, self.dtype))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self.decode(x, self.init_state(x.shape[0]), segment_ids=segment_ids)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: BaseConvState, *,
-               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
-        """steps=True returns the window after every token, (T, B, W, Di), for `rollback`."""
-        check_input(x, self.d_model, segment_ids, "BaseConv")
-        check_steps(steps, segment_ids, "BaseConv")
+    def _mix(self, x, state: BaseConvState, segment_ids, mode, steps: bool):
+        """One form (mode unused); steps=True keeps the window after every token, (T, B, W, Di)."""
         u, g = jnp.split(self.in_proj(x.astype(self.dtype)), 2, axis=-1)  # (B, T, Di) each
         u, conv = self.conv.decode(u, state.conv, segment_ids=segment_ids, steps=steps)  # silu(conv(u))
-        y = self.out_proj(u * g)
-        return y, (BaseConvState.stepped(conv=conv) if steps else BaseConvState(conv=conv))
-
-    def rollback(self, stepped: BaseConvState, drop: Int[Array, " B"]) -> BaseConvState:
-        return rollback(stepped, drop)
+        return self.out_proj(u * g), (BaseConvState.stepped if steps else BaseConvState)(conv=conv)
 

@@ -61,3 +61,16 @@ class ShortConvolution(nnx.Module):
         if segment_ids is not None:  # inputs of a document that ended inside this call are not carried
             window = jnp.where((doc[:, T:] == doc[:, -1:])[..., None], window, 0)
         return y.astype(x.dtype), window.astype(state.dtype)
+
+
+def init_windows(convs, batch_size: int, dtype) -> tuple:
+    """The fresh decode windows of a layer's convolutions, None for a conv that is None (built without)."""
+    return tuple(None if c is None else c.init_state(batch_size, dtype) for c in convs)
+
+
+def convolve(convs, xs, windows, *, segment_ids, steps: bool = False) -> tuple[tuple, tuple]:
+    """Each of `xs` through its convolution, continuing its window: (outputs, new windows); where the conv
+    is None, the input as it is and no window."""
+    out = [(x, None) if c is None else c.decode(x, w, segment_ids=segment_ids, steps=steps)
+           for c, x, w in zip(convs, xs, windows)]
+    return tuple(y for y, _ in out), tuple(w for _, w in out)

@@ -64,17 +64,17 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from kernels import check_impl, check_mode
 from kernels.delta_rule.product import delta_product
-from layers.conv import ShortConvolution
+from layers.conv import ShortConvolution, convolve, init_windows
 from layers.linear import Linear
+from layers.mixer import SequenceMixer
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.options import Impl, Mode, NonNegInt, OneOf, PosFloat, PosInt
-from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import state, stepwise
 
 
 @state
@@ -109,7 +109,7 @@ def _decay_params(rngs, num_A: int, num_dt: int, A_low: float):
     return nnx.Param(jnp.log(A)), nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # softplus^-1(dt)
 
 
-class _DeltaRuleMixer(nnx.Module):
+class _DeltaRuleMixer(SequenceMixer):
     """The body the layers share; subclasses add their gate parameters and `_gates(x) -> (beta, g)`:
     beta (B, T, n*H) float32 for n = num_householder keys per token, g (B, T, H), (B, T, H, K) or None."""
 
@@ -157,38 +157,20 @@ class _DeltaRuleMixer(nnx.Module):
     def init_state(self, batch_size: int, max_len: int = 0) -> DeltaNetState:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
         recurrent = jnp.zeros((batch_size, self.num_heads, self.head_dim, self.value_dim), jnp.float32)
-        if not self.conv_size:
-            return self.State(recurrent, None, None, None)
-        convs = (c.init_state(batch_size, self.dtype) for c in (self.q_conv, self.k_conv, self.v_conv))
-        return self.State(recurrent, *convs)
+        return self.State(recurrent, *init_windows(self._convs(), batch_size, self.dtype))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
+    def _convs(self) -> tuple:
+        return (self.q_conv, self.k_conv, self.v_conv) if self.conv_size else (None, None, None)
 
-    def decode(self, x: Float[Array, "B T D"], state: DeltaNetState, *, segment_ids: Int[Array, "B T"] | None = None,
-               steps: bool = False) -> tuple[Float[Array, "B T D"], DeltaNetState]:
-        """Prefill (T > 1, chunk form) or one step (T = 1, the recurrence), continuing from `state`;
-        steps=True returns the state after every token, for `rollback` (layers/state.py)."""
-        check_steps(steps, segment_ids, type(self).__name__)
-        return self._mix(x, state, segment_ids, "chunk" if x.shape[1] > 1 and not steps else "recurrent", steps)
-
-    def rollback(self, stepped: DeltaNetState, drop: Int[Array, " B"]) -> DeltaNetState:
-        return rollback(stepped, drop)
-
-    def _mix(self, x, state: DeltaNetState, segment_ids, mode, steps: bool = False):
-        check_input(x, self.d_model, segment_ids, type(self).__name__)
+    def _mix(self, x, state: DeltaNetState, segment_ids, mode, steps: bool):
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.value_dim
         x = x.astype(self.dtype)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.conv_size:
-            q, conv_q = self.q_conv.decode(q, state.conv_q, segment_ids=segment_ids, steps=steps)
-            k, conv_k = self.k_conv.decode(k, state.conv_k, segment_ids=segment_ids, steps=steps)
-            v, conv_v = self.v_conv.decode(v, state.conv_v, segment_ids=segment_ids, steps=steps)
-        else:
+        (q, k, v), windows = convolve(self._convs(), (q, k, v), (state.conv_q, state.conv_k, state.conv_v),
+                                      segment_ids=segment_ids, steps=steps)
+        if not self.conv_size:  # SiLU alone, as the convolutions end with
             q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
-            conv_q = conv_k = conv_v = None
         n = self.num_householder
         q = _normalize(q.reshape(B, T, H, K), self.qk_norm)  # (B, T, H, K)
         k = _normalize(k.reshape(B, T, n, H, K), self.qk_norm)  # (B, T, n, H, K)
@@ -203,7 +185,7 @@ class _DeltaRuleMixer(nnx.Module):
         args = (state.recurrent, q, k, v, beta, g)
         o, recurrent = stepwise(op, *args) if steps else op(*args)
         y = self.o_proj(self._output(o, x).reshape(B, T, H * V))  # (B, T, D)
-        return y, (self.State.stepped if steps else self.State)(recurrent, conv_q, conv_k, conv_v)
+        return y, (self.State.stepped if steps else self.State)(recurrent, *windows)
 
     def _output(self, o: Float[Array, "B T H V"], x: Float[Array, "B T D"]) -> Float[Array, "B T H V"]:
         """The per-head output norm, gated by SiLU(W_g x) when there is an output gate."""

@@ -27,10 +27,8 @@ decode computes the full pass's logits (up to the float32 rounding of a running 
 a row never reads past its index) and takes c_last per step.
 """
 
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -39,12 +37,13 @@ from kernels.attention import attention, attention_cached, write_rows
 from kernels.segments import positions_in_document
 from layers.attention import KVCache, _documents
 from layers.linear import project
+from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.options import Impl, PosFloat, PosInt
 from layers.rotary import apply_rotary
-from layers.shapes import check_input, head_shape
+from layers.shapes import head_shape
 from layers.sharding import axes, constrain
-from layers.state import check_steps, rollback, state
+from layers.state import cache_counters, per_token, state
 
 
 @state(final=("k", "v", "doc", "k_scale", "v_scale", "c"))
@@ -54,7 +53,7 @@ class FoXCache(KVCache):
     c_last: Float[Array, "B H"] | None = None  # (B, H) float32: c after the row's last token
 
 
-class ForgettingAttention(nnx.Module):
+class ForgettingAttention(SequenceMixer):
     """Forgetting attention (FoX, Lin et al. 2025): softmax attention whose logits get c_i - c_j, c the cumulative log
     of a per-head forget gate sigmoid(x . w_f + b_f); num_kv_heads (None = num_heads) below num_heads is GQA/MQA;
     head_dim None = d_model / num_heads; rope_base: None = no positional encoding (FoX's default); qk_norm, output_norm,
@@ -107,7 +106,7 @@ class ForgettingAttention(nnx.Module):
         return project(o.reshape(B, T, H * K), self.wo[...].astype(self.dtype).reshape(H * K, -1))  # (B, T, D)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
-        check_input(x, self.d_model, segment_ids, "ForgettingAttention")
+        self._check(x, segment_ids)
         B, T, _ = x.shape
         q, k, v, c = self._project(x, positions_in_document(segment_ids, B, T),
                                    jnp.zeros((B, self.num_heads), jnp.float32))
@@ -126,12 +125,9 @@ class ForgettingAttention(nnx.Module):
                steps: bool = False):
         """steps=True returns the cache after every token, for `rollback`: index, pos, cur_doc and c_last
         per step, (T, B, ...); the slots as written."""
-        check_input(x, self.d_model, segment_ids, "ForgettingAttention.decode")
-        check_steps(steps, segment_ids, "ForgettingAttention.decode")
+        self._check(x, segment_ids, steps)
         B, T, _ = x.shape
-        S = cache.k.shape[2]
-        if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > S:
-            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
+        self._check_room(cache.index, T, cache.k.shape[2])
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = _documents(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v, c = self._project(x, positions, cache.c_last)
@@ -141,12 +137,6 @@ class ForgettingAttention(nnx.Module):
         write = lambda a, new: write_rows(a, new.transpose(0, 2, 1, 3), cache.index, 2)  # (B, T, G, K) as (B, G, T, K)
         slots = dict(k=write(cache.k, k), v=write(cache.v, v), doc=write_rows(cache.doc, doc, cache.index, 1),
                      c=write_rows(cache.c, c.transpose(0, 2, 1), cache.index, 2), k_scale=None, v_scale=None)
-        if steps:
-            after = jnp.arange(1, T + 1, dtype=jnp.int32)[:, None]  # (T, 1)
-            return self._out(o, x), FoXCache.stepped(**slots, cur_doc=doc.T, pos=(positions + 1).T,  # (T, B, ...)
-                                                     index=cache.index + after, c_last=c.transpose(1, 0, 2))
-        return self._out(o, x), FoXCache(**slots, cur_doc=doc[:, -1], pos=positions[:, -1] + 1,
-                                         index=cache.index + T, c_last=c[:, -1])
-
-    def rollback(self, stepped: FoXCache, drop: Int[Array, " B"]) -> FoXCache:
-        return rollback(stepped, drop)
+        counters = cache_counters(cache.index, doc, positions, steps)
+        return self._out(o, x), (FoXCache.stepped if steps else FoXCache)(**slots, **counters,
+                                                                           c_last=per_token(c, steps))

@@ -26,21 +26,20 @@ Departures from the paper, named (all as in the authors' flash-linear-attention 
   authors' code.
 """
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from kernels import check_impl, check_mode
 from kernels.gla import gla
-from layers.conv import ShortConvolution
+from layers.conv import ShortConvolution, convolve, init_windows
 from layers.linear import Linear
+from layers.mixer import SequenceMixer
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.options import Impl, Mode, NonNegInt, PosFloat, PosInt
-from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import state, stepwise
 
 
 @state
@@ -51,7 +50,7 @@ class GLAState:
     conv_v: Float[Array, "B W H*V"] | None  # (B, conv_size - 1, value_dim)
 
 
-class GatedLinearAttention(nnx.Module):
+class GatedLinearAttention(SequenceMixer):
     """Gated linear attention (Yang et al. 2024): data-dependent per-key decay from a low-rank gate (gate_low_rank_dim
     wide, logits divided by gate_logit_normalizer tau); expand_k / expand_v: the key and value widths as multiples of
     d_model (the heads must divide both); conv_size: short convolutions on q, k, v (0 = none); use_output_gate: a swish
@@ -98,37 +97,18 @@ class GatedLinearAttention(nnx.Module):
         """max_len is ignored: the state has a fixed size."""
         H = self.num_heads
         S = jnp.zeros((batch_size, H, self.key_dim // H, self.value_dim // H), jnp.float32)
-        if not self.conv_size:
-            return GLAState(S=S, conv_q=None, conv_k=None, conv_v=None)
-        return GLAState(S=S, conv_q=self.conv_q.init_state(batch_size, self.dtype),
-                        conv_k=self.conv_k.init_state(batch_size, self.dtype),
-                        conv_v=self.conv_v.init_state(batch_size, self.dtype))
+        return GLAState(S, *init_windows(self._convs(), batch_size, self.dtype))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
+    def _convs(self) -> tuple:
+        return (self.conv_q, self.conv_k, self.conv_v) if self.conv_size else (None, None, None)
 
-    def decode(self, x: Float[Array, "B T D"], state: GLAState, *, segment_ids: Int[Array, "B T"] | None = None,
-               steps: bool = False):
-        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
-        check_steps(steps, segment_ids, "GatedLinearAttention")
-        return self._mix(x, state, segment_ids, "recurrent" if steps or x.shape[1] == 1 else "chunk", steps)
-
-    def rollback(self, stepped: GLAState, drop: Int[Array, " B"]) -> GLAState:
-        return rollback(stepped, drop)
-
-    def _mix(self, x, state: GLAState, segment_ids, mode: str, steps: bool = False):
-        check_input(x, self.d_model, segment_ids, "GatedLinearAttention")
+    def _mix(self, x, state: GLAState, segment_ids, mode: str, steps: bool):
         B, T, _ = x.shape
         H = self.num_heads
         x = x.astype(self.dtype)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, key_dim / value_dim)
-        windows = (None, None, None)
-        if self.conv_size:
-            (q, wq), (k, wk), (v, wv) = (conv.decode(a, w, segment_ids=segment_ids, steps=steps) for conv, a, w in
-                                         ((self.conv_q, q, state.conv_q), (self.conv_k, k, state.conv_k),
-                                          (self.conv_v, v, state.conv_v)))
-            windows = (wq, wk, wv)
+        (q, k, v), windows = convolve(self._convs(), (q, k, v), (state.conv_q, state.conv_k, state.conv_v),
+                                      segment_ids=segment_ids, steps=steps)
         logits = self.gk_up(self.gk_down(x)).astype(jnp.float32)
         g = (jax.nn.log_sigmoid(logits) / self.gate_logit_normalizer).reshape(B, T, H, -1)  # (B, T, H, K)
         q, k, v = q.reshape(B, T, H, -1), k.reshape(B, T, H, -1), v.reshape(B, T, H, -1)

@@ -38,17 +38,17 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from kernels import check_impl, check_mode
 from kernels.gla import gla
-from layers.conv import ShortConvolution
+from layers.conv import ShortConvolution, convolve, init_windows
 from layers.linear import Linear
+from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.options import Impl, Mode, NonNegInt, PosFloat, PosInt
-from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import state, stepwise
 
 
 @state
@@ -59,7 +59,7 @@ class HGRN2State:
     conv_i: Float[Array, "B W D"] | None  # (B, conv_size - 1, d_model)
 
 
-class HGRN2(nnx.Module):
+class HGRN2(SequenceMixer):
     """HGRN2 (Qin et al. 2024): gated linear RNN with outer-product state expansion: forget gate with a learned lower
     bound that starts at layer_id / num_layers (the model's depth), input gate 1 - forget as the key, SiLU query as the
     output gate (the GLA op); num_heads divides d_model; expand_ratio: key width per head (None = d_model / num_heads);
@@ -101,23 +101,10 @@ class HGRN2(nnx.Module):
     def init_state(self, batch_size: int, max_len: int = 0) -> HGRN2State:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
         S = jnp.zeros((batch_size, self.num_heads, self.key_dim, self.value_dim), jnp.float32)
-        if not self.conv_size:
-            return HGRN2State(S, None, None, None)
-        return HGRN2State(S, *(c.init_state(batch_size, self.dtype) for c in (self.q_conv, self.f_conv, self.i_conv)))
+        return HGRN2State(S, *init_windows(self._convs(), batch_size, self.dtype))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: HGRN2State, *, segment_ids: Int[Array, "B T"] | None = None,
-               steps: bool = False) -> tuple[Float[Array, "B T D"], HGRN2State]:
-        """Prefill (T > 1, chunk form) or one step (T = 1, the recurrence), continuing from `state`;
-        steps=True returns the state after every token, for `rollback` (layers/state.py)."""
-        check_steps(steps, segment_ids, "HGRN2")
-        return self._mix(x, state, segment_ids, "recurrent" if steps or x.shape[1] == 1 else "chunk", steps)
-
-    def rollback(self, stepped: HGRN2State, drop: Int[Array, " B"]) -> HGRN2State:
-        return rollback(stepped, drop)
+    def _convs(self) -> tuple:
+        return (self.q_conv, self.f_conv, self.i_conv) if self.conv_size else (None, None, None)
 
     def forget_gate(self, z: Float[Array, "B T F"]) -> Float[Array, "B T F"]:
         """log f_t from the projection z = x W_f (F = H*K), in float32."""
@@ -127,18 +114,13 @@ class HGRN2(nnx.Module):
         bound = self.bound_logit[...]  # log gamma = logsigmoid(b), log(1 - gamma) = logsigmoid(-b)
         return jnp.logaddexp(jax.nn.log_sigmoid(bound), jax.nn.log_sigmoid(-bound) + g)
 
-    def _mix(self, x, state: HGRN2State, segment_ids, mode: str, steps: bool = False):
-        check_input(x, self.d_model, segment_ids, "HGRN2")
+    def _mix(self, x, state: HGRN2State, segment_ids, mode: str, steps: bool):
         B, T, _ = x.shape
         H = self.num_heads
         x = x.astype(self.dtype)
         q, f, i = self.q_proj(x), self.f_proj(x), self.i_proj(x)
-        windows = (None, None, None)
-        if self.conv_size:
-            (q, wq), (f, wf), (i, wi) = (conv.decode(a, w, segment_ids=segment_ids, steps=steps) for conv, a, w in
-                                         ((self.q_conv, q, state.conv_q), (self.f_conv, f, state.conv_f),
-                                          (self.i_conv, i, state.conv_i)))
-            windows = (wq, wf, wi)
+        (q, f, i), windows = convolve(self._convs(), (q, f, i), (state.conv_q, state.conv_f, state.conv_i),
+                                      segment_ids=segment_ids, steps=steps)
         g = self.forget_gate(f).reshape(B, T, H, -1)  # (B, T, H, K) log f_t
         k = (-jnp.expm1(g)).astype(x.dtype)  # 1 - f_t
         q = jax.nn.silu(q).reshape(B, T, H, -1)  # (B, T, H, K)

@@ -54,7 +54,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -64,10 +63,10 @@ from kernels.long_conv.fft import long_conv_fft
 from kernels.segments import document_index
 from layers.conv import ShortConvolution
 from layers.linear import Linear
+from layers.mixer import SequenceMixer
 from layers.options import Impl, NonNegInt, PosFloat, PosInt
-from layers.shapes import check_input
 from layers.sharding import axes
-from layers.state import check_steps, rollback, state
+from layers.state import per_token, state
 
 
 # The cached inputs, the filter and the slots' documents are kept once by a stepped state (final): a row
@@ -82,7 +81,7 @@ class HyenaState:
     index: Int[Array, " B"]  # (B,) int32: each row's next slot to write
 
 
-class Hyena(nnx.Module):
+class Hyena(SequenceMixer):
     """Hyena (Poli et al. 2023): order N long convolutions with implicit filters, each gated by a projection, z = x_n *
     (h_n conv z + b_n z), after a short convolution (short_conv_size) of the N + 1 projections; filter h_n(t) = exp
     window (decay_fast, decay_slow, decay_target) times an FFN (filter_order wide, sine activations of frequency
@@ -153,7 +152,7 @@ class Hyena(nnx.Module):
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
                  ) -> Float[Array, "B T D"]:
-        check_input(x, self.d_model, segment_ids, "Hyena")
+        self._check(x, segment_ids)
         *gates, z = self._projections(x, None, segment_ids)[0]
         h = self.filters(x.shape[1])  # (N, T, D)
         for n, gate in enumerate(gates):
@@ -166,12 +165,10 @@ class Hyena(nnx.Module):
         """Continue from the cache: T = 1 or packed tokens by masked dot products with the cached inputs,
         other prefills by one FFT convolution over the cache. steps=True returns index, cur_doc and the short
         convolution's window after every token, (T, B, ...), the cache as written (layers/state.py)."""
-        check_input(x, self.d_model, segment_ids, "Hyena.decode")
-        check_steps(steps, segment_ids, "Hyena.decode")
+        self._check(x, segment_ids, steps)
         B, T, _ = x.shape
         S = state.inputs.shape[2]
-        if not isinstance(state.index, jax.core.Tracer) and (m := int(np.max(state.index))) + T > S:
-            raise ValueError(f"Hyena.decode: {m} cached + {T} new tokens exceed max_len={S}")
+        self._check_room(state.index, T, S)
         (*gates, z), window = self._projections(x, state.conv, segment_ids, steps)
         doc = state.cur_doc[:, None] + document_index(segment_ids, B, T)  # (B, T)
         slot_doc = write_rows(state.doc, doc, state.index, 1)  # (B, S)
@@ -196,10 +193,8 @@ class Hyena(nnx.Module):
         # One write of every order's new inputs after the reads: XLA updates the cache in place.
         inputs = write_rows(state.inputs, jnp.stack(new, axis=1), state.index, 2)  # (B, N, S, D)
         kept = dict(inputs=inputs, filter=state.filter, doc=slot_doc)
-        if steps:
-            return self.out_proj(z), HyenaState.stepped(conv=window, **kept, cur_doc=doc.T,
-                                                        index=pos.T + 1)  # (T, B) each
-        return self.out_proj(z), HyenaState(conv=window, **kept, cur_doc=doc[:, -1], index=state.index + T)
+        return self.out_proj(z), (HyenaState.stepped if steps else HyenaState)(
+            conv=window, **kept, cur_doc=per_token(doc, steps), index=per_token(pos + 1, steps))
 
     def _step_conv(self, state: HyenaState, n: int, doc):
         """Σ_{s < index, doc(s) = doc} h_n[index - s] inputs_n[s], (B, 1, D) float32: one token's long
@@ -211,9 +206,6 @@ class Hyena(nnx.Module):
         mask = (jnp.arange(S) < state.index[:, None]) & (state.doc == doc)  # (B, S)
         prod = jnp.where(mask[..., None], taps * state.inputs[:, n].astype(jnp.float32), 0)
         return jnp.sum(prod, axis=1)[:, None]  # (B, 1, D)
-
-    def rollback(self, stepped: HyenaState, drop: Int[Array, " B"]) -> HyenaState:
-        return rollback(stepped, drop)
 
     def _projections(self, x, conv_state, segment_ids, steps=False):
         """[x_1, ..., x_N, v] (B, T, D) each in the compute dtype, and the short convolution's new window."""

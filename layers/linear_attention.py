@@ -65,10 +65,10 @@ from kernels import check_impl, check_mode
 from kernels.linear_attention import linear_attention
 from kernels.segments import positions_in_document
 from layers.linear import Linear
+from layers.mixer import SequenceMixer
 from layers.options import Impl, Mode, OneOf, PosFloat, PosInt
-from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import per_token, state, stepwise
 
 FEATURE_MAPS = ("identity", "elu", "relu", "performer", "cosformer", "hedgehog", "taylor")
 
@@ -97,7 +97,7 @@ def orthogonal_random_features(key: jax.Array, num_features: int, dim: int) -> F
     return dirs * norms[:, None]
 
 
-class LinearAttention(nnx.Module):
+class LinearAttention(SequenceMixer):
     """Linear attention (Katharopoulos et al. 2020) with a feature map: identity, elu (elu+1), relu, performer (FAVOR+,
     num_features random features, None = K), cosformer (relu + cos re-weighting over cosformer_max_len), hedgehog
     (learned), taylor (Based's second-order Taylor expansion of exp); num_heads divides d_model (K = d_model /
@@ -188,21 +188,7 @@ class LinearAttention(nnx.Module):
         S = jnp.zeros((batch_size, self.num_heads, self.feature_dim, width), jnp.float32)
         return LinearAttentionState(S=S, pos=jnp.zeros((batch_size,), jnp.int32))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: LinearAttentionState, *,
-               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
-        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
-        check_steps(steps, segment_ids, "LinearAttention")
-        return self._mix(x, state, segment_ids, "recurrent" if steps or x.shape[1] == 1 else "chunk", steps)
-
-    def rollback(self, stepped: LinearAttentionState, drop: Int[Array, " B"]) -> LinearAttentionState:
-        return rollback(stepped, drop)
-
-    def _mix(self, x, state: LinearAttentionState, segment_ids, mode: str, steps: bool = False):
-        check_input(x, self.d_model, segment_ids, "LinearAttention")
+    def _mix(self, x, state: LinearAttentionState, segment_ids, mode: str, steps: bool):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         x = x.astype(self.dtype)
@@ -220,6 +206,4 @@ class LinearAttention(nnx.Module):
         if self.normalize:
             o = o[..., :K] / (o[..., K:] + self.eps)
         y = self.o_proj(o.reshape(B, T, H * K).astype(self.dtype))
-        if steps:
-            return y, LinearAttentionState.stepped(S=S, pos=(pos + 1).T)  # pos: (T, B)
-        return y, LinearAttentionState(S=S, pos=pos[:, -1] + 1)
+        return y, (LinearAttentionState.stepped if steps else LinearAttentionState)(S=S, pos=per_token(pos + 1, steps))

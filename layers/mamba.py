@@ -38,16 +38,16 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from kernels import MODES, check_impl, check_mode
 from kernels.selective_scan import selective_scan, selective_scan_step
 from layers.conv import ShortConvolution
 from layers.linear import Linear
+from layers.mixer import SequenceMixer
 from layers.options import Impl, NonNegInt, OneOf, PosFloat, PosInt
-from layers.shapes import check_input
 from layers.sharding import ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import state, stepwise
 
 
 @state
@@ -63,7 +63,7 @@ def inverse_softplus_dt(key, shape, dt_min: float, dt_max: float, dt_init_floor:
     return dt + jnp.log(-jnp.expm1(-dt))
 
 
-class Mamba(nnx.Module):
+class Mamba(SequenceMixer):
     """Mamba (Gu & Dao 2023): selective SSM with input-dependent Δ, B, C (state_size N, inner width expand * d_model, a
     causal conv of conv_size taps, Δ through a dt_rank projection, "auto" = ceil(d_model / 16), initialised log-uniform
     in [dt_min, dt_max], at least dt_init_floor); mode picks the exact scan, auto the fastest for the backend (recurrent
@@ -109,50 +109,38 @@ class Mamba(nnx.Module):
         self.D = nnx.Param(jnp.ones((Di,), jnp.float32), **axes("heads"))
         self.out_proj = linear(Di, d_model, ROWS)
 
+    step_mode, prefill_mode = "step", "auto"  # decode: `step` for one token and steps=True
+
     def init_state(self, batch_size: int, max_len: int = 0) -> MambaState:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
         conv = self.conv.init_state(batch_size, self.dtype) if self.conv is not None else None
         return MambaState(jnp.zeros((batch_size, self.d_inner, self.state_size), jnp.float32), conv)
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: MambaState, *, segment_ids: Int[Array, "B T"] | None = None,
-               steps: bool = False) -> tuple[Float[Array, "B T D"], MambaState]:
-        """Prefill (T > 1) or one step (T = 1, `step`), continuing from `state`; steps=True runs `step`
-        token by token and returns the state after every token, for `rollback` (layers/state.py)."""
-        check_steps(steps, segment_ids, "Mamba")
-        return self._mix(x, state, segment_ids, "steps" if steps else "step" if x.shape[1] == 1 else "auto")
-
-    def rollback(self, stepped: MambaState, drop: Int[Array, " B"]) -> MambaState:
-        return rollback(stepped, drop)
-
-    def _mix(self, x, state: MambaState, segment_ids, mode):
-        check_input(x, self.d_model, segment_ids, "Mamba")
+    def _mix(self, x, state: MambaState, segment_ids, mode, steps: bool):
+        """`mode` "step": `step` on the one token, or token by token with steps=True; else a selective-scan form."""
         N, R = self.state_size, self.dt_rank
         x = x.astype(self.dtype)
         u, z = jnp.split(self.in_proj(x), 2, axis=-1)  # (B, T, Di) each
         if self.conv is not None:
-            u, conv = self.conv.decode(u, state.conv, segment_ids=segment_ids, steps=mode == "steps")
+            u, conv = self.conv.decode(u, state.conv, segment_ids=segment_ids, steps=steps)
         else:
             u, conv = jax.nn.silu(u), None
         dt_low, B, C = jnp.split(self.x_proj(u), [R, R + N], axis=-1)  # (B, T, R), (B, T, N), (B, T, N)
         delta = jax.nn.softplus(self.dt_proj(dt_low).astype(jnp.float32) + self.dt_bias[...])  # (B, T, Di)
         A = -jnp.exp(self.A_log[...])  # (Di, N)
-        if mode in ("step", "steps"):
+        if mode == "step":
             def step(h, u, delta, B, C):  # on 1-token slices (B, 1, ...)
                 h, y = self.step(h, u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0])
                 return y[:, None].astype(u.dtype), h  # (B, 1, Di)
 
             args = (state.ssm, u, delta, B, C)
-            y, ssm = stepwise(step, *args) if mode == "steps" else step(*args)
+            y, ssm = stepwise(step, *args) if steps else step(*args)
         else:
             y, ssm = selective_scan(u, delta, A, B, C, self.D[...], segment_ids=segment_ids,
                                     initial_state=state.ssm, output_final_state=True, mode=mode,
                                     chunk_size=self.chunk_size, impl=self.impl)
         y = y * jax.nn.silu(z)
-        return self.out_proj(y), (MambaState.stepped if mode == "steps" else MambaState)(ssm, conv)
+        return self.out_proj(y), (MambaState.stepped if steps else MambaState)(ssm, conv)
 
     def step(self, h: Float[Array, "B Dm N"], u: Float[Array, "B Dm"], delta: Float[Array, "B Dm"],
              A: Float[Array, "Dm N"], B: Float[Array, "B N"], C: Float[Array, "B N"]):

@@ -34,22 +34,21 @@ impl="pallas" runs the Pallas kernels, whose chunk is their own block size (mode
 unused): the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()).
 """
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from kernels import check_impl, check_mode
 from kernels.ssd import ssd, ssd_step
 from layers.conv import ShortConvolution
 from layers.linear import Linear
 from layers.mamba import inverse_softplus_dt
+from layers.mixer import SequenceMixer
 from layers.norm import GatedRMSNorm
 from layers.options import Impl, Mode, NonNegInt, PosFloat, PosInt
-from layers.shapes import check_input
 from layers.sharding import ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import state, stepwise
 
 
 @state
@@ -58,7 +57,7 @@ class Mamba2State:
     conv: Float[Array, "B W _Dconv"] | None  # (B, conv_size - 1, Di + 2 G N) last conv inputs; None if conv_size = 0
 
 
-class Mamba2(nnx.Module):
+class Mamba2(SequenceMixer):
     """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head (heads of head_dim channels of the expand * d_model
     inner width, A from A_init_range) and grouped B/C (num_groups groups of state_size), a causal conv of conv_size
     taps, Δ initialised log-uniform in [dt_min, dt_max] (at least dt_init_floor); norm_before_gate: the output norm
@@ -112,33 +111,21 @@ class Mamba2(nnx.Module):
         self.norm = GatedRMSNorm(Di, eps=norm_eps, norm_before_gate=norm_before_gate, groups=G)
         self.out_proj = linear(Di, d_model, ROWS)
 
+    step_mode = "step"  # decode: `step` for one token and steps=True
+
     def init_state(self, batch_size: int, max_len: int = 0) -> Mamba2State:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
         ssm = jnp.zeros((batch_size, self.num_heads, self.head_dim, self.state_size), jnp.float32)
         return Mamba2State(ssm, self.conv.init_state(batch_size, self.dtype) if self.conv is not None else None)
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: Mamba2State, *, segment_ids: Int[Array, "B T"] | None = None,
-               steps: bool = False) -> tuple[Float[Array, "B T D"], Mamba2State]:
-        """Prefill (T > 1, chunked SSD) or one step (T = 1, `step`), continuing from `state`; steps=True runs
-        `step` token by token and returns the state after every token, for `rollback` (layers/state.py)."""
-        check_steps(steps, segment_ids, "Mamba2")
-        return self._mix(x, state, segment_ids, "steps" if steps else "step" if x.shape[1] == 1 else "chunk")
-
-    def rollback(self, stepped: Mamba2State, drop: Int[Array, " B"]) -> Mamba2State:
-        return rollback(stepped, drop)
-
-    def _mix(self, x, state: Mamba2State, segment_ids, mode):
-        check_input(x, self.d_model, segment_ids, "Mamba2")
+    def _mix(self, x, state: Mamba2State, segment_ids, mode, steps: bool):
+        """`mode` "step": `step` on the one token, or token by token with steps=True; else an SSD form."""
         Bsz, T, _ = x.shape
         Di, H, P, G, N = self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size
         x = x.astype(self.dtype)
         z, xBC, dt = jnp.split(self.in_proj(x), [Di, 2 * Di + 2 * G * N], axis=-1)  # (B, T, Di), (B, T, E), (B, T, H)
         if self.conv is not None:
-            xBC, conv = self.conv.decode(xBC, state.conv, segment_ids=segment_ids, steps=mode == "steps")
+            xBC, conv = self.conv.decode(xBC, state.conv, segment_ids=segment_ids, steps=steps)
         else:
             xBC, conv = jax.nn.silu(xBC), None
         xs, B, C = jnp.split(xBC, [Di, Di + G * N], axis=-1)
@@ -146,18 +133,18 @@ class Mamba2(nnx.Module):
         B, C = B.reshape(Bsz, T, G, N), C.reshape(Bsz, T, G, N)  # (B, T, G, N)
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])  # (B, T, H)
         A = -jnp.exp(self.A_log[...])  # (H,)
-        if mode in ("step", "steps"):
+        if mode == "step":
             def step(h, xs, dt, B, C):  # on 1-token slices (B, 1, ...)
                 h, y = self.step(h, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
                 return y[:, None].astype(xs.dtype), h  # (B, 1, H, P)
 
             args = (state.ssm, xs, dt, B, C)
-            y, ssm = stepwise(step, *args) if mode == "steps" else step(*args)
+            y, ssm = stepwise(step, *args) if steps else step(*args)
         else:
             y, ssm = ssd(xs, dt, A, B, C, self.D[...], segment_ids=segment_ids, initial_state=state.ssm,
                          output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
         y = self.norm(y.reshape(Bsz, T, Di), z)
-        return self.out_proj(y), (Mamba2State.stepped if mode == "steps" else Mamba2State)(ssm, conv)
+        return self.out_proj(y), (Mamba2State.stepped if steps else Mamba2State)(ssm, conv)
 
     def step(self, h: Float[Array, "B H P N"], x: Float[Array, "B H P"], dt: Float[Array, "B H"],
              A: Float[Array, " H"], B: Float[Array, "B G N"], C: Float[Array, "B G N"]):

@@ -41,18 +41,18 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from kernels import check_impl, check_mode
 from kernels.mamba3 import Mamba3Carry, mamba3, mamba3_step, zero_carry
 from kernels.ssd.reference import heads_from_groups
 from layers.linear import Linear
 from layers.mamba import inverse_softplus_dt
+from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.options import Impl, Mode, PosFloat, PosInt, Range
-from layers.shapes import check_input
 from layers.sharding import ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import state, stepwise
 
 
 @state
@@ -68,7 +68,7 @@ def heavy_tail(a: Float[Array, "*S"]) -> Float[Array, "*S"]:
     return jnp.maximum(a, 0) + 1 / (1 - jnp.minimum(a, 0))
 
 
-class Mamba3(nnx.Module):
+class Mamba3(SequenceMixer):
     """Mamba-3 (Lahoti et al. 2026), SISO: exponential-trapezoidal SSM with a complex (data-dependent rotary) state,
     data-dependent A_t, normed and biased B/C, no conv; heads of head_dim channels of the expand * d_model inner width,
     num_groups groups of state_size for B/C; rope_fraction: the share of the state's channels rotated; A_floor: the
@@ -121,26 +121,14 @@ class Mamba3(nnx.Module):
         self.D = nnx.Param(jnp.ones((H,), jnp.float32))
         self.out_proj = linear(Di, d_model, ROWS)
 
+    step_mode = "step"  # decode: `mamba3_step` for one token and steps=True
+
     def init_state(self, batch_size: int, max_len: int = 0) -> Mamba3State:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
         return Mamba3State(*zero_carry(batch_size, self.num_heads, self.head_dim, self.state_size))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: Mamba3State, *, segment_ids: Int[Array, "B T"] | None = None,
-               steps: bool = False) -> tuple[Float[Array, "B T D"], Mamba3State]:
-        """Prefill (T > 1, the chunk form) or one step (T = 1, `mamba3_step`), continuing from `state`;
-        steps=True runs the step token by token and returns the state after every token, for `rollback`."""
-        check_steps(steps, segment_ids, "Mamba3")
-        return self._mix(x, state, segment_ids, "steps" if steps else "step" if x.shape[1] == 1 else "chunk")
-
-    def rollback(self, stepped: Mamba3State, drop: Int[Array, " B"]) -> Mamba3State:
-        return rollback(stepped, drop)
-
-    def _mix(self, x, state: Mamba3State, segment_ids, mode):
-        check_input(x, self.d_model, segment_ids, "Mamba3")
+    def _mix(self, x, state: Mamba3State, segment_ids, mode, steps: bool):
+        """`mode` "step": `mamba3_step` on the one token, or token by token with steps=True; else the op's form."""
         Bsz, T, _ = x.shape
         Di, H, P, G, N, M = (self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size,
                              self.num_angles)
@@ -158,15 +146,15 @@ class Mamba3(nnx.Module):
         theta = jnp.pad(math.pi * jnp.tanh(theta.astype(f32)), ((0, 0), (0, 0), (0, N // 2 - M)))  # (B, T, N/2)
         theta = jnp.broadcast_to(theta[:, :, None], (Bsz, T, H, N // 2))  # (B, T, H, N/2): one per head's Δ
         carry = Mamba3Carry(state.ssm, state.angle, state.b, state.x)
-        if mode in ("step", "steps"):
+        if mode == "step":
             def step(carry, *token):  # on 1-token slices (B, 1, ...)
                 carry, y = mamba3_step(carry, *(t[:, 0] for t in token), self.D[...])
                 return y[:, None].astype(xs.dtype), carry  # (B, 1, H, P)
 
             args = (carry, xs, dt, A, lam, B, C, theta)
-            y, carry = stepwise(step, *args) if mode == "steps" else step(*args)
+            y, carry = stepwise(step, *args) if steps else step(*args)
         else:
             y, carry = mamba3(xs, dt, A, lam, B, C, theta, self.D[...], segment_ids=segment_ids, initial_state=carry,
                               output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
         y = (y.reshape(Bsz, T, Di).astype(f32) * jax.nn.silu(z.astype(f32))).astype(self.dtype)  # (B, T, Di)
-        return self.out_proj(y), (Mamba3State.stepped if mode == "steps" else Mamba3State)(*carry)
+        return self.out_proj(y), (Mamba3State.stepped if steps else Mamba3State)(*carry)

@@ -42,9 +42,7 @@ heads over `tensor`, the model width over `fsdp`, the latents whole.
 
 from typing import Annotated
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -52,12 +50,12 @@ from kernels import check_impl
 from kernels.attention import attention, attention_cached, write_rows
 from kernels.segments import document_index, positions_in_document
 from layers.linear import project
+from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.options import Impl, OneOf, PosFloat, PosInt
 from layers.rotary import apply_rotary
-from layers.shapes import check_input
 from layers.sharding import axes, constrain
-from layers.state import check_steps, rollback, state
+from layers.state import cache_counters, state
 
 
 # A stepped cache keeps its slots once (final): a row never reads past its index.
@@ -74,7 +72,7 @@ class LatentCache:
         return jnp.any(self.index > self.kv.shape[1])
 
 
-class MultiHeadLatentAttention(nnx.Module):
+class MultiHeadLatentAttention(SequenceMixer):
     """Multi-head latent attention (DeepSeek-V2 2024): every head's keys and values from one shared latent of width
     kv_lora_rank (None = 4 head_dim) and a rotary key of width rope_dim (None = head_dim / 2, even) shared by the heads,
     so decoding caches kv_lora_rank + rope_dim numbers per token; head_dim: a head's key width besides the rotary part
@@ -157,7 +155,7 @@ class MultiHeadLatentAttention(nnx.Module):
         return project(o.reshape(B, T, H * V), self._w(self.wo).reshape(H * V, -1))  # (B, T, D)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
-        check_input(x, self.d_model, segment_ids, "MultiHeadLatentAttention")
+        self._check(x, segment_ids)
         B, T, _ = x.shape
         x, positions = x.astype(self.dtype), positions_in_document(segment_ids, B, T)
         qc, qr = self._queries(x, positions)
@@ -176,12 +174,10 @@ class MultiHeadLatentAttention(nnx.Module):
                steps: bool = False):
         """Absorbed (self.absorb) or naive decode; steps=True returns the cache after every token, for
         `rollback`, as layers/attention.py does (index, pos, cur_doc per step; the slots as written)."""
-        check_input(x, self.d_model, segment_ids, "MultiHeadLatentAttention.decode")
-        check_steps(steps, segment_ids, "MultiHeadLatentAttention.decode")
+        self._check(x, segment_ids, steps)
         B, T, _ = x.shape
-        S, L = cache.kv.shape[1], self.kv_lora_rank
-        if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > S:
-            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={S}")
+        L = self.kv_lora_rank
+        self._check_room(cache.index, T, cache.kv.shape[1])
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = cache.cur_doc[:, None] + document_index(segment_ids, B, T)  # (B, T)
         x = x.astype(self.dtype)
@@ -200,11 +196,5 @@ class MultiHeadLatentAttention(nnx.Module):
                                  cv.transpose(0, 2, 1, 3), **masks)
         # Written after the read: XLA then updates the cache in place.
         slots = dict(kv=write_rows(cache.kv, new, cache.index, 1), doc=write_rows(cache.doc, doc, cache.index, 1))
-        if steps:
-            after = jnp.arange(1, T + 1, dtype=jnp.int32)[:, None]  # (T, 1)
-            return self._out(o), LatentCache.stepped(**slots, cur_doc=doc.T, pos=(positions + 1).T,
-                                                     index=cache.index + after)  # (T, B) each
-        return self._out(o), LatentCache(**slots, cur_doc=doc[:, -1], pos=positions[:, -1] + 1, index=cache.index + T)
-
-    def rollback(self, stepped: LatentCache, drop: Int[Array, " B"]) -> LatentCache:
-        return rollback(stepped, drop)
+        counters = cache_counters(cache.index, doc, positions, steps)
+        return self._out(o), (LatentCache.stepped if steps else LatentCache)(**slots, **counters)

@@ -15,10 +15,8 @@ read the whole cache. Departures: no sliding window, rope scaling, qkv bias, qk 
 (options of `Attention` that MoBA does not take); a query sees its whole document (no long_context).
 """
 
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -27,8 +25,7 @@ from kernels.moba import attend_blocks, check_blocks, moba, pooled_gate, select_
 from kernels.segments import document_index, positions_in_document
 from layers.attention import Attention, KVCache
 from layers.options import Impl, PosFloat, PosInt
-from layers.shapes import check_input
-from layers.state import check_steps, rollback, state
+from layers.state import state
 
 
 @state
@@ -58,13 +55,10 @@ class BlockSparse(Attention):
                steps: bool = False):
         """Token by token through the cache (lax.scan). steps=True returns the state after every token
         (layers/state.py): the KV cache's slots once (final), the table per step."""
-        where = f"{type(self).__name__}.decode"
-        check_input(x, self.d_model, segment_ids, where)
-        check_steps(steps, segment_ids, where)
+        self._check(x, segment_ids, steps)
         cache, table = state
         B, T, _ = x.shape
-        if not isinstance(cache.index, jax.core.Tracer) and (n := int(np.max(cache.index))) + T > cache.k.shape[2]:
-            raise ValueError(f"decode: {n} cached + {T} new tokens exceed max_len={cache.k.shape[2]}")
+        self._check_room(cache.index, T, cache.k.shape[2])
         positions = positions_in_document(segment_ids, B, T, start=cache.pos)  # (B, T)
         doc = cache.cur_doc[:, None] + document_index(segment_ids, B, T)  # (B, T)
         inputs = (*self._qkv(x, positions), *self._extra(x))
@@ -82,9 +76,6 @@ class BlockSparse(Attention):
             return y, (KVCache.stepped(k=cache.k, v=cache.v, doc=cache.doc, cur_doc=cur_doc, pos=pos, index=index,
                                        k_scale=None, v_scale=None), tables)
         return y, (cache, table)
-
-    def rollback(self, stepped, drop: Int[Array, " B"]):
-        return rollback(stepped, drop)
 
     @staticmethod
     def _written(cache: KVCache, k, v, d, p) -> KVCache:
@@ -110,7 +101,7 @@ class MoBA(BlockSparse):
         self.block_size, self.top_k = block_size, top_k
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
-        check_input(x, self.d_model, segment_ids, "MoBA")
+        self._check(x, segment_ids)
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions_in_document(segment_ids, B, T))
         doc = None if segment_ids is None else document_index(segment_ids, B, T)

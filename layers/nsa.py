@@ -23,7 +23,6 @@ Departures from the paper, named:
 - no Triton-style blocked kernel: training runs kernels/nsa's dense masked form.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +37,6 @@ from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.moba import BlockSparse
 from layers.options import Impl, PosFloat, PosInt
-from layers.shapes import check_input
 from layers.sharding import axes
 from layers.state import state
 
@@ -89,7 +87,7 @@ class NativeSparseAttention(BlockSparse):
                     num_selected=self.num_selected, window=self.sliding)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None):
-        check_input(x, self.d_model, segment_ids, "NativeSparseAttention")
+        self._check(x, segment_ids)
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions_in_document(segment_ids, B, T))
         slots = jnp.clip(jnp.arange(T)[:, None] - self.block_len + 1 + jnp.arange(self.block_len), 0, T - 1)  # (T, l)

@@ -29,7 +29,6 @@ Departures from the paper, named:
   W_K, W_V, W_G; flash-linear-attention uses it for W_O as well, and so do we), no biases.
 """
 
-
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -39,12 +38,12 @@ from kernels import check_impl, check_mode
 from kernels.retention import retention
 from kernels.segments import positions_in_document
 from layers.linear import Linear
+from layers.mixer import SequenceMixer
 from layers.norm import GatedRMSNorm
 from layers.options import Impl, Mode, PosFloat, PosInt
 from layers.rotary import apply_rotary
-from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import per_token, state, stepwise
 
 
 @state
@@ -57,7 +56,7 @@ def _xavier(gain: float):
     return nnx.initializers.variance_scaling(gain ** 2, "fan_avg", "uniform")
 
 
-class MultiScaleRetention(nnx.Module):
+class MultiScaleRetention(SequenceMixer):
     """Multi-scale retention (Sun et al. 2023): fixed per-head decay, rotary (rotary_base), norm (norm_eps) and swish
     gate; expand_k / expand_v: the query-key and value widths as multiples of d_model (the heads must divide both and
     the key head dim must be even); mode ("recurrent" | "chunk" | "parallel") picks the training path's exact form,
@@ -96,21 +95,7 @@ class MultiScaleRetention(nnx.Module):
         return RetentionState(S=jnp.zeros((batch_size, H, self.key_dim // H, self.value_dim // H), jnp.float32),
                               pos=jnp.zeros((batch_size,), jnp.int32))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self._mix(x, self.init_state(x.shape[0]), segment_ids, self.mode)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: RetentionState, *,
-               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
-        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
-        check_steps(steps, segment_ids, "MultiScaleRetention")
-        return self._mix(x, state, segment_ids, "recurrent" if steps or x.shape[1] == 1 else "chunk", steps)
-
-    def rollback(self, stepped: RetentionState, drop: Int[Array, " B"]) -> RetentionState:
-        return rollback(stepped, drop)
-
-    def _mix(self, x, state: RetentionState, segment_ids, mode: str, steps: bool = False):
-        check_input(x, self.d_model, segment_ids, "MultiScaleRetention")
+    def _mix(self, x, state: RetentionState, segment_ids, mode: str, steps: bool):
         B, T, _ = x.shape
         H = self.num_heads
         x = x.astype(self.dtype)
@@ -124,6 +109,4 @@ class MultiScaleRetention(nnx.Module):
         o, S = stepwise(op, state.S, q, k, v) if steps else op(state.S, q, k, v)
         o = self.norm(o, self.g_proj(x).reshape(B, T, H, -1))  # RMSNorm per head, times swish(gate)
         y = self.o_proj(o.reshape(B, T, self.value_dim))
-        if steps:
-            return y, RetentionState.stepped(S=S, pos=(pos + 1).T)  # pos: (T, B)
-        return y, RetentionState(S=S, pos=pos[:, -1] + 1)
+        return y, (RetentionState.stepped if steps else RetentionState)(S=S, pos=per_token(pos + 1, steps))

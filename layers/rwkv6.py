@@ -33,7 +33,6 @@ Departures from the official code, all deliberate:
   the WKV state restarts from zero, so a packed row equals its documents run alone.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,10 +42,10 @@ from jaxtyping import Array, Float, Int
 from kernels import check_impl, check_mode
 from kernels.segments import document_starts
 from kernels.wkv6 import wkv6
+from layers.mixer import SequenceMixer
 from layers.options import Impl, Mode, PosInt
-from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS, axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import state, stepwise
 
 
 @state
@@ -97,7 +96,7 @@ def param(value, *names) -> nnx.Param:
     return nnx.Param(value, **axes(*(names or (None,) * value.ndim)))
 
 
-class RWKV6TimeMix(nnx.Module):
+class RWKV6TimeMix(SequenceMixer):
     """RWKV-6 "Finch" time mix (Peng et al. 2024): data-dependent token shift (LoRA of mix_lora_dim) and decay (LoRA of
     decay_lora_dim), bonus u, heads of head_dim. `mode` ("chunk", "recurrent" or "parallel") picks the WKV6 algorithm of
     __call__, chunk_size its chunk; decode uses "chunk" for T > 1 and the recurrence for T = 1. `impl` ("auto",
@@ -118,7 +117,7 @@ class RWKV6TimeMix(nnx.Module):
         r0, r1 = depth_ratios(layer_id, num_layers)
         D, H = d_model, d_model // head_dim
         self.num_heads, self.head_dim, self.mode, self.chunk_size, self.dtype = H, head_dim, mode, chunk_size, dtype
-        self.impl = impl
+        self.impl, self.d_model = impl, d_model
         self.eps = 1e-5 * head_dim
         ddd = np.arange(D) / D  # the constant inits in numpy, cast once by `param`
         n = np.arange(D) / max(D - 1, 1)
@@ -148,21 +147,7 @@ class RWKV6TimeMix(nnx.Module):
         return RWKVTimeMixState(shift=jnp.zeros((batch_size, D), jnp.float32),
                                 wkv=jnp.zeros((batch_size, self.num_heads, self.head_dim, self.head_dim), jnp.float32))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self._forward(x, self.init_state(x.shape[0], x.shape[1]), segment_ids, self.mode)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: RWKVTimeMixState, *, segment_ids: Int[Array, "B T"] | None = None,
-               steps: bool = False) -> tuple[Float[Array, "B T D"], RWKVTimeMixState]:
-        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
-        check_steps(steps, segment_ids, "RWKV6TimeMix")
-        return self._forward(x, state, segment_ids, "recurrent" if steps or x.shape[1] == 1 else "chunk", steps)
-
-    def rollback(self, stepped: RWKVTimeMixState, drop: Int[Array, " B"]) -> RWKVTimeMixState:
-        return rollback(stepped, drop)
-
-    def _forward(self, x, state, segment_ids, mode, steps=False):
-        check_input(x, self.num_heads * self.head_dim, segment_ids, "RWKV6TimeMix")
+    def _mix(self, x, state: RWKVTimeMixState, segment_ids, mode: str, steps: bool):
         B, T, D = x.shape
         H, K, dt = self.num_heads, self.head_dim, self.dtype
         p = lambda w: w[...].astype(dt)
@@ -184,7 +169,7 @@ class RWKV6TimeMix(nnx.Module):
         return (o * g) @ p(self.w_o), (RWKVTimeMixState.stepped if steps else RWKVTimeMixState)(last, wkv)
 
 
-class RWKV6ChannelMix(nnx.Module):
+class RWKV6ChannelMix(SequenceMixer):
     """RWKV-6 channel mix: token-shifted squared-ReLU FFN with a receptance gate (hidden_dim None = 3.5 D). It shifts
     tokens too, so it carries a decode state and follows the mixer protocol: __call__(x, *, segment_ids),
     init_state(batch_size, max_len), decode(...); layer_id / num_layers (the model's) shape its initialisation; dtype:
@@ -196,7 +181,7 @@ class RWKV6ChannelMix(nnx.Module):
         if hidden_dim < 1:
             raise ValueError(f"hidden_dim={hidden_dim} must be >= 1")
         _, r1 = depth_ratios(layer_id, num_layers)
-        self.dtype = dtype
+        self.d_model, self.dtype = d_model, dtype
         ddd = np.arange(d_model) / d_model
         self.mu_k = param(1.0 - ddd ** r1)
         self.mu_r = param(1.0 - ddd ** r1)
@@ -206,18 +191,10 @@ class RWKV6ChannelMix(nnx.Module):
 
     def init_state(self, batch_size: int, max_len: int) -> RWKVChannelMixState:
         """max_len is ignored: the state has a fixed size."""
-        return RWKVChannelMixState(shift=jnp.zeros((batch_size, self.mu_k.shape[0]), jnp.float32))
+        return RWKVChannelMixState(shift=jnp.zeros((batch_size, self.d_model), jnp.float32))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self.decode(x, self.init_state(x.shape[0], x.shape[1]), segment_ids=segment_ids)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: RWKVChannelMixState, *,
-               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False
-               ) -> tuple[Float[Array, "B T D"], RWKVChannelMixState]:
-        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
-        check_input(x, self.mu_k.shape[0], segment_ids, "RWKV6ChannelMix")
-        check_steps(steps, segment_ids, "RWKV6ChannelMix")
+    def _mix(self, x, state: RWKVChannelMixState, segment_ids, mode, steps: bool):
+        """One form (mode unused)."""
         p = lambda w: w[...].astype(self.dtype)
         x = x.astype(self.dtype)
         prev, last = token_shift(x, state.shift, segment_ids, steps)
@@ -225,6 +202,3 @@ class RWKV6ChannelMix(nnx.Module):
         k = jnp.square(jax.nn.relu((x + xx * p(self.mu_k)) @ p(self.w_k)))  # (B, T, F)
         y = jax.nn.sigmoid((x + xx * p(self.mu_r)) @ p(self.w_r)) * (k @ p(self.w_v))
         return y, (RWKVChannelMixState.stepped if steps else RWKVChannelMixState)(last)
-
-    def rollback(self, stepped: RWKVChannelMixState, drop: Int[Array, " B"]) -> RWKVChannelMixState:
-        return rollback(stepped, drop)

@@ -56,6 +56,7 @@ from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode
 from kernels.wkv7 import wkv7
+from layers.mixer import SequenceMixer
 from layers.options import Impl, Mode, PosInt
 from layers.rwkv6 import (
     RWKVChannelMixState,
@@ -66,9 +67,8 @@ from layers.rwkv6 import (
     param,
     token_shift,
 )
-from layers.shapes import check_input
 from layers.sharding import COLUMNS, ROWS
-from layers.state import check_steps, rollback, stepwise
+from layers.state import stepwise
 
 
 def lora_rank(d_model: int, factor: float) -> int:
@@ -76,7 +76,7 @@ def lora_rank(d_model: int, factor: float) -> int:
     return max(32, int(round(factor * math.sqrt(d_model) / 32) * 32))
 
 
-class RWKV7TimeMix(nnx.Module):
+class RWKV7TimeMix(SequenceMixer):
     """RWKV-7 "Goose" time mix (Peng et al. 2025): generalised delta rule with vector decay and in-context learning
     rate, value residual from layer 0 (see the module docstring for v_first); heads of head_dim; LoRA ranks
     decay_lora_dim, icl_lora_dim, value_lora_dim, gate_lora_dim (None = the official sizes). `mode` ("chunk",
@@ -106,7 +106,7 @@ class RWKV7TimeMix(nnx.Module):
         D, H = d_model, d_model // head_dim
         self.num_heads, self.head_dim, self.layer_id = H, head_dim, layer_id
         self.mode, self.chunk_size, self.dtype, self.eps = mode, chunk_size, dtype, 1e-5 * head_dim
-        self.impl = impl
+        self.impl, self.d_model = impl, d_model
         i = np.arange(D)  # the constant inits in numpy, cast once by `param`
         ddd = i / D
         linear = i / max(D - 1, 1) - 0.5
@@ -146,22 +146,19 @@ class RWKV7TimeMix(nnx.Module):
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None,
                  v_first: Float[Array, "B T D"] | None = None) -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:
-        y, _, v_first = self._forward(x, self.init_state(x.shape[0], x.shape[1]), segment_ids, v_first, self.mode)
+        """The protocol's, with layer 0's v beside the input and the output (module docstring)."""
+        self._check(x, segment_ids)
+        y, _, v_first = self._mix(x, self.init_state(x.shape[0], x.shape[1]), segment_ids, self.mode, False, v_first)
         return y, v_first
 
     def decode(self, x: Float[Array, "B T D"], state: RWKVTimeMixState, *,
                segment_ids: Int[Array, "B T"] | None = None, v_first: Float[Array, "B T D"] | None = None,
                steps: bool = False) -> tuple[Float[Array, "B T D"], RWKVTimeMixState, Float[Array, "B T D"]]:
         """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
-        check_steps(steps, segment_ids, "RWKV7TimeMix")
-        mode = "recurrent" if steps or x.shape[1] == 1 else "chunk"
-        return self._forward(x, state, segment_ids, v_first, mode, steps)
+        self._check(x, segment_ids, steps)
+        return self._mix(x, state, segment_ids, self._decode_mode(x.shape[1], steps), steps, v_first)
 
-    def rollback(self, stepped: RWKVTimeMixState, drop: Int[Array, " B"]) -> RWKVTimeMixState:
-        return rollback(stepped, drop)
-
-    def _forward(self, x, state, segment_ids, v_first, mode, steps=False):
-        check_input(x, self.num_heads * self.head_dim, segment_ids, "RWKV7TimeMix")
+    def _mix(self, x, state: RWKVTimeMixState, segment_ids, mode: str, steps: bool, v_first):
         if self.layer_id > 0 and v_first is None:
             raise ValueError(f"RWKV7TimeMix(layer_id={self.layer_id}) needs v_first, the v returned by layer 0")
         B, T, D = x.shape
@@ -197,7 +194,7 @@ class RWKV7TimeMix(nnx.Module):
         return y, (RWKVTimeMixState.stepped if steps else RWKVTimeMixState)(last, wkv), v_first
 
 
-class RWKV7ChannelMix(nnx.Module):
+class RWKV7ChannelMix(SequenceMixer):
     """RWKV-7 channel mix: token-shifted squared-ReLU FFN (hidden_dim None = 4 D), with the mixer protocol for its
     state; layer_id / num_layers (the model's) shape its initialisation; dtype: the compute dtype (parameters stay
     float32)."""
@@ -208,30 +205,19 @@ class RWKV7ChannelMix(nnx.Module):
         if hidden_dim < 1:
             raise ValueError(f"hidden_dim={hidden_dim} must be >= 1")
         _, r1 = depth_ratios(layer_id, num_layers)
-        self.dtype = dtype
+        self.d_model, self.dtype = d_model, dtype
         self.mu_k = param(1.0 - (np.arange(d_model) / d_model) ** (r1 ** 4))
         self.w_k = param(orthogonal(rngs.params(), (d_model, hidden_dim)), "embed", "mlp")
         self.w_v = param(np.zeros((hidden_dim, d_model)), "mlp", "embed")
 
     def init_state(self, batch_size: int, max_len: int) -> RWKVChannelMixState:
         """max_len is ignored: the state has a fixed size."""
-        return RWKVChannelMixState(shift=jnp.zeros((batch_size, self.mu_k.shape[0]), jnp.float32))
+        return RWKVChannelMixState(shift=jnp.zeros((batch_size, self.d_model), jnp.float32))
 
-    def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> Float[Array, "B T D"]:
-        return self.decode(x, self.init_state(x.shape[0], x.shape[1]), segment_ids=segment_ids)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: RWKVChannelMixState, *,
-               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False
-               ) -> tuple[Float[Array, "B T D"], RWKVChannelMixState]:
-        """steps=True returns the state after every token, for `rollback` (layers/state.py)."""
-        check_input(x, self.mu_k.shape[0], segment_ids, "RWKV7ChannelMix")
-        check_steps(steps, segment_ids, "RWKV7ChannelMix")
+    def _mix(self, x, state: RWKVChannelMixState, segment_ids, mode, steps: bool):
+        """One form (mode unused)."""
         p = lambda w: w[...].astype(self.dtype)
         x = x.astype(self.dtype)
         prev, last = token_shift(x, state.shift, segment_ids, steps)
         k = jnp.square(jax.nn.relu((x + (prev - x) * p(self.mu_k)) @ p(self.w_k)))  # (B, T, F)
         return k @ p(self.w_v), (RWKVChannelMixState.stepped if steps else RWKVChannelMixState)(last)
-
-    def rollback(self, stepped: RWKVChannelMixState, drop: Int[Array, " B"]) -> RWKVChannelMixState:
-        return rollback(stepped, drop)

@@ -35,10 +35,10 @@ from jaxtyping import Array, Float, Int
 from kernels.long_conv import check_no_pallas
 from kernels.s4d import MODES, discretize, s4d, s4d_step
 from layers.linear import Linear
+from layers.mixer import SequenceMixer
 from layers.options import Impl, OneOf, PosFloat, PosInt
-from layers.shapes import check_input
 from layers.sharding import axes
-from layers.state import check_steps, rollback, state, stepwise
+from layers.state import state, stepwise
 
 
 @state
@@ -46,7 +46,7 @@ class S4DState:
     ssm: Float[Array, "B D N"]  # (B, D, N) float32: [Re h, Im h] of the N/2 complex modes per channel
 
 
-class S4D(nnx.Module):
+class S4D(SequenceMixer):
     """S4D (Gu, Gupta, Goel & Ré 2022): a diagonal linear time-invariant SSM per channel, state_size N (N/2 complex
     conjugate pairs), init lin (S4D-Lin, A_n = -1/2 + i π n) or inv (S4D-Inv), log Δ uniform in [dt_min, dt_max], GELU,
     then output glu (linear to 2 d_model and a GLU) or linear; mode fft (the SSM's kernel applied by FFT, O(T log T)) or
@@ -83,43 +83,40 @@ class S4D(nnx.Module):
         self.out_proj = Linear(D, width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
                                kernel_metadata=axes("heads", "embed"), bias_metadata=axes("embed"))
 
+    step_mode = "step"  # decode: the recurrence for one token and steps=True, the layer's mode for T > 1
+
+    @property
+    def prefill_mode(self) -> str:
+        return self.mode
+
     def init_state(self, batch_size: int, max_len: int = 0) -> S4DState:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
         return S4DState(jnp.zeros((batch_size, self.d_model, self.state_size), jnp.float32))
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None
                  ) -> Float[Array, "B T D"]:
-        return self._mix(x, None, segment_ids, self.mode)[0]
-
-    def decode(self, x: Float[Array, "B T D"], state: S4DState, *, segment_ids: Int[Array, "B T"] | None = None,
-               steps: bool = False) -> tuple[Float[Array, "B T D"], S4DState]:
-        """Prefill (T > 1, the layer's mode, continuing from the state) or one recurrence step (T = 1);
-        steps=True steps token by token and returns the state after every token (layers/state.py)."""
-        check_steps(steps, segment_ids, "S4D")
-        return self._mix(x, state, segment_ids, "steps" if steps else "step" if x.shape[1] == 1 else self.mode)
-
-    def rollback(self, stepped: S4DState, drop: Int[Array, " B"]) -> S4DState:
-        return rollback(stepped, drop)
+        """The training path: the op from no state (returning none), not from a zero one."""
+        self._check(x, segment_ids)
+        return self._mix(x, None, segment_ids, self.mode, False)[0]
 
     def ssm_params(self):
         """(A, Δ, C) of the SSM: A and C (D, N/2) complex64, Δ (D,) float32."""
         A = jax.lax.complex(-jnp.exp(self.log_A_real[...]), self.A_imag[...])
         return A, jnp.exp(self.log_dt[...]), jax.lax.complex(self.C[..., 0], self.C[..., 1])
 
-    def _mix(self, x, state: S4DState | None, segment_ids, mode):
-        check_input(x, self.d_model, segment_ids, "S4D")
+    def _mix(self, x, state: S4DState | None, segment_ids, mode, steps: bool):
         x = x.astype(self.dtype)
         A, dt, C = self.ssm_params()
         M = self.state_size // 2
         h0 = None if state is None else jax.lax.complex(state.ssm[..., :M], state.ssm[..., M:])  # (B, D, N/2)
-        if mode in ("step", "steps"):
+        if mode == "step":
             Abar, Bbar = discretize(A, dt)
 
             def step(h, u):  # on 1-token slices (B, 1, D)
                 h, y = s4d_step(h, u[:, 0], Abar, Bbar, C, self.D[...])
                 return y[:, None].astype(u.dtype), h
 
-            y, h = stepwise(step, h0, x) if mode == "steps" else step(h0, x)
+            y, h = stepwise(step, h0, x) if steps else step(h0, x)
         else:
             y, h = s4d(x, A, dt, C, self.D[...], segment_ids=segment_ids, initial_state=h0,
                        output_final_state=state is not None, mode=mode, impl=self.impl)
@@ -131,4 +128,4 @@ class S4D(nnx.Module):
         if state is None:
             return y, None
         ssm = jnp.concatenate([jnp.real(h), jnp.imag(h)], axis=-1)  # (..., B, D, N) real pairs
-        return y, (S4DState.stepped if mode == "steps" else S4DState)(ssm)
+        return y, (S4DState.stepped if steps else S4DState)(ssm)

@@ -55,12 +55,6 @@ def is_state(x) -> bool:
     return hasattr(type(x), "final_fields")
 
 
-def check_steps(steps: bool, segment_ids, where: str):
-    if steps and segment_ids is not None:
-        raise ValueError(f"{where}: decode with steps=True needs segment_ids=None (a verify pass continues one "
-                         "document per row)")
-
-
 def stepwise(op, initial_state, *sequences):
     """Run `op(state, *slices) -> (out, state)` on the 1-token slices (B, 1, ...) of `sequences`
     (B, T, ...; None passes through), one token after another: returns the outputs (B, T, ...) and
@@ -72,6 +66,20 @@ def stepwise(op, initial_state, *sequences):
     time_major = tuple(None if x is None else jnp.swapaxes(x, 0, 1) for x in sequences)  # (T, B, ...)
     _, (out, states) = jax.lax.scan(body, initial_state, time_major)
     return jax.tree.map(lambda y: jnp.swapaxes(y[:, :, 0], 0, 1), out), states  # out: (T, B, 1, ...) -> (B, T, ...)
+
+
+def per_token(a, steps: bool):
+    """A value after each token of a decode call, (B, T, ...), as its state keeps it: every token's,
+    (T, B, ...), in a stepped state (steps=True); else the last token's, (B, ...)."""
+    return jnp.swapaxes(a, 0, 1) if steps else a[:, -1]
+
+
+def cache_counters(index: Int[Array, " B"], doc: Int[Array, "B T"], positions: Int[Array, "B T"], steps: bool
+                   ) -> dict:
+    """A cache's counters after a decode call of T tokens written from slot `index` (B,), in documents `doc`
+    at `positions` (B, T): cur_doc, pos and index, `per_token`."""
+    after = index[:, None] + jnp.arange(1, doc.shape[1] + 1, dtype=index.dtype)  # (B, T)
+    return dict(cur_doc=per_token(doc, steps), pos=per_token(positions + 1, steps), index=per_token(after, steps))
 
 
 def map_fields(fn, *trees, build: bool = False):
