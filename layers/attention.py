@@ -70,7 +70,7 @@ from layers.quant import quantize_rows
 from layers.rotary import RopeScaling, apply_rotary
 from layers.shapes import head_shape
 from layers.sharding import axes, constrain
-from layers.state import cache_counters, state
+from layers.state import cache_counters, empty_cache, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,15 +249,13 @@ class Attention(SequenceMixer):
         self._check_length(max_len, "a KV cache")
         max_len = max_len if self.ring is None else sum(self.ring)
         shape = (batch_size, self.num_kv_heads, max_len, self.head_dim)
-        zeros = jnp.zeros((batch_size,), jnp.int32)
         if self.kv_cache not in (None, "int8"):
             raise ValueError(f"Attention.kv_cache={self.kv_cache!r}; expected None or 'int8'")
         int8 = self.kv_cache == "int8"
         scale = (lambda: jnp.zeros((*shape[:3], 1), jnp.float32)) if int8 else (lambda: None)
         return KVCache(k=jnp.zeros(shape, jnp.int8 if int8 else self.dtype),
                        v=jnp.zeros(shape, jnp.int8 if int8 else self.dtype),
-                       doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros,
-                       index=zeros, k_scale=scale(), v_scale=scale(),
+                       **empty_cache(batch_size, max_len), k_scale=scale(), v_scale=scale(),
                        token_index=None if self.ring is None else jnp.full((batch_size, max_len), -1, jnp.int32))
 
     def decode(self, x: Float[Array, "B T D"], cache: KVCache, *, segment_ids: Int[Array, "B T"] | None = None,

@@ -43,7 +43,7 @@ from layers.options import Impl, PosFloat, PosInt
 from layers.rotary import apply_rotary
 from layers.shapes import head_shape
 from layers.sharding import axes, constrain
-from layers.state import cache_counters, per_token, state
+from layers.state import cache_counters, empty_cache, per_token, state
 
 
 @state(final=("k", "v", "doc", "k_scale", "v_scale", "c"))
@@ -115,9 +115,8 @@ class ForgettingAttention(SequenceMixer):
 
     def init_state(self, batch_size: int, max_len: int) -> FoXCache:
         shape = (batch_size, self.num_kv_heads, max_len, self.head_dim)
-        zeros = jnp.zeros((batch_size,), jnp.int32)
         return FoXCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
-                        doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros, index=zeros,
+                        **empty_cache(batch_size, max_len),
                         c=jnp.zeros((batch_size, self.num_heads, max_len), jnp.float32),
                         c_last=jnp.zeros((batch_size, self.num_heads), jnp.float32))
 

@@ -55,7 +55,7 @@ from layers.norm import RMSNorm
 from layers.options import Impl, OneOf, PosFloat, PosInt
 from layers.rotary import apply_rotary
 from layers.sharding import axes, constrain
-from layers.state import cache_counters, state
+from layers.state import cache_counters, empty_cache, state
 
 
 # A stepped cache keeps its slots once (final): a row never reads past its index.
@@ -166,9 +166,8 @@ class MultiHeadLatentAttention(SequenceMixer):
         return self._out(o)
 
     def init_state(self, batch_size: int, max_len: int) -> LatentCache:
-        zeros = jnp.zeros((batch_size,), jnp.int32)
         return LatentCache(kv=jnp.zeros((batch_size, max_len, self.kv_lora_rank + self.rope_dim), self.dtype),
-                           doc=jnp.full((batch_size, max_len), -1, jnp.int32), cur_doc=zeros, pos=zeros, index=zeros)
+                           **empty_cache(batch_size, max_len))
 
     def decode(self, x: Float[Array, "B T D"], cache: LatentCache, *, segment_ids: Int[Array, "B T"] | None = None,
                steps: bool = False):

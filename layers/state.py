@@ -74,6 +74,12 @@ def per_token(a, steps: bool):
     return jnp.swapaxes(a, 0, 1) if steps else a[:, -1]
 
 
+def empty_cache(batch_size: int, slots: int) -> dict:
+    """The bookkeeping of an empty cache of `slots` slots: doc (B, S) -1 (no token), cur_doc, pos, index (B,) 0."""
+    zeros = jnp.zeros((batch_size,), jnp.int32)
+    return dict(doc=jnp.full((batch_size, slots), -1, jnp.int32), cur_doc=zeros, pos=zeros, index=zeros)
+
+
 def cache_counters(index: Int[Array, " B"], doc: Int[Array, "B T"], positions: Int[Array, "B T"], steps: bool
                    ) -> dict:
     """A cache's counters after a decode call of T tokens written from slot `index` (B,), in documents `doc`
