@@ -18,6 +18,8 @@ state does (attention's full KV cache, not its ring buffer) says so with `grows_
 A mixer keeps `impl` (and `mode`, where it has several exact forms) as attributes read at call time. States are
 `layers.state.state` dataclasses; shape annotations use the one letter legend of kernels/__init__.py.
 Parameters name their logical sharding axes where they are made (layers/sharding.py).
+A constructor annotates each option with its type, choices and range (layers/options.py) and its
+class docstring says what each does: a config kind is derived from these (zoo/registry.py).
 tests/layers/conformance.py checks all of this for every registered kind.
 """
 

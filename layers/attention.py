@@ -53,6 +53,7 @@ quantized and read dequantized (layers/quant.py): a quarter of float32's bytes p
 """
 
 import dataclasses
+from typing import Annotated
 
 import jax.numpy as jnp
 from flax import nnx
@@ -64,6 +65,7 @@ from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
+from layers.options import Impl, NonNegFloat, NonNegInt, OneOf, PosFloat, PosInt
 from layers.quant import quantize_rows
 from layers.rotary import RopeScaling, apply_rotary
 from layers.shapes import head_shape
@@ -72,12 +74,13 @@ from layers.state import cache_counters, empty_cache, state
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadMask:  # zoo/kinds.py's HeadMaskConfig is this with each number's range
-    """One query head's band: window None = every earlier token; sinks 0, dilation 1, growth 0 = none."""
-    window: int | None = None
-    sinks: int = 0
-    dilation: int = 1
-    growth: float = 0.0
+class HeadMask:
+    """attention.head_masks[h]: query head h's band: window (None = every earlier token), sinks, dilation,
+    growth (the window grows by growth tokens per token of the document); sinks 0, dilation 1, growth 0 = none."""
+    window: PosInt | None = None
+    sinks: NonNegInt = 0
+    dilation: PosInt = 1
+    growth: NonNegFloat = 0.0
 
 
 # A stepped cache keeps its slots once (final): a row never reads past its index.
@@ -133,15 +136,28 @@ def _head_masks(H: int, window, sinks: int, dilation: int, head_masks, ring_spar
 
 
 class Attention(SequenceMixer):
+    """Softmax attention: MHA (num_kv_heads = num_heads or None), GQA, MQA (num_kv_heads = 1); head_dim None = d_model /
+    num_heads; window: sliding-window length in tokens (None = full causal); sinks: the first tokens of each document
+    stay visible to every later query (StreamingLLM); dilation: the window takes every dilation-th token, spanning
+    window * dilation (Longformer); head_masks: a list of one {window, sinks, dilation, growth} per head instead (SemSA
+    / MoA: span window * dilation + growth * tokens so far); ring_spare: with windows on every head (and no growth) the
+    KV cache is a ring of sinks + window * dilation + ring_spare slots, whatever the context; speculative decoding
+    verifies at most ring_spare tokens a round; long_context: past the trained context (max_seq_len, the model's),
+    window = each query sees the last max_seq_len tokens (the distances it was trained on), full = every earlier token
+    (distances it never saw); rope_scaling: a rotary scaling for a longer context (type linear, llama3, yarn or dynamic,
+    with its keys: layers/rotary.py); qkv_bias: biases on the q, k, v projections (Qwen2); qk_norm: RMSNorm of each
+    head's query and key before the rotary, with eps norm_eps (Qwen3); impl ("auto" | "reference" | "xla" | "pallas")
+    picks the op's implementation on every path; dtype: the compute dtype (parameters stay float32)."""
     grows_with_context = True  # the KV cache holds max_len slots (every other mixer's state is fixed)
     kv_cache = None  # the cache's storage, read by init_state: None (compute dtype) or "int8"
 
-    def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, window: int | None = None, sinks: int = 0, dilation: int = 1,
-                 head_masks: tuple[HeadMask, ...] | None = None, ring_spare: int = 16, rope_base: float = 10000.0,
-                 rope_scaling: RopeScaling | None = None, qkv_bias: bool = False, qk_norm: bool = False,
-                 norm_eps: float = 1e-6, long_context: str = "window", max_seq_len: int | None = None,
-                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, num_kv_heads: PosInt | None = None,
+                 head_dim: PosInt | None = None, window: PosInt | None = None, sinks: NonNegInt = 0,
+                 dilation: PosInt = 1, head_masks: tuple[HeadMask, ...] | None = None, ring_spare: PosInt = 16,
+                 rope_base: PosFloat = 10000.0, rope_scaling: RopeScaling | None = None, qkv_bias: bool = False,
+                 qk_norm: bool = False, norm_eps: PosFloat = 1e-6,
+                 long_context: Annotated[str, OneOf("window", "full")] = "window", max_seq_len: int | None = None,
+                 impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "Attention")
         if long_context not in ("window", "full"):
             raise ValueError(f"long_context={long_context!r}; expected 'window' or 'full'")

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float
 from layers.conv import ShortConvolution
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
+from layers.options import PosInt
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state
 
@@ -27,10 +28,11 @@ class BaseConvState:
 
 
 class BaseConv(SequenceMixer):
-    """Args: expand (in_proj's width over d_model: u and g are expand * d_model / 2 wide), kernel_size
-    (the causal convolution's taps), dtype (compute dtype; parameters stay float32)."""
+    """Based's gated short convolution (Arora et al. 2024): y = (silu(conv(u)) * g) W_out with [u, g] = x W_in, u and g
+    expand * d_model / 2 wide, a causal depthwise conv of kernel_size taps; dtype: the compute dtype (parameters stay
+    float32)."""
 
-    def __init__(self, d_model: int, *, expand: int = 4, kernel_size: int = 3, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, expand: PosInt = 4, kernel_size: PosInt = 3, dtype=jnp.float32, rngs: nnx.Rngs):
         if expand * d_model % 2:
             raise ValueError(f"expand={expand} times d_model={d_model} must be even (u and g split it)")
         if kernel_size < 1:

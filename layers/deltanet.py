@@ -59,6 +59,8 @@ SiLU. KDA: head_dim defaults to d_model / num_heads (fla: 128) and has no `safe_
 (fla's clamp of the gate for its M = 16 tensor-core path).
 """
 
+from typing import Annotated
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -70,6 +72,7 @@ from layers.conv import ShortConvolution, convolve, init_windows
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
 from layers.norm import GatedRMSNorm, RMSNorm
+from layers.options import Impl, Mode, NonNegInt, OneOf, PosFloat, PosInt
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state, stepwise
 
@@ -192,10 +195,17 @@ class _DeltaRuleMixer(SequenceMixer):
 
 
 class DeltaNet(_DeltaRuleMixer):
-    def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 1.0,
-                 conv_size: int = 4, use_beta: bool = True, qk_norm: str = "l2", use_output_gate: bool = False,
-                 norm_eps: float = 1e-5, mode: str = "chunk", chunk_size: int = 64, impl: str = "auto",
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+    """DeltaNet (Schlag et al. 2021; Yang et al. 2024): the delta rule with L2-normalised q, k (qk_norm "sum": divided
+    by their sum instead); head_dim None = d_model / num_heads, values expand_v times as wide; conv_size: short
+    convolutions on q, k, v (0 = none); use_beta: a learned write strength per token (else 1); use_output_gate: a swish
+    output gate on the normed output (eps norm_eps); mode ("recurrent" | "chunk" | "parallel") picks the training path's
+    exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on
+    every path; dtype: the compute dtype (parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None, expand_v: PosFloat = 1.0,
+                 conv_size: NonNegInt = 4, use_beta: bool = True, qk_norm: Annotated[str, OneOf("l2", "sum")] = "l2",
+                 use_output_gate: bool = False, norm_eps: PosFloat = 1e-5, mode: Mode = "chunk",
+                 chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm=qk_norm, norm_eps=norm_eps, mode=mode,
                          chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="DeltaNet")
@@ -208,9 +218,14 @@ class DeltaNet(_DeltaRuleMixer):
 
 
 class GatedDeltaNet(_DeltaRuleMixer):
-    def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 2.0,
-                 conv_size: int = 4, use_output_gate: bool = True, norm_eps: float = 1e-5, mode: str = "chunk",
-                 chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024): the delta rule with a Mamba-2 decay; head_dim, expand_v,
+    conv_size, use_output_gate, norm_eps as DeltaNet's; mode ("recurrent" | "chunk" | "parallel") picks the training
+    path's exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's
+    implementation on every path; dtype: the compute dtype (parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None, expand_v: PosFloat = 2.0,
+                 conv_size: NonNegInt = 4, use_output_gate: bool = True, norm_eps: PosFloat = 1e-5,
+                 mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm="l2", norm_eps=norm_eps, mode=mode,
                          chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="GatedDeltaNet")
@@ -225,11 +240,15 @@ class GatedDeltaNet(_DeltaRuleMixer):
 
 
 class KimiDeltaAttention(_DeltaRuleMixer):
-    """Kimi Delta Attention: the gated delta rule with a decay per key channel (module docstring)."""
+    """Kimi Delta Attention (Kimi Team 2025, Kimi Linear): the gated delta rule with a decay per key channel from a
+    low-rank projection, sigmoid output gate (module docstring); allow_neg_eigval: beta in (0, 2); head_dim, expand_v,
+    conv_size, norm_eps as DeltaNet's; mode ("recurrent" | "chunk" | "parallel") picks the training path's exact form,
+    chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path;
+    dtype: the compute dtype (parameters stay float32)."""
 
-    def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 1.0,
-                 conv_size: int = 4, allow_neg_eigval: bool = False, norm_eps: float = 1e-5, mode: str = "chunk",
-                 chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None, expand_v: PosFloat = 1.0,
+                 conv_size: NonNegInt = 4, allow_neg_eigval: bool = False, norm_eps: PosFloat = 1e-5,
+                 mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=False, qk_norm="l2", norm_eps=norm_eps, mode=mode, chunk_size=chunk_size,
                          impl=impl, dtype=dtype, rngs=rngs, name="KimiDeltaAttention")
@@ -263,14 +282,19 @@ class DeltaProductState(DeltaNetState):
 
 
 class GatedDeltaProduct(_DeltaRuleMixer):
-    """Gated DeltaProduct: num_householder delta-rule steps per token, one gate (module docstring)."""
+    """Gated DeltaProduct (Siems et al. 2025): num_householder delta-rule steps per token (each its own k, v, beta), the
+    Gated DeltaNet decay once per token (use_forget_gate: False = none); run as T x num_householder sub-steps of the
+    delta-rule op (chunk_size counts sub-steps); allow_neg_eigval: beta in (0, 2); head_dim, expand_v, conv_size,
+    use_output_gate, norm_eps as DeltaNet's; mode ("recurrent" | "chunk" | "parallel") picks the training path's exact
+    form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every
+    path; dtype: the compute dtype (parameters stay float32)."""
 
     State = DeltaProductState
 
-    def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 2.0,
-                 num_householder: int = 2, conv_size: int = 4, use_forget_gate: bool = True,
-                 allow_neg_eigval: bool = True, use_output_gate: bool = True, norm_eps: float = 1e-5,
-                 mode: str = "chunk", chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None, expand_v: PosFloat = 2.0,
+                 num_householder: PosInt = 2, conv_size: NonNegInt = 4, use_forget_gate: bool = True,
+                 allow_neg_eigval: bool = True, use_output_gate: bool = True, norm_eps: PosFloat = 1e-5,
+                 mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if num_householder < 1:
             raise ValueError(f"GatedDeltaProduct: num_householder={num_householder} must be >= 1")
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,

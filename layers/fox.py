@@ -39,6 +39,7 @@ from layers.attention import KVCache
 from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
+from layers.options import Impl, PosFloat, PosInt
 from layers.rotary import apply_rotary
 from layers.shapes import head_shape
 from layers.sharding import axes, constrain
@@ -53,15 +54,17 @@ class FoXCache(KVCache):
 
 
 class ForgettingAttention(SequenceMixer):
-    """Args: num_heads, num_kv_heads (None = num_heads; GQA/MQA below it), head_dim (None = d_model /
-    num_heads), rope_base (None = no positional encoding, as FoX), qk_norm, output_norm, output_gate
-    (the Pro block's parts), norm_eps, impl ("auto" | "reference" | "xla" | "pallas"; the attention op's:
-    the Pallas flash kernels take the decay), dtype (compute dtype; parameters stay float32)."""
+    """Forgetting attention (FoX, Lin et al. 2025): softmax attention whose logits get c_i - c_j, c the cumulative log
+    of a per-head forget gate sigmoid(x . w_f + b_f); num_kv_heads (None = num_heads) below num_heads is GQA/MQA;
+    head_dim None = d_model / num_heads; rope_base: None = no positional encoding (FoX's default); qk_norm, output_norm,
+    output_gate: the Pro block's per-head RMSNorms (eps norm_eps) of q and k and of the output, and sigmoid output gate;
+    impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path (the attention op's: the
+    Pallas flash kernels take the decay); dtype: the compute dtype (parameters stay float32)."""
     grows_with_context = True  # the KV cache holds max_len slots
 
-    def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, rope_base: float | None = None, qk_norm: bool = False,
-                 output_norm: bool = False, output_gate: bool = False, norm_eps: float = 1e-6, impl: str = "auto",
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, num_kv_heads: PosInt | None = None,
+                 head_dim: PosInt | None = None, rope_base: PosFloat | None = None, qk_norm: bool = False,
+                 output_norm: bool = False, output_gate: bool = False, norm_eps: PosFloat = 1e-6, impl: Impl = "auto",
                  dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "ForgettingAttention")
         H, G, K = head_shape(d_model, num_heads, num_kv_heads, head_dim)

@@ -37,6 +37,7 @@ from layers.conv import ShortConvolution, convolve, init_windows
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
 from layers.norm import GatedRMSNorm, RMSNorm
+from layers.options import Impl, Mode, NonNegInt, PosFloat, PosInt
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state, stepwise
 
@@ -50,16 +51,17 @@ class GLAState:
 
 
 class GatedLinearAttention(SequenceMixer):
-    """Args: num_heads, expand_k / expand_v (key and value widths as multiples of d_model; the heads
-    must divide both), gate_low_rank_dim, gate_logit_normalizer (tau), conv_size (0 = no short
-    convolution), use_output_gate, norm_eps, mode ("recurrent" | "chunk" | "parallel"), chunk_size,
-    impl ("auto" | "reference" | "xla" | "pallas", the op's implementation), dtype (compute dtype;
-    parameters stay float32)."""
+    """Gated linear attention (Yang et al. 2024): data-dependent per-key decay from a low-rank gate (gate_low_rank_dim
+    wide, logits divided by gate_logit_normalizer tau); expand_k / expand_v: the key and value widths as multiples of
+    d_model (the heads must divide both); conv_size: short convolutions on q, k, v (0 = none); use_output_gate: a swish
+    output gate on the normed output (eps norm_eps); mode ("recurrent" | "chunk" | "parallel") picks the training path's
+    exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on
+    every path; dtype: the compute dtype (parameters stay float32)."""
 
-    def __init__(self, d_model: int, *, num_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
-                 gate_low_rank_dim: int = 16, gate_logit_normalizer: float = 16.0, conv_size: int = 0,
-                 use_output_gate: bool = True, norm_eps: float = 1e-5, mode: str = "chunk", chunk_size: int = 64,
-                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, expand_k: PosFloat = 0.5, expand_v: PosFloat = 1.0,
+                 gate_low_rank_dim: PosInt = 16, gate_logit_normalizer: PosFloat = 16.0, conv_size: NonNegInt = 0,
+                 use_output_gate: bool = True, norm_eps: PosFloat = 1e-5, mode: Mode = "chunk", chunk_size: PosInt = 64,
+                 impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         key_dim, value_dim = int(d_model * expand_k), int(d_model * expand_v)
         if key_dim < 1 or value_dim < 1 or key_dim % num_heads or value_dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide the key width {key_dim} (d_model * expand_k) "

@@ -46,6 +46,7 @@ from layers.conv import ShortConvolution, convolve, init_windows
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
+from layers.options import Impl, Mode, NonNegInt, PosFloat, PosInt
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import state, stepwise
 
@@ -59,14 +60,17 @@ class HGRN2State:
 
 
 class HGRN2(SequenceMixer):
-    """Args: num_heads (divides d_model), expand_ratio (key width per head; None = d_model / num_heads),
-    conv_size (0 = no short convolution), norm_eps, layer_id / num_layers (the depth that sets the
-    forget gate's lower bound), mode ("recurrent" | "chunk" | "parallel"), chunk_size, impl (the GLA
-    op's implementation), dtype (compute dtype; parameters stay float32)."""
+    """HGRN2 (Qin et al. 2024): gated linear RNN with outer-product state expansion: forget gate with a learned lower
+    bound that starts at layer_id / num_layers (the model's depth), input gate 1 - forget as the key, SiLU query as the
+    output gate (the GLA op); num_heads divides d_model; expand_ratio: key width per head (None = d_model / num_heads);
+    conv_size: short convolutions on q, f, i (0 = none); norm_eps: the output norm's; mode ("recurrent" | "chunk" |
+    "parallel") picks the training path's exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" |
+    "pallas") picks the op's implementation on every path (the GLA op's); dtype: the compute dtype (parameters stay
+    float32)."""
 
-    def __init__(self, d_model: int, *, num_heads: int = 4, expand_ratio: int | None = None, conv_size: int = 0,
-                 norm_eps: float = 1e-5, layer_id: int = 0, num_layers: int = 1, mode: str = "chunk",
-                 chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, expand_ratio: PosInt | None = None,
+                 conv_size: NonNegInt = 0, norm_eps: PosFloat = 1e-5, layer_id: int = 0, num_layers: int = 1,
+                 mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if num_heads < 1 or d_model % num_heads:
             raise ValueError(f"HGRN2: num_heads={num_heads} does not divide d_model={d_model}")
         K = d_model // num_heads if expand_ratio is None else expand_ratio

@@ -64,6 +64,7 @@ from kernels.segments import document_index
 from layers.conv import ShortConvolution
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
+from layers.options import Impl, NonNegInt, PosFloat, PosInt
 from layers.sharding import axes
 from layers.state import per_token, state
 
@@ -81,12 +82,20 @@ class HyenaState:
 
 
 class Hyena(SequenceMixer):
+    """Hyena (Poli et al. 2023): order N long convolutions with implicit filters, each gated by a projection, z = x_n *
+    (h_n conv z + b_n z), after a short convolution (short_conv_size) of the N + 1 projections; filter h_n(t) = exp
+    window (decay_fast, decay_slow, decay_target) times an FFN (filter_order wide, sine activations of frequency
+    filter_sine_freq, the starting ω: safari's default, as its Pile configs' 14 trains badly here; filter_inner_layers
+    hidden layers) of positional features (filter_emb_dim, odd) with positions normalised by max_seq_len (the model's);
+    training by FFT; decoding caches each long convolution's inputs (grows with the context, O(context) per token); impl
+    ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the compute dtype
+    (parameters stay float32)."""
     grows_with_context = True  # the cache of every long convolution's inputs holds max_len slots
 
-    def __init__(self, d_model: int, *, order: int = 2, filter_order: int = 64, filter_emb_dim: int = 33,
-                 filter_sine_freq: float = 1.0, filter_inner_layers: int = 2, short_conv_size: int = 3,
-                 decay_fast: float = 0.3, decay_slow: float = 1.5, decay_target: float = 1e-2,
-                 max_seq_len: int | None = None, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, order: PosInt = 2, filter_order: PosInt = 64, filter_emb_dim: PosInt = 33,
+                 filter_sine_freq: PosFloat = 1.0, filter_inner_layers: NonNegInt = 2, short_conv_size: PosInt = 3,
+                 decay_fast: PosFloat = 0.3, decay_slow: PosFloat = 1.5, decay_target: PosFloat = 1e-2,
+                 max_seq_len: int | None = None, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         check_no_pallas(impl, "Hyena")
         if d_model < 1 or order < 1 or filter_order < 1 or short_conv_size < 1 or filter_inner_layers < 0:
             raise ValueError(f"Hyena: d_model={d_model}, order={order}, filter_order={filter_order} and "

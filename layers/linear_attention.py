@@ -53,6 +53,7 @@ unused): the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_p
 """
 
 import math
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,7 @@ from kernels.linear_attention import linear_attention
 from kernels.segments import positions_in_document
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
+from layers.options import Impl, Mode, OneOf, PosFloat, PosInt
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import per_token, state, stepwise
 
@@ -96,16 +98,19 @@ def orthogonal_random_features(key: jax.Array, num_features: int, dim: int) -> F
 
 
 class LinearAttention(SequenceMixer):
-    """Args: num_heads (divides d_model; head dim K = d_model / num_heads), feature_map (one of
-    FEATURE_MAPS), normalize (divide by phi(q) z + eps), num_features (performer's m; None = K),
-    qk_dim (per-head width of q and k; None = K), cosformer_max_len (cosformer's M), eps, mode
-    ("recurrent" | "chunk" | "parallel"), chunk_size, impl ("auto" | "reference" | "xla" | "pallas", the
-    op's implementation), dtype (compute dtype; parameters stay float32)."""
+    """Linear attention (Katharopoulos et al. 2020) with a feature map: identity, elu (elu+1), relu, performer (FAVOR+,
+    num_features random features, None = K), cosformer (relu + cos re-weighting over cosformer_max_len), hedgehog
+    (learned), taylor (Based's second-order Taylor expansion of exp); num_heads divides d_model (K = d_model /
+    num_heads); normalize adds the denominator phi(q) . sum(phi(k)) + eps; qk_dim: the per-head width of q and k the
+    feature map reads (None = K; Based uses 16); mode ("recurrent" | "chunk" | "parallel") picks the training path's
+    exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on
+    every path; dtype: the compute dtype (parameters stay float32)."""
 
-    def __init__(self, d_model: int, *, num_heads: int = 4, feature_map: str = "elu", normalize: bool = True,
-                 num_features: int | None = None, qk_dim: int | None = None, cosformer_max_len: int = 2048,
-                 eps: float = 1e-6, mode: str = "chunk", chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4,
+                 feature_map: Annotated[str, OneOf(*FEATURE_MAPS)] = "elu", normalize: bool = True,
+                 num_features: PosInt | None = None, qk_dim: PosInt | None = None, cosformer_max_len: PosInt = 2048,
+                 eps: PosFloat = 1e-6, mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         if d_model % num_heads:
             raise ValueError(f"num_heads={num_heads} does not divide d_model={d_model}")
         if feature_map not in FEATURE_MAPS:

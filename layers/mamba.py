@@ -33,6 +33,7 @@ the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()
 """
 
 import math
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ from kernels.selective_scan import selective_scan, selective_scan_step
 from layers.conv import ShortConvolution
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
+from layers.options import Impl, NonNegInt, OneOf, PosFloat, PosInt
 from layers.sharding import ROWS, axes
 from layers.state import state, stepwise
 
@@ -62,10 +64,17 @@ def inverse_softplus_dt(key, shape, dt_min: float, dt_max: float, dt_init_floor:
 
 
 class Mamba(SequenceMixer):
-    def __init__(self, d_model: int, *, state_size: int = 16, expand: int = 2, conv_size: int = 4,
-                 dt_rank: int | str = "auto", dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 mode: str = "auto", chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    """Mamba (Gu & Dao 2023): selective SSM with input-dependent Δ, B, C (state_size N, inner width expand * d_model, a
+    causal conv of conv_size taps, Δ through a dt_rank projection, "auto" = ceil(d_model / 16), initialised log-uniform
+    in [dt_min, dt_max], at least dt_init_floor); mode picks the exact scan, auto the fastest for the backend (recurrent
+    on CPU), chunk_size the chunk form's chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's
+    implementation on every path; dtype: the compute dtype (parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, state_size: PosInt = 16, expand: PosInt = 2, conv_size: NonNegInt = 4,
+                 dt_rank: PosInt | Annotated[str, OneOf("auto")] = "auto", dt_min: PosFloat = 0.001,
+                 dt_max: PosFloat = 0.1, dt_init_floor: PosFloat = 1e-4,
+                 mode: Annotated[str, OneOf("auto", *MODES)] = "auto", chunk_size: PosInt = 64, impl: Impl = "auto",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         if d_model < 1 or state_size < 1 or expand < 1:
             raise ValueError(f"Mamba: d_model={d_model}, state_size={state_size} and expand={expand} must be >= 1")
         if dt_rank == "auto":

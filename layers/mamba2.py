@@ -46,6 +46,7 @@ from layers.linear import Linear
 from layers.mamba import inverse_softplus_dt
 from layers.mixer import SequenceMixer
 from layers.norm import GatedRMSNorm
+from layers.options import Impl, Mode, NonNegInt, PosFloat, PosInt
 from layers.sharding import ROWS, axes
 from layers.state import state, stepwise
 
@@ -57,11 +58,19 @@ class Mamba2State:
 
 
 class Mamba2(SequenceMixer):
-    def __init__(self, d_model: int, *, state_size: int = 64, expand: int = 2, head_dim: int = 64,
-                 num_groups: int = 1, conv_size: int = 4, chunk_size: int = 64, mode: str = "chunk",
-                 dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 A_init_range: tuple[float, float] = (1.0, 16.0), norm_before_gate: bool = True,
-                 norm_eps: float = 1e-5, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head (heads of head_dim channels of the expand * d_model
+    inner width, A from A_init_range) and grouped B/C (num_groups groups of state_size), a causal conv of conv_size
+    taps, Δ initialised log-uniform in [dt_min, dt_max] (at least dt_init_floor); norm_before_gate: the output norm
+    RMSNorm(y) * SiLU(z) (True) or the official RMSNorm(y * SiLU(z)) per group (False), with eps norm_eps; mode
+    ("recurrent" | "chunk" | "parallel") picks the training path's exact form, chunk_size its chunk; impl ("auto" |
+    "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the compute dtype (parameters
+    stay float32)."""
+
+    def __init__(self, d_model: int, *, state_size: PosInt = 64, expand: PosInt = 2, head_dim: PosInt = 64,
+                 num_groups: PosInt = 1, conv_size: NonNegInt = 4, chunk_size: PosInt = 64, mode: Mode = "chunk",
+                 dt_min: PosFloat = 0.001, dt_max: PosFloat = 0.1, dt_init_floor: PosFloat = 1e-4,
+                 A_init_range: tuple[PosFloat, PosFloat] = (1.0, 16.0), norm_before_gate: bool = True,
+                 norm_eps: PosFloat = 1e-5, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if min(d_model, state_size, expand, head_dim, num_groups) < 1:
             raise ValueError(f"Mamba2: d_model={d_model}, state_size={state_size}, expand={expand}, "
                              f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")

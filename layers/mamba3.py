@@ -36,6 +36,7 @@ op's single-token step (`mamba3_step`) for T = 1 and steps=True, the chunk form 
 """
 
 import math
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ from layers.linear import Linear
 from layers.mamba import inverse_softplus_dt
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
+from layers.options import Impl, Mode, PosFloat, PosInt, Range
 from layers.sharding import ROWS, axes
 from layers.state import state, stepwise
 
@@ -67,10 +69,19 @@ def heavy_tail(a: Float[Array, "*S"]) -> Float[Array, "*S"]:
 
 
 class Mamba3(SequenceMixer):
-    def __init__(self, d_model: int, *, state_size: int = 128, expand: int = 2, head_dim: int = 64,
-                 num_groups: int = 1, rope_fraction: float = 0.5, chunk_size: int = 64, mode: str = "chunk",
-                 dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4, A_floor: float = 1e-4,
-                 norm_eps: float = 1e-5, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    """Mamba-3 (Lahoti et al. 2026), SISO: exponential-trapezoidal SSM with a complex (data-dependent rotary) state,
+    data-dependent A_t, normed and biased B/C, no conv; heads of head_dim channels of the expand * d_model inner width,
+    num_groups groups of state_size for B/C; rope_fraction: the share of the state's channels rotated; A_floor: the
+    least decay rate -A_t; Δ initialised log-uniform in [dt_min, dt_max] (at least dt_init_floor); norm_eps: the B/C
+    norms'; mode ("recurrent" | "chunk" | "parallel") picks the training path's exact form, chunk_size its chunk; impl
+    ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the compute dtype
+    (parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, state_size: PosInt = 128, expand: PosInt = 2, head_dim: PosInt = 64,
+                 num_groups: PosInt = 1, rope_fraction: Annotated[float, Range(0, 1, lo_open=True)] = 0.5,
+                 chunk_size: PosInt = 64, mode: Mode = "chunk", dt_min: PosFloat = 0.001, dt_max: PosFloat = 0.1,
+                 dt_init_floor: PosFloat = 1e-4, A_floor: PosFloat = 1e-4, norm_eps: PosFloat = 1e-5,
+                 impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if min(d_model, state_size, expand, head_dim, num_groups) < 1:
             raise ValueError(f"Mamba3: d_model={d_model}, state_size={state_size}, expand={expand}, "
                              f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")

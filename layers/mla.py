@@ -40,6 +40,8 @@ kv_a_proj_with_mqa is them side by side); no biases. Parameters carry their logi
 heads over `tensor`, the model width over `fsdp`, the latents whole.
 """
 
+from typing import Annotated
+
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
@@ -50,6 +52,7 @@ from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
+from layers.options import Impl, OneOf, PosFloat, PosInt
 from layers.rotary import apply_rotary
 from layers.sharding import axes, constrain
 from layers.state import cache_counters, empty_cache, state
@@ -70,13 +73,22 @@ class LatentCache:
 
 
 class MultiHeadLatentAttention(SequenceMixer):
+    """Multi-head latent attention (DeepSeek-V2 2024): every head's keys and values from one shared latent of width
+    kv_lora_rank (None = 4 head_dim) and a rotary key of width rope_dim (None = head_dim / 2, even) shared by the heads,
+    so decoding caches kv_lora_rank + rope_dim numbers per token; head_dim: a head's key width besides the rotary part
+    (None = d_model / num_heads); v_head_dim: its value width (None = head_dim); q_lora_rank: queries through a
+    normalised latent of that width (None = one projection); absorb: decode with W_UK folded into the query and W_UV
+    into the output (False = keys and values expanded from the cache, the reference); window, long_context, rope_base,
+    norm_eps as Attention's (norm_eps: the latents' RMSNorms); impl ("auto" | "reference" | "xla" | "pallas") picks the
+    op's implementation on every path; dtype: the compute dtype (parameters stay float32)."""
     grows_with_context = True  # the cache holds max_len slots, of L + R numbers each
 
-    def __init__(self, d_model: int, *, num_heads: int = 4, head_dim: int | None = None,
-                 v_head_dim: int | None = None, rope_dim: int | None = None, kv_lora_rank: int | None = None,
-                 q_lora_rank: int | None = None, window: int | None = None, rope_base: float = 10000.0,
-                 norm_eps: float = 1e-6, long_context: str = "window", absorb: bool = True,
-                 max_seq_len: int | None = None, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None,
+                 v_head_dim: PosInt | None = None, rope_dim: PosInt | None = None, kv_lora_rank: PosInt | None = None,
+                 q_lora_rank: PosInt | None = None, window: PosInt | None = None, rope_base: PosFloat = 10000.0,
+                 norm_eps: PosFloat = 1e-6, long_context: Annotated[str, OneOf("window", "full")] = "window",
+                 absorb: bool = True, max_seq_len: int | None = None, impl: Impl = "auto", dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         check_impl(impl, "MultiHeadLatentAttention")
         if long_context not in ("window", "full"):
             raise ValueError(f"long_context={long_context!r}; expected 'window' or 'full'")
@@ -92,7 +104,8 @@ class MultiHeadLatentAttention(SequenceMixer):
         R = K // 2 if rope_dim is None else rope_dim  # DeepSeek-V2: K = 128, R = 64, L = 512
         L = 4 * K if kv_lora_rank is None else kv_lora_rank
         if R < 2 or R % 2:
-            raise ValueError(f"rope_dim={R}; expected an even number >= 2 (the rotary turns pairs of channels)")
+            raise ValueError(f"rope_dim={R}; expected an even number >= 2 (the rotary turns pairs of channels"
+                             + ("; head_dim / 2 is its default)" if rope_dim is None else ")"))
         H, Lq = num_heads, q_lora_rank
         self.d_model, self.num_heads, self.head_dim, self.v_head_dim = d_model, H, K, V
         self.rope_dim, self.kv_lora_rank, self.q_lora_rank = R, L, Lq

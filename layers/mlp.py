@@ -1,11 +1,13 @@
 """SwiGLU feed-forward (Shazeer, 2020): y = W_down (silu(W_gate x) * W_up x)."""
 
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
 from layers.linear import project
+from layers.options import PosInt
 from layers.shapes import check_input
 from layers.sharding import axes
 
@@ -16,14 +18,17 @@ def default_hidden_dim(d_model: int) -> int:
 
 
 class NoFFN(nnx.Module):
-    """No FFN: a block of the mixer alone, as Mamba's (the model's Block then has no FFN norm either)."""
+    """No FFN: each block is its mixer alone, as Mamba's (the model's Block then has no FFN norm either)."""
 
     def __init__(self, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.d_model = d_model
 
 
 class MLP(nnx.Module):
-    def __init__(self, d_model: int, *, hidden_dim: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+    """SwiGLU MLP; hidden_dim None = 8/3 d_model rounded up to 32; dtype: the compute dtype (parameters stay
+    float32)."""
+
+    def __init__(self, d_model: int, *, hidden_dim: PosInt | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         F = hidden_dim or default_hidden_dim(d_model)
         self.dtype = dtype
         into, out = axes("embed", "mlp"), axes("mlp", "embed")  # Megatron: columns in, rows out

@@ -24,6 +24,7 @@ from kernels.attention import write_rows
 from kernels.moba import attend_blocks, check_blocks, moba, pooled_gate, select_blocks, take
 from kernels.segments import document_index, positions_in_document
 from layers.attention import Attention, KVCache
+from layers.options import Impl, PosFloat, PosInt
 from layers.state import state
 
 
@@ -85,9 +86,15 @@ class BlockSparse(Attention):
 
 
 class MoBA(BlockSparse):
-    def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, block_size: int = 16, top_k: int = 3, rope_base: float = 10000.0,
-                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    """MoBA, Mixture of Block Attention (Lu et al. 2025): each query head attends to its own block of block_size tokens
+    (causally) and the top_k - 1 earlier blocks of its document whose mean-pooled keys score highest against it (top_k
+    counts the own block, as the paper does); GQA with num_kv_heads; decode scores the cached block sums and reads only
+    the selected blocks of the KV cache; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on
+    every path; dtype: the compute dtype (parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, num_kv_heads: PosInt | None = None,
+                 head_dim: PosInt | None = None, block_size: PosInt = 16, top_k: PosInt = 3,
+                 rope_base: PosFloat = 10000.0, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         check_blocks(block_size, top_k, "MoBA")
         super().__init__(d_model, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          rope_base=rope_base, long_context="full", impl=impl, dtype=dtype, rngs=rngs)

@@ -101,6 +101,7 @@ Shazeer et al.'s noisy top-k gating is not implemented (jitter is the only route
 """
 
 import math
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from layers.mlp import MLP, default_hidden_dim
+from layers.options import NonNegFloat, NonNegInt, OneOf, PosFloat, PosInt, Range
 from layers.shapes import check_input
 from layers.sharding import axes, constrain
 
@@ -146,12 +148,26 @@ def _choose(name, value, valid):
 
 
 class MoE(nnx.Module):
-    def __init__(self, d_model: int, *, num_experts: int = 8, top_k: int = 2, hidden_dim: int | None = None,
-                 router: str = "topk", score_order: str = "softmax_then_topk", renormalize: bool = True,
-                 dispatch: str = "capacity", capacity_factor: float = 1.25, num_shared_experts: int = 0,
-                 balance: str = "aux_loss", balance_loss_weight: float = 0.01, z_loss_weight: float = 0.001,
-                 bias_update_rate: float = 0.001, router_jitter: float = 0.0, shared_hidden_dim: int | None = None,
-                 shared_gate: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+    """Mixture of SwiGLU experts (num_experts, each token to top_k): routers topk (score_order softmax_then_topk or
+    topk_then_softmax; renormalize: the top_k gates sum to 1), switch (top-1), expert_choice (not causal; outside
+    training it routes by token choice); dispatch, in training: capacity (drops overflow beyond capacity_factor, GShard
+    order) or dropless (ragged_dot), and always dropless outside training (evaluation, decoding); balance aux_loss
+    (Switch loss, balance_loss_weight), bias (DeepSeek-V3, loss-free, bias_update_rate) or none; z_loss_weight: the
+    router z-loss; router_jitter: multiplicative noise on the router's input in training; shared experts
+    (num_shared_experts, DeepSeekMoE; shared_hidden_dim: their own width, None = num_shared_experts x hidden_dim;
+    shared_gate: a sigmoid gate on them per token, Qwen2-MoE). hidden_dim None = the dense width / active experts (same
+    active params); dtype: the compute dtype (parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, num_experts: PosInt = 8, top_k: PosInt = 2, hidden_dim: PosInt | None = None,
+                 router: Annotated[str, OneOf("topk", "switch", "expert_choice")] = "topk",
+                 score_order: Annotated[str, OneOf("softmax_then_topk", "topk_then_softmax")] = "softmax_then_topk",
+                 renormalize: bool = True, dispatch: Annotated[str, OneOf("capacity", "dropless")] = "capacity",
+                 capacity_factor: PosFloat = 1.25, num_shared_experts: NonNegInt = 0,
+                 balance: Annotated[str, OneOf("aux_loss", "bias", "none")] = "aux_loss",
+                 balance_loss_weight: NonNegFloat = 0.01, z_loss_weight: NonNegFloat = 0.001,
+                 bias_update_rate: NonNegFloat = 0.001,
+                 router_jitter: Annotated[float, Range(0, 1, hi_open=True)] = 0.0,
+                 shared_hidden_dim: PosInt | None = None, shared_gate: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         for name, value, valid in (("router", router, ROUTERS), ("score_order", score_order, SCORE_ORDERS),
                                    ("dispatch", dispatch, DISPATCHES), ("balance", balance, BALANCES)):
             _choose(name, value, valid)

@@ -36,6 +36,7 @@ from kernels.nsa import NSASizes, masked_attention, nsa, overlap_in_strides, sel
 from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.moba import BlockSparse
+from layers.options import Impl, PosFloat, PosInt
 from layers.sharding import axes
 from layers.state import state
 
@@ -47,9 +48,16 @@ class NSACompressed:
 
 
 class NativeSparseAttention(BlockSparse):
-    def __init__(self, d_model: int, *, num_heads: int = 4, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, block_len: int = 16, stride: int = 8, select_len: int = 16,
-                 num_selected: int = 4, window: int = 32, rope_base: float = 10000.0, impl: str = "auto",
+    """NSA, Native Sparse Attention (Yuan et al. 2025): three branches mixed by learned sigmoid gates: compressed
+    (blocks of block_len keys every stride tokens, each compressed by a learned MLP), selected (num_selected blocks of
+    select_len keys, the initial and the two local ones always, the others by the compressed branch's attention summed
+    over a kv group) and a sliding window of window tokens; GQA with num_kv_heads. One set of keys and values serves the
+    three branches; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype:
+    the compute dtype (parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, num_kv_heads: PosInt | None = None,
+                 head_dim: PosInt | None = None, block_len: PosInt = 16, stride: PosInt = 8, select_len: PosInt = 16,
+                 num_selected: PosInt = 4, window: PosInt = 32, rope_base: PosFloat = 10000.0, impl: Impl = "auto",
                  dtype=jnp.float32, rngs: nnx.Rngs):
         NSASizes(block_len, stride, select_len, num_selected, window)  # refuses sizes NSA cannot run
         super().__init__(d_model, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

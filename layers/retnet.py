@@ -40,6 +40,7 @@ from kernels.segments import positions_in_document
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
 from layers.norm import GatedRMSNorm
+from layers.options import Impl, Mode, PosFloat, PosInt
 from layers.rotary import apply_rotary
 from layers.sharding import COLUMNS, ROWS, axes
 from layers.state import per_token, state, stepwise
@@ -56,14 +57,15 @@ def _xavier(gain: float):
 
 
 class MultiScaleRetention(SequenceMixer):
-    """Args: num_heads, expand_k / expand_v (query-key and value widths as multiples of d_model; the
-    heads must divide both and the key head dim must be even), rotary_base, norm_eps, mode
-    ("recurrent" | "chunk" | "parallel"), chunk_size, impl ("auto" | "reference" | "xla" | "pallas", the
-    op's implementation), dtype (compute dtype; parameters stay float32)."""
+    """Multi-scale retention (Sun et al. 2023): fixed per-head decay, rotary (rotary_base), norm (norm_eps) and swish
+    gate; expand_k / expand_v: the query-key and value widths as multiples of d_model (the heads must divide both and
+    the key head dim must be even); mode ("recurrent" | "chunk" | "parallel") picks the training path's exact form,
+    chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path;
+    dtype: the compute dtype (parameters stay float32)."""
 
-    def __init__(self, d_model: int, *, num_heads: int = 4, expand_k: float = 1.0, expand_v: float = 2.0,
-                 rotary_base: float = 10000.0, norm_eps: float = 1e-5, mode: str = "chunk", chunk_size: int = 64,
-                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, expand_k: PosFloat = 1.0, expand_v: PosFloat = 2.0,
+                 rotary_base: PosFloat = 10000.0, norm_eps: PosFloat = 1e-5, mode: Mode = "chunk",
+                 chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         key_dim, value_dim = int(d_model * expand_k), int(d_model * expand_v)
         if key_dim % num_heads or value_dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide the key width {key_dim} (d_model * expand_k) "

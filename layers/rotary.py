@@ -25,20 +25,23 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from layers.options import PosFloat, PosInt
+
 
 @dataclasses.dataclass(frozen=True)
-class RopeScaling:  # zoo/kinds.py's RopeScalingConfig is this with each number's range
-    """A rotary scaling (type linear, llama3, yarn or dynamic); the fields a type does not use are ignored."""
+class RopeScaling:
+    """attention.rope_scaling: a rotary scaling (type linear, llama3, yarn or dynamic) and that type's keys;
+    the fields a type does not use are ignored."""
     type: Literal["linear", "llama3", "yarn", "dynamic"] = "linear"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 8192  # llama3, yarn, dynamic: the base model's context
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn: None = from factor, mscale and mscale_all_dim
-    mscale: float | None = None  # yarn
-    mscale_all_dim: float | None = None  # yarn
+    factor: PosFloat = 1.0
+    original_max_position_embeddings: PosInt = 8192  # llama3, yarn, dynamic: the base model's context
+    low_freq_factor: PosFloat = 1.0  # llama3
+    high_freq_factor: PosFloat = 4.0  # llama3
+    beta_fast: PosFloat = 32.0  # yarn
+    beta_slow: PosFloat = 1.0  # yarn
+    attention_factor: PosFloat | None = None  # yarn: None = from factor, mscale and mscale_all_dim
+    mscale: PosFloat | None = None  # yarn
+    mscale_all_dim: PosFloat | None = None  # yarn
     truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
 
 

@@ -42,6 +42,7 @@ from kernels import check_impl, check_mode
 from kernels.wkv6 import wkv6
 from layers.mixer import SequenceMixer
 from layers.norm import head_group_norm
+from layers.options import Impl, Mode, PosInt
 from layers.rwkv_init import depth_ratios, orthogonal, param
 from layers.sharding import COLUMNS, ROWS
 from layers.state import stepwise
@@ -49,16 +50,17 @@ from layers.token_shift import RWKVChannelMixState, RWKVTimeMixState, token_shif
 
 
 class RWKV6TimeMix(SequenceMixer):
-    """The RWKV-6 time-mixing block (the sequence mixer). `mode` ("chunk", "recurrent" or "parallel")
-    picks the WKV6 algorithm of __call__; decode uses "chunk" for T > 1 and the recurrence for T = 1.
-    `impl` ("auto", "reference", "xla", "pallas") picks the op's implementation on every path
-    (kernels/wkv6: "pallas" runs the GLA Pallas kernels of the platform on shifted inputs).
-    `layer_id` (default 0) and `num_layers` (default 1) only shape the official depth-dependent
-    initialisation. State: the previous token (B, D) and the WKV state (B, H, K, K), both float32."""
+    """RWKV-6 "Finch" time mix (Peng et al. 2024): data-dependent token shift (LoRA of mix_lora_dim) and decay (LoRA of
+    decay_lora_dim), bonus u, heads of head_dim. `mode` ("chunk", "recurrent" or "parallel") picks the WKV6 algorithm of
+    __call__, chunk_size its chunk; decode uses "chunk" for T > 1 and the recurrence for T = 1. `impl` ("auto",
+    "reference", "xla", "pallas") picks the op's implementation on every path (kernels/wkv6: "pallas" runs the GLA
+    Pallas kernels of the platform on shifted inputs). `layer_id` (default 0) and `num_layers` (default 1, the model's)
+    only shape the official depth-dependent initialisation. State: the previous token (B, D) and the WKV state (B, H, K,
+    K), both float32; dtype: the compute dtype (parameters stay float32)."""
 
-    def __init__(self, d_model: int, *, head_dim: int = 64, layer_id: int = 0, num_layers: int = 1,
-                 mix_lora_dim: int = 32, decay_lora_dim: int = 64, mode: str = "chunk", chunk_size: int = 64,
-                 impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, head_dim: PosInt = 64, layer_id: int = 0, num_layers: int = 1,
+                 mix_lora_dim: PosInt = 32, decay_lora_dim: PosInt = 64, mode: Mode = "chunk", chunk_size: PosInt = 64,
+                 impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if head_dim < 1 or d_model % head_dim:
             raise ValueError(f"head_dim={head_dim} does not divide d_model={d_model}")
         if mix_lora_dim < 1 or decay_lora_dim < 1:
@@ -121,10 +123,12 @@ class RWKV6TimeMix(SequenceMixer):
 
 
 class RWKV6ChannelMix(SequenceMixer):
-    """The RWKV-6 channel-mixing FFN. It shifts tokens too, so it carries a decode state and follows
-    the mixer protocol: __call__(x, *, segment_ids), init_state(batch_size, max_len), decode(...)."""
+    """RWKV-6 channel mix: token-shifted squared-ReLU FFN with a receptance gate (hidden_dim None = 3.5 D). It shifts
+    tokens too, so it carries a decode state and follows the mixer protocol: __call__(x, *, segment_ids),
+    init_state(batch_size, max_len), decode(...); layer_id / num_layers (the model's) shape its initialisation; dtype:
+    the compute dtype (parameters stay float32)."""
 
-    def __init__(self, d_model: int, *, hidden_dim: int | None = None, layer_id: int = 0, num_layers: int = 1,
+    def __init__(self, d_model: int, *, hidden_dim: PosInt | None = None, layer_id: int = 0, num_layers: int = 1,
                  dtype=jnp.float32, rngs: nnx.Rngs):
         hidden_dim = max(32, int(d_model * 3.5) // 32 * 32) if hidden_dim is None else hidden_dim
         if hidden_dim < 1:

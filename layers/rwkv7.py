@@ -58,6 +58,7 @@ from kernels import check_impl, check_mode
 from kernels.wkv7 import wkv7
 from layers.mixer import SequenceMixer
 from layers.norm import head_group_norm
+from layers.options import Impl, Mode, PosInt
 from layers.rwkv_init import depth_ratios, orthogonal, param
 from layers.sharding import COLUMNS, ROWS
 from layers.state import stepwise
@@ -70,19 +71,21 @@ def lora_rank(d_model: int, factor: float) -> int:
 
 
 class RWKV7TimeMix(SequenceMixer):
-    """The RWKV-7 time-mixing block (the sequence mixer); see the module docstring for v_first.
-    `mode` ("chunk", "recurrent" or "parallel") picks the WKV7 algorithm of __call__; decode uses
-    "chunk" for T > 1 and the recurrence for T = 1. `impl` ("auto", "reference", "xla", "pallas")
-    picks the op's implementation on every path (kernels/wkv7: "pallas" runs the Pallas kernels of
-    the platform, interpret mode on CPU). State: the previous token (B, D) and the WKV
-    state (B, H, K, K), both float32."""
+    """RWKV-7 "Goose" time mix (Peng et al. 2025): generalised delta rule with vector decay and in-context learning
+    rate, value residual from layer 0 (see the module docstring for v_first); heads of head_dim; LoRA ranks
+    decay_lora_dim, icl_lora_dim, value_lora_dim, gate_lora_dim (None = the official sizes). `mode` ("chunk",
+    "recurrent" or "parallel") picks the WKV7 algorithm of __call__, chunk_size its chunk; decode uses "chunk" for T > 1
+    and the recurrence for T = 1. `impl` ("auto", "reference", "xla", "pallas") picks the op's implementation on every
+    path (kernels/wkv7: "pallas" runs the Pallas kernels of the platform, interpret mode on CPU). `layer_id` and
+    `num_layers` (the model's) shape the depth-dependent initialisation. State: the previous token (B, D) and the WKV
+    state (B, H, K, K), both float32; dtype: the compute dtype (parameters stay float32)."""
 
     carries_v_first = True
 
-    def __init__(self, d_model: int, *, head_dim: int = 64, layer_id: int = 0, num_layers: int = 1,
-                 decay_lora_dim: int | None = None, icl_lora_dim: int | None = None,
-                 value_lora_dim: int | None = None, gate_lora_dim: int | None = None, mode: str = "chunk",
-                 chunk_size: int = 64, impl: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, head_dim: PosInt = 64, layer_id: int = 0, num_layers: int = 1,
+                 decay_lora_dim: PosInt | None = None, icl_lora_dim: PosInt | None = None,
+                 value_lora_dim: PosInt | None = None, gate_lora_dim: PosInt | None = None, mode: Mode = "chunk",
+                 chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         if head_dim < 1 or d_model % head_dim:
             raise ValueError(f"head_dim={head_dim} does not divide d_model={d_model}")
         check_mode(mode, chunk_size, "RWKV7TimeMix")
@@ -186,9 +189,11 @@ class RWKV7TimeMix(SequenceMixer):
 
 
 class RWKV7ChannelMix(SequenceMixer):
-    """The RWKV-7 channel-mixing FFN (relu^2, token shift), with the mixer protocol for its state."""
+    """RWKV-7 channel mix: token-shifted squared-ReLU FFN (hidden_dim None = 4 D), with the mixer protocol for its
+    state; layer_id / num_layers (the model's) shape its initialisation; dtype: the compute dtype (parameters stay
+    float32)."""
 
-    def __init__(self, d_model: int, *, hidden_dim: int | None = None, layer_id: int = 0, num_layers: int = 1,
+    def __init__(self, d_model: int, *, hidden_dim: PosInt | None = None, layer_id: int = 0, num_layers: int = 1,
                  dtype=jnp.float32, rngs: nnx.Rngs):
         hidden_dim = 4 * d_model if hidden_dim is None else hidden_dim
         if hidden_dim < 1:

@@ -25,6 +25,7 @@ lecun-normal with a zero bias instead of PyTorch's Conv1d U(±1/sqrt(D)) init. P
 """
 
 import math
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from kernels.long_conv import check_no_pallas
 from kernels.s4d import MODES, discretize, s4d, s4d_step
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
+from layers.options import Impl, OneOf, PosFloat, PosInt
 from layers.sharding import axes
 from layers.state import state, stepwise
 
@@ -45,9 +47,17 @@ class S4DState:
 
 
 class S4D(SequenceMixer):
-    def __init__(self, d_model: int, *, state_size: int = 64, init: str = "lin", dt_min: float = 0.001,
-                 dt_max: float = 0.1, output: str = "glu", mode: str = "fft", impl: str = "auto",
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+    """S4D (Gu, Gupta, Goel & Ré 2022): a diagonal linear time-invariant SSM per channel, state_size N (N/2 complex
+    conjugate pairs), init lin (S4D-Lin, A_n = -1/2 + i π n) or inv (S4D-Inv), log Δ uniform in [dt_min, dt_max], GELU,
+    then output glu (linear to 2 d_model and a GLU) or linear; mode fft (the SSM's kernel applied by FFT, O(T log T)) or
+    recurrent; decode is the recurrence; impl: "auto", "reference" or "xla" (no Pallas kernel); dtype: the compute dtype
+    (parameters stay float32)."""
+
+    def __init__(self, d_model: int, *, state_size: PosInt = 64, init: Annotated[str, OneOf("lin", "inv")] = "lin",
+                 dt_min: PosFloat = 0.001, dt_max: PosFloat = 0.1,
+                 output: Annotated[str, OneOf("glu", "linear")] = "glu",
+                 mode: Annotated[str, OneOf("recurrent", "fft")] = "fft", impl: Impl = "auto", dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         if d_model < 1 or state_size < 2 or state_size % 2:
             raise ValueError(f"S4D: d_model={d_model} must be >= 1 and state_size={state_size} even and >= 2 "
                              "(conjugate pairs)")

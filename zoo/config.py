@@ -16,18 +16,10 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
+from layers.options import NonNegFloat, NonNegInt, PosFloat, PosInt, Range, UnitFloat
 from zoo import kinds, tokenizer  # noqa: F401  (kinds: registers every kind)
 from zoo.registry import FFNS, LAYER_OF, MIXERS, build_kind
-from zoo.schema import (
-    NonNegFloat,
-    NonNegInt,
-    PosFloat,
-    PosInt,
-    Range,
-    UnitFloat,
-    build,
-    to_dict,  # noqa: F401  (part of this module's interface)
-)
+from zoo.schema import build, to_dict  # noqa: F401  (to_dict: part of this module's interface)
 from zoo.tasks import TASKS
 
 Beta = Annotated[float, Range(0, 1, hi_open=True)]  # Adam's decay rates

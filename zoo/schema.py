@@ -1,51 +1,26 @@
 """Config dataclasses from plain data and back: the checks every config key goes through.
 
 `build(cls, data, path)` makes a frozen dataclass from a mapping, converting and checking each value
-against its field's annotation (int, float, str, bool, Literal, tuples, unions with None, nested
-dataclasses) and naming the dotted `path` of anything wrong. Every number carries its range
-(`Annotated[int, Range(lo=1)]`, or one of the aliases below), checked when the config loads, so a
-value outside it never reaches an array (tests/zoo/test_config.py checks every numeric key of every
-config dataclass has one). A leaf module: it imports nothing of the zoo, so the registry of kinds
-and the run config can both use it.
+against its field's annotation (int, float, str, bool, Literal or OneOf choices, tuples, unions with
+None, nested dataclasses) and naming the dotted `path` of anything wrong. Every number carries its range
+(`Annotated[int, Range(lo=1)]`, or an alias of layers/options.py), checked when the config loads, so
+a value outside it never reaches an array (tests/zoo/test_config.py checks every numeric key of every
+config dataclass has one). It imports nothing of the zoo, so the registry of kinds and the run config
+can both use it.
 """
 
 import dataclasses
-import math
 import types
 import typing
 from typing import Annotated, Any, Literal
 
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """lo <= x <= hi (a bound None is open-ended; lo_open / hi_open make it strict)."""
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def __str__(self):
-        lo = "" if self.lo is None else f"{self.lo:g} {'<' if self.lo_open else '<='} "
-        hi = "" if self.hi is None else f" {'<' if self.hi_open else '<='} {self.hi:g}"
-        return f"{lo}x{hi}"
-
-    def check(self, value, path: str):
-        if not math.isfinite(value) or (
-                self.lo is not None and (value < self.lo or self.lo_open and value == self.lo)) or (
-                self.hi is not None and (value > self.hi or self.hi_open and value == self.hi)):
-            raise ValueError(f"{path}: expected {str(self).replace('x', path.rsplit('.', 1)[-1], 1)}, got {value!r}")
-
-
-PosInt = Annotated[int, Range(lo=1)]
-NonNegInt = Annotated[int, Range(lo=0)]
-PosFloat = Annotated[float, Range(lo=0, lo_open=True)]
-NonNegFloat = Annotated[float, Range(lo=0)]
-UnitFloat = Annotated[float, Range(0, 1)]  # a fraction or probability in [0, 1]
+from layers.options import OneOf, Range
 
 
 def _type_name(tp) -> str:
     if typing.get_origin(tp) is Annotated:
-        return _type_name(typing.get_args(tp)[0])
+        choices = [c for rule in typing.get_args(tp)[1:] if isinstance(rule, OneOf) for c in rule.choices]
+        return " or ".join(map(repr, choices)) if choices else _type_name(typing.get_args(tp)[0])
     if typing.get_origin(tp) is Literal:
         return " or ".join(repr(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
@@ -55,6 +30,9 @@ def _convert(value, tp, path: str):
     """Check `value` against the annotation `tp`, converting int to float and lists to tuples."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Annotated:
+        for rule in args[1:]:
+            if isinstance(rule, OneOf):
+                rule.check(value, path)
         value = _convert(value, args[0], path)
         for rule in args[1:]:
             if isinstance(rule, Range):

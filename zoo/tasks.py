@@ -11,7 +11,7 @@ set is reported as `val_accuracy` in metrics.jsonl.
 from dataclasses import dataclass
 from typing import ClassVar
 
-from zoo.schema import NonNegInt, PosFloat, PosInt, UnitFloat
+from layers.options import NonNegInt, PosFloat, PosInt, UnitFloat
 
 TASKS: dict[str, type] = {}  # kind -> config dataclass
 

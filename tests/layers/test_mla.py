@@ -128,11 +128,12 @@ def test_gradients_reach_every_parameter_with_a_full_query_projection():
 
 @pytest.mark.parametrize("key,value,message", [
     ("num_heads", 0, "model.mixer.num_heads: expected 1 <= num_heads, got 0"),
-    ("num_heads", 3, "model.mixer.num_heads: 3 does not divide model.d_model=32"),
+    ("num_heads", 3, "model.mixer.num_heads: 3 must be positive and divide d_model=32"),
     ("kv_lora_rank", 0, "model.mixer.kv_lora_rank: expected 1 <= kv_lora_rank, got 0"),
     ("q_lora_rank", -2, "model.mixer.q_lora_rank: expected 1 <= q_lora_rank, got -2"),
-    ("rope_dim", 3, "model.mixer.rope_dim: expected an even number >= 2, got 3"),
-    ("head_dim", 2, "model.mixer.rope_dim: expected an even number >= 2, got 1"),
+    ("rope_dim", 3, "model.mixer.rope_dim: 3; expected an even number >= 2"),
+    ("head_dim", 2, "model.mixer.rope_dim: 1; expected an even number >= 2 (the rotary turns pairs of channels; "
+                    "head_dim / 2 is its default)"),
     ("long_context", "none", "model.mixer.long_context"),
 ])
 def test_bad_config_values_are_refused_by_dotted_path(key, value, message):

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from layers.options import Range
 from zoo import load_config
 from zoo.config import Config, from_dict
-from zoo.schema import Range
 
 CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
 DEFAULT = Path(__file__).parents[2] / "configs" / "transformer.yaml"
@@ -72,7 +72,7 @@ def _unranged(tp, where):
     """Paths inside annotation `tp` where an int or float has no Range."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Annotated:
-        return [] if any(isinstance(a, Range) for a in args[1:]) else [where]
+        return [] if any(isinstance(a, Range) for a in args[1:]) else _unranged(args[0], where)
     if tp in (int, float):
         return [where]
     if dataclasses.is_dataclass(tp):

@@ -1,21 +1,26 @@
-"""The registry, the configs and the layers agree by construction: a config dataclass's keys are its
-layer's keyword arguments with the layer's defaults; every layer inside LanguageModel is the layer
-its config and its depth make when built by hand (a key or a model-level argument that does not
-reach the layer fails); and a new kind is a layer and a decorated dataclass, nothing else: it
-configures, trains and decodes (on a mesh: tests/train/test_sharding.py)."""
+"""The registry, the configs and the layers agree by construction: a kind's config dataclass is
+derived from its layer's signature (keys, defaults, types and ranges) and docstring, and a layer
+whose signature cannot say all of that is refused when it registers; every layer inside
+LanguageModel is the layer its config and its depth make when built by hand (a key or a model-level
+argument that does not reach the layer fails); and a new kind is a layer and one registration line,
+nothing else: it configures, trains and decodes (on a mesh: tests/train/test_sharding.py)."""
 
 import dataclasses
+import inspect
+import typing
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from layers.options import PosInt
 from tests.util import decode_in_pieces, forward
 from tests.zoo import toy_kind
 from zoo.config import from_dict
 from zoo.model import LanguageModel
-from zoo.registry import FFNS, LAYER_OF, MIXERS, MODEL_KWARGS, layer_kwargs
+from zoo.registry import FFNS, LAYER_OF, MIXERS, MODEL_KWARGS, layer_kwargs, mixer
 
 KINDS = [*MIXERS, *FFNS]
 NOT_CONFIG = {"self", "d_model", "dtype", "rngs", *MODEL_KWARGS}
@@ -26,12 +31,67 @@ def config_cls(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_config_keys_are_the_layer_arguments_with_its_defaults(kind):
+def test_config_is_the_layer_signature_with_its_defaults_types_and_help(kind):
     cls = config_cls(kind)
-    arguments = {k: p.default for k, p in layer_kwargs(LAYER_OF[cls]).items() if k not in NOT_CONFIG}
-    keys = {f.name: f.default for f in dataclasses.fields(cls)}
-    assert set(keys) == set(arguments), f"{kind}: config keys and layer arguments differ"
-    assert keys == arguments, f"{kind}: config defaults and layer defaults differ"
+    layer = LAYER_OF[cls]
+    hints = typing.get_type_hints(layer.__init__, include_extras=True)
+    arguments = {k: (p.default, hints[k]) for k, p in layer_kwargs(layer).items() if k not in NOT_CONFIG}
+    fields = typing.get_type_hints(cls, include_extras=True)
+    keys = {f.name: (f.default, fields[f.name]) for f in dataclasses.fields(cls)}
+    assert list(keys) == list(arguments), f"{kind}: config keys and layer arguments differ"
+    assert keys == arguments, f"{kind}: config defaults or types and the layer's differ"
+    assert cls.KIND == kind and cls.__doc__ == layer.__doc__ and layer.__doc__.strip()
+
+
+class _Layer(nnx.Module):
+    """A layer whose signature says everything."""
+
+    def __init__(self, d_model: int, *, width: PosInt = 2, dtype=jnp.float32, rngs: nnx.Rngs):
+        pass
+
+
+def _unannotated(self, d_model, *, width=2, rngs):
+    pass
+
+
+def _no_default(self, d_model, *, width: PosInt, rngs):
+    pass
+
+
+def _unranged_int(self, d_model, *, width: int = 2, rngs):
+    pass
+
+
+def _unranged_optional_float(self, d_model, *, rate: float | None = None, rngs):
+    pass
+
+
+def _refused(init, doc="A layer."):
+    return type("Bad", (nnx.Module,), {"__init__": init, "__doc__": doc})
+
+
+@pytest.mark.parametrize("layer,message", [
+    (_refused(_unannotated), "Bad.__init__'s width: an option needs a type annotation and a default"),
+    (_refused(_no_default), "Bad.__init__'s width: an option needs a type annotation and a default"),
+    (_refused(_unranged_int), "Bad.__init__'s width: a number needs its range"),
+    (_refused(_unranged_optional_float), "Bad.__init__'s rate: a number needs its range"),
+    (_refused(_Layer.__init__, doc=None), "Bad: a kind's layer needs a class docstring"),
+])
+def test_a_layer_that_does_not_say_its_options_is_refused_at_registration(layer, message):
+    with pytest.raises(TypeError, match=message):
+        mixer("bad", layer)
+    assert "bad" not in MIXERS
+
+
+def test_a_kind_registers_once():
+    cls = mixer("layer", _Layer)
+    try:
+        assert [(f.name, f.default) for f in dataclasses.fields(cls)] == [("width", 2)]
+        with pytest.raises(ValueError, match="kind 'attention' is registered twice"):
+            mixer("attention", _Layer)
+    finally:
+        del MIXERS["layer"], LAYER_OF[cls]
+    assert inspect.getdoc(cls) == "A layer whose signature says everything."
 
 
 def _model_config(kind, num_layers=3):
@@ -76,15 +136,15 @@ def test_rwkv_layers_differ_with_depth():
     assert hasattr(model.blocks[1].mixer, "vres_base") and not hasattr(model.blocks[0].mixer, "vres_base")
 
 
-def test_a_new_kind_is_a_layer_and_a_decorated_dataclass(tmp_path):
+def test_a_new_kind_is_a_layer_and_a_registration_line(tmp_path):
     from train.loop import run
 
-    with toy_kind.registered():
+    with toy_kind.registered() as shift_config:
         data = {"model": {"d_model": 32, "num_layers": 2, "mixer": {"kind": "shift", "scale": 0.5}},
                 "train": {"steps": 4, "batch_size": 4, "seq_len": 16, "log_every": 2, "eval_every": 4,
                           "eval_batches": 1, "sample_tokens": 4, "warmup_steps": 1}}
         cfg = from_dict(data)
-        assert type(cfg.model.mixer) is toy_kind.ShiftConfig and cfg.model.mixer.scale == 0.5
+        assert type(cfg.model.mixer) is shift_config and cfg.model.mixer.scale == 0.5
         with pytest.raises(ValueError, match=r"model\.mixer\.scael: unknown key"):
             from_dict({"model": {"mixer": {"kind": "shift", "scael": 1.0}}})
         last = run(cfg, tmp_path / "run", log=lambda *_: None)

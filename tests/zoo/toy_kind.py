@@ -1,21 +1,21 @@
-"""A new mixer kind as a user adds one: a layer class and a config dataclass with its decorator,
-nothing else. Its parameters name no sharding axes, so they are replicated on a mesh.
+"""A new mixer kind as a user adds one: a layer class (its signature and docstring are the kind's
+options and help) and one registration line, nothing else. Its parameters name no sharding axes, so
+they are replicated on a mesh.
 
     y_t = x_t W_now + x_{t-1} W_prev          (x_{-1} = 0, and 0 at a document start)
 
-Registering is a side effect of the decorator, so the tests register it only inside `registered()`
-and remove it afterwards, leaving the registry as shipped for every other test.
+Registering changes the registry, so the tests register it only inside `registered()` and remove it
+afterwards, leaving the registry as shipped for every other test.
 """
 
 import contextlib
-from dataclasses import dataclass
-from typing import ClassVar
 
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kernels.segments import document_starts
+from layers.options import Impl, PosFloat
 from layers.state import state
 from zoo import registry
 
@@ -26,7 +26,9 @@ class ShiftState:
 
 
 class ShiftMix(nnx.Module):
-    def __init__(self, d_model: int, *, scale: float = 1.0, impl: str = "auto", dtype=jnp.float32,
+    """Token shift mixer (a test's new kind): y_t = x_t W_now + x_{t-1} W_prev; scale: the weights' init scale."""
+
+    def __init__(self, d_model: int, *, scale: PosFloat = 1.0, impl: Impl = "auto", dtype=jnp.float32,
                  rngs: nnx.Rngs):
         init = nnx.initializers.normal(scale * d_model ** -0.5)
         self.w_now = nnx.Param(init(rngs.params(), (d_model, d_model)))
@@ -48,17 +50,10 @@ class ShiftMix(nnx.Module):
         return y, ShiftState(x[:, -1].astype(jnp.float32))
 
 
-@dataclass(frozen=True)
-class ShiftConfig(registry.Mixer):
-    """Token shift mixer (a test's new kind): y_t = x_t W_now + x_{t-1} W_prev."""
-    KIND: ClassVar[str] = "shift"
-    scale: float = 1.0
-
-
 @contextlib.contextmanager
 def registered():
-    registry.mixer(ShiftMix)(ShiftConfig)
+    config_cls = registry.mixer("shift", ShiftMix)
     try:
-        yield ShiftConfig
+        yield config_cls
     finally:
-        del registry.MIXERS["shift"], registry.LAYER_OF[ShiftConfig]
+        del registry.MIXERS["shift"], registry.LAYER_OF[config_cls]
