@@ -14,7 +14,7 @@ Per kind, on this machine:
 - MQAR accuracy at the default sweep cell (configs/sweeps/mqar.yaml: length 32, 4 pairs), best
   learning rate, at each width; the sweep's cells of the kinds asked for are run (or resumed, or read
   when finished) in runs/sweep-mqar.
-Written to runs/report/report_card.md and .json; the README's comparison table is this output.
+Written to runs/report/report_card.md and .json; the report card table in docs/experiments.md is this output.
 """
 
 import argparse

@@ -2,7 +2,7 @@
 
 On several hosts, start the same command on each with JAX_COORDINATOR_ADDRESS=host0:port,
 JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=0..N-1 (or under SLURM, Open MPI or Kubernetes with
-JAX_COORDINATOR_ADDRESS alone: jax reads the rest from the cluster); see README, Many devices.
+JAX_COORDINATOR_ADDRESS alone: jax reads the rest from the cluster); see docs/devices.md.
 """
 
 import argparse
