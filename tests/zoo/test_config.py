@@ -1,10 +1,7 @@
-import dataclasses
-import typing
 from pathlib import Path
 
 import pytest
 
-from layers.options import Range
 from zoo import load_config
 from zoo.config import Config, from_dict
 
@@ -68,29 +65,16 @@ def test_missing_file_bad_yaml_and_bad_override(tmp_path):
         load_config(DEFAULT, ["model.d_model"])
 
 
-def _unranged(tp, where):
-    """Paths inside annotation `tp` where an int or float has no Range."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Annotated:
-        return [] if any(isinstance(a, Range) for a in args[1:]) else _unranged(args[0], where)
-    if tp in (int, float):
-        return [where]
-    if dataclasses.is_dataclass(tp):
-        return [p for f, t in typing.get_type_hints(tp, include_extras=True).items() if f != "KIND"
-                for p in _unranged(t, f"{where}.{f}")]
-    return [p for a in args if a is not Ellipsis for p in _unranged(a, where)]
-
-
 def test_every_number_of_every_config_has_a_range():
     """A number without a range would accept nonsense silently (a negative learning rate, 0 heads):
     every numeric key of the run config, of every kind and of every task declares one (zoo/schema.py)."""
-    from zoo.registry import FFNS, MIXERS
+    from zoo.registry import FFNS, MIXERS, unranged
     from zoo.tasks import TASKS
 
-    found = _unranged(Config, "config")
+    found = unranged(Config, "config")
     for table in (MIXERS, FFNS, TASKS):
         for kind, cls in table.items():
-            found += _unranged(cls, kind)
+            found += unranged(cls, kind)
     assert not found, f"numeric keys without a Range: {found}"
 
 
