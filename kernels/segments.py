@@ -5,11 +5,13 @@ Conventions shared by every op and layer:
 - token 0 of a call always continues the state passed in (a zero state in training), so a decode
   step never needs the previous token's segment id;
 - attention lets a query see a key only when both have the same segment id.
+
+`scan_documents` is the token-by-token scan every reference form runs on these conventions.
 """
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 
 def document_starts(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T"]:
@@ -41,3 +43,26 @@ def positions_in_document(segment_ids: Int[Array, "B T"] | None, batch: int, len
     starts = jnp.where(document_starts(segment_ids), t, -1)
     last_start = jax.lax.cummax(starts, axis=1)
     return jnp.where(last_start >= 0, t - last_start, pos)
+
+
+def entering_state(initial_state: Float[Array, "..."] | None, shape: tuple) -> Float[Array, "..."]:
+    """The state before token 0 in float32: `initial_state`, or zeros of `shape` when it is None."""
+    return jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+
+def scan_documents(step, state: Float[Array, "B ..."], xs: tuple, segment_ids: Int[Array, "B T"] | None = None):
+    """lax.scan of `step(S, *x_t) -> (o_t, S)` over time, with S set to zero before the step at
+    every document start. xs: arrays (B, T, ...), or None (passed to step as None). Returns
+    (o (B, T, ...), final S)."""
+    B, T = next(x for x in xs if x is not None).shape[:2]
+    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
+
+    def body(S, x_t):
+        *x_t, start_t = x_t
+        S = jnp.where(start_t.reshape((B,) + (1,) * (S.ndim - 1)), 0.0, S)  # a new document starts from zero
+        o_t, S = step(S, *x_t)
+        return S, o_t
+
+    time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)  # (T, B, ...)
+    state, o = jax.lax.scan(body, state, tuple(map(time_major, (*xs, starts))))
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), o), state

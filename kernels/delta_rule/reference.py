@@ -22,11 +22,10 @@ The scalar gate is the case alpha_t = a_t 1: both are "decay, then update" (a sc
 Packed documents: at t >= 1 where segment_ids changes, S_{t-1} is replaced by zero before the update.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import entering_state, scan_documents
 
 
 def delta_rule_step(
@@ -65,17 +64,7 @@ def delta_rule_recurrent(
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
     """lax.scan of `delta_rule_step` over time. Returns (o in q's dtype, final state float32)."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
-    state = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-
-    def step(S, xs):
-        q_t, k_t, v_t, beta_t, g_t, start_t = xs
-        S = jnp.where(start_t[:, None, None, None], 0.0, S)  # a new document starts from zero
-        o_t, S = delta_rule_step(q_t, k_t, v_t, beta_t, g_t, S, scale)
-        return S, o_t
-
-    time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)  # (T, B, ...)
-    xs = tuple(map(time_major, (q, k, v, beta, g, starts)))
-    state, o = jax.lax.scan(step, state, xs)
-    return jnp.moveaxis(o, 0, 1).astype(q.dtype), state
+    state = entering_state(initial_state, (B, H, K, v.shape[-1]))
+    step = lambda S, q_t, k_t, v_t, beta_t, g_t: delta_rule_step(q_t, k_t, v_t, beta_t, g_t, S, scale)
+    o, state = scan_documents(step, state, (q, k, v, beta, g), segment_ids)
+    return o.astype(q.dtype), state

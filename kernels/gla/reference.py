@@ -9,11 +9,10 @@ layer makes it from a low-rank projection). With `segment_ids`, S is set to zero
 update at every document start; token 0 continues `initial_state`.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import entering_state, scan_documents
 
 
 def gla_step(q: Float[Array, "B H K"], k: Float[Array, "B H K"], v: Float[Array, "B H V"],
@@ -30,16 +29,7 @@ def gla_reference(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Flo
                   initial_state: Float[Array, "B H K V"] | None = None):
     """Scan of `gla_step` over time. Returns (o (B, T, H, V) in q's dtype, S float32)."""
     B, T, H, K = q.shape
-    state = (jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None
-             else initial_state.astype(jnp.float32))
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-
-    def body(S, xs):
-        q_t, k_t, v_t, g_t, start_t = xs
-        S = jnp.where(start_t[:, None, None, None], 0.0, S)  # a new document starts from zero
-        o_t, S = gla_step(q_t, k_t, v_t, g_t, S, scale)
-        return S, o_t
-
-    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, starts)]  # (T, B, ...)
-    state, o = jax.lax.scan(body, state, time_major)
-    return jnp.moveaxis(o, 0, 1).astype(q.dtype), state
+    state = entering_state(initial_state, (B, H, K, v.shape[-1]))
+    step = lambda S, q_t, k_t, v_t, g_t: gla_step(q_t, k_t, v_t, g_t, S, scale)
+    o, state = scan_documents(step, state, (q, k, v, g), segment_ids)
+    return o.astype(q.dtype), state

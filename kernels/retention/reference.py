@@ -10,11 +10,10 @@ With `segment_ids`, S is set to zero before the update at every document start; 
 `initial_state`.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import entering_state, scan_documents
 
 
 def retention_step(q: Float[Array, "B H K"], k: Float[Array, "B H K"], v: Float[Array, "B H V"],
@@ -32,16 +31,7 @@ def retention_reference(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], 
                         initial_state: Float[Array, "B H K V"] | None = None):
     """Scan of `retention_step` over time. Returns (o (B, T, H, V) in q's dtype, S float32)."""
     B, T, H, K = q.shape
-    state = (jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None
-             else initial_state.astype(jnp.float32))
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-
-    def body(S, xs):
-        q_t, k_t, v_t, start_t = xs
-        S = jnp.where(start_t[:, None, None, None], 0.0, S)  # a new document starts from zero
-        o_t, S = retention_step(q_t, k_t, v_t, log_gamma, S, scale)
-        return S, o_t
-
-    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, starts)]  # (T, B, ...)
-    state, o = jax.lax.scan(body, state, time_major)
-    return jnp.moveaxis(o, 0, 1).astype(q.dtype), state
+    state = entering_state(initial_state, (B, H, K, v.shape[-1]))
+    step = lambda S, q_t, k_t, v_t: retention_step(q_t, k_t, v_t, log_gamma, S, scale)
+    o, state = scan_documents(step, state, (q, k, v), segment_ids)
+    return o.astype(q.dtype), state

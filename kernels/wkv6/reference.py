@@ -16,11 +16,10 @@ Document resets (segment_ids): S_{t-1} is replaced by zero at a document start t
 the read and the update, so a packed row equals its documents run one by one.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import entering_state, scan_documents
 
 
 def wkv6_step(state: Float[Array, "B H K V"], r: Float[Array, "B H K"], k: Float[Array, "B H K"],
@@ -37,17 +36,7 @@ def wkv6_recurrent(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Fl
                    initial_state: Float[Array, "B H K V"] | None = None):
     """lax.scan of `wkv6_step` over time. Returns (o (B, T, H, V) in r's dtype, S_T float32)."""
     B, T, H, K = r.shape
-    V = v.shape[-1]
-    f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # (T, B, H, D)
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-    state = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    u = u.astype(jnp.float32)
-
-    def step(S, inp):
-        r_t, k_t, v_t, lw_t, start = inp
-        S = jnp.where(start[:, None, None, None], 0.0, S)  # a new document starts from a zero state
-        o, S = wkv6_step(S, r_t, k_t, v_t, lw_t, u)
-        return S, o
-
-    state, o = jax.lax.scan(step, state, (f32(r), f32(k), f32(v), f32(log_w), starts.T))
-    return jnp.moveaxis(o, 0, 1).astype(r.dtype), state
+    state = entering_state(initial_state, (B, H, K, v.shape[-1]))
+    step = lambda S, *x_t: wkv6_step(S, *x_t, u.astype(jnp.float32))
+    o, state = scan_documents(step, state, tuple(x.astype(jnp.float32) for x in (r, k, v, log_w)), segment_ids)
+    return o.astype(r.dtype), state

@@ -21,11 +21,10 @@ in-context learning rate). The op accepts any a, b; the layer passes exactly the
 Document resets (segment_ids): S_{t-1} is replaced by zero at a document start t >= 1.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import entering_state, scan_documents
 
 
 def wkv7_step(state: Float[Array, "B H K V"], r: Float[Array, "B H K"], w_log: Float[Array, "B H K"],
@@ -44,16 +43,7 @@ def wkv7_recurrent(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k
                    initial_state: Float[Array, "B H K V"] | None = None):
     """lax.scan of `wkv7_step` over time. Returns (o (B, T, H, V) in r's dtype, S_T float32)."""
     B, T, H, K = r.shape
-    V = v.shape[-1]
-    f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # (T, B, H, D)
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-    state = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-
-    def step(S, inp):
-        *tok, start = inp
-        S = jnp.where(start[:, None, None, None], 0.0, S)  # a new document starts from a zero state
-        o, S = wkv7_step(S, *tok)
-        return S, o
-
-    state, o = jax.lax.scan(step, state, (f32(r), f32(w_log), f32(k), f32(v), f32(a), f32(b), starts.T))
-    return jnp.moveaxis(o, 0, 1).astype(r.dtype), state
+    state = entering_state(initial_state, (B, H, K, v.shape[-1]))
+    xs = tuple(x.astype(jnp.float32) for x in (r, w_log, k, v, a, b))
+    o, state = scan_documents(wkv7_step, state, xs, segment_ids)
+    return o.astype(r.dtype), state
