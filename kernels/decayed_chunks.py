@@ -1,6 +1,7 @@
-"""Chunked forms of recurrences with a per-channel decay (WKV-6 and WKV-7, kernels/wkv6 and
-kernels/wkv7): cutting a sequence into chunks, the documents' masks per chunk, and the decayed
-intra-chunk scores both build on.
+"""Chunked forms of decayed linear recurrences S_n = decay * S_{n-1} + update: cutting a sequence
+into chunks, the documents' masks per chunk and the pass of the state across chunks, which every
+chunk form (GLA, retention, linear attention, WKV-6, WKV-7, SSD, Mamba-3) builds on, and the
+decayed intra-chunk scores of a per-channel decay (WKV-6 and WKV-7, kernels/wkv6 and kernels/wkv7).
 
 Stability: the decay is per channel, so the intra-chunk scores cannot be one matmul of r * exp(G)
 with k * exp(-G) (exp(-G) overflows for fast decays). `decayed_scores` follows the two-level scheme
@@ -11,8 +12,9 @@ exact interval (cumulative sums of same-sign terms), never a difference G_t - G_
 sums, which loses all precision on a slow decay that follows a very fast one in the same chunk.
 """
 
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kernels.segments import document_index
 
@@ -25,12 +27,17 @@ def chunk_length(chunk_size: int, length: int) -> int:
     return min(chunk_size, SUB * -(-length // SUB))
 
 
+def split_chunks(x: Array, chunk_size: int) -> Array:
+    """(B, T, ...) -> (B, N, C, ...): zero-padded (False for a mask) in time to a multiple of C, dtype kept."""
+    B, T = x.shape[:2]
+    N = -(-T // chunk_size)
+    x = jnp.pad(x, [(0, 0), (0, N * chunk_size - T)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(B, N, chunk_size, *x.shape[2:])
+
+
 def to_chunks(x: Float[Array, "B T H D"], chunk_size: int) -> Float[Array, "B H N C D"]:
     """float32, zero-padded to a multiple of chunk_size, cut into (N, C) chunks per head."""
-    B, T, H, D = x.shape
-    N = -(-T // chunk_size)
-    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, N * chunk_size - T), (0, 0), (0, 0)))
-    return x.reshape(B, N, chunk_size, H, D).transpose(0, 3, 1, 2, 4)
+    return split_chunks(x.astype(jnp.float32), chunk_size).transpose(0, 3, 1, 2, 4)
 
 
 def from_chunks(x: Float[Array, "B H N C D"], length: int) -> Float[Array, "B T H D"]:
@@ -38,22 +45,47 @@ def from_chunks(x: Float[Array, "B H N C D"], length: int) -> Float[Array, "B T 
     return x.transpose(0, 2, 3, 1, 4).reshape(B, N * C, H, D)[:, :length]
 
 
-def chunk_masks(segment_ids: Int[Array, "B T"] | None, batch: int, length: int, chunk_size: int):
-    """Document masks per chunk, each with a size-1 head axis for broadcasting (float32 0/1):
-    cont (B, 1, N, C): token t still belongs to the document of the state entering its chunk;
-    same (B, 1, N, C, C): tokens t and s belong to the same document;
-    last (B, 1, N, C): token s belongs to the chunk's last document (it reaches the chunk's end state);
-    carry (B, 1, N): the entering state survives to the chunk's end (no document starts in the chunk)."""
+def document_masks(segment_ids: Int[Array, "B T"] | None, batch: int, length: int, chunk_size: int) -> tuple[
+        Bool[Array, "B N C"], Bool[Array, "B N C C"], Bool[Array, "B N C"], Bool[Array, "B N"]]:
+    """Document masks per chunk:
+    cont (B, N, C): token t still belongs to the document of the state entering its chunk;
+    same (B, N, C, C): tokens t and s belong to the same document;
+    last (B, N, C): token s belongs to the chunk's last document (it reaches the chunk's end state);
+    carry (B, N): the entering state survives to the chunk's end (no document starts in the chunk)."""
     N = -(-length // chunk_size)
     doc = document_index(segment_ids, batch, length)  # (B, T)
     doc = jnp.pad(doc, ((0, 0), (0, N * chunk_size - length)), mode="edge")  # padding joins the last one
     entering = jnp.concatenate([doc[:, :1], doc[:, :-1]], axis=1)[:, ::chunk_size]  # (B, N)
     doc = doc.reshape(batch, N, chunk_size)
     cont = doc == entering[..., None]
-    same = doc[..., :, None] == doc[..., None, :]
-    last = doc == doc[..., -1:]
-    f = lambda m: m[:, None].astype(jnp.float32)
-    return f(cont), f(same), f(last), f(cont[..., -1])
+    return cont, doc[..., :, None] == doc[..., None, :], doc == doc[..., -1:], cont[..., -1]
+
+
+def chunk_masks(segment_ids: Int[Array, "B T"] | None, batch: int, length: int, chunk_size: int):
+    """`document_masks` with a size-1 head axis for broadcasting, float32 0/1: cont (B, 1, N, C),
+    same (B, 1, N, C, C), last (B, 1, N, C), carry (B, 1, N)."""
+    return tuple(m[:, None].astype(jnp.float32) for m in document_masks(segment_ids, batch, length, chunk_size))
+
+
+def carry_states(decay: Float[Array, "..."], update: Float[Array, "..."], state: Float[Array, "..."], *,
+                 axis: int) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """The pass across chunks, S_n = decay_n * S_{n-1} + update_n, as a lax.scan over the chunk axis
+    `axis` of decay (broadcast against S) and update; S_{-1} = state. Returns (the state entering each
+    chunk, chunk axis at `axis`, the final state)."""
+    def step(S, x):
+        decay_n, update_n = x
+        return decay_n * S + update_n, S
+
+    final, entering = jax.lax.scan(step, state, (jnp.moveaxis(decay, axis, 0), jnp.moveaxis(update, axis, 0)))
+    return jnp.moveaxis(entering, 0, axis), final
+
+
+def chunk_inputs(xs: tuple, segment_ids: Int[Array, "B T"] | None, chunk_size: int):
+    """The per-channel chunk forms' prologue: each x (B, T, H, D) of xs as `to_chunks` cuts it
+    (B, H, N, C, D) into chunks of `chunk_length(chunk_size, T)`, and their `chunk_masks`."""
+    B, T = xs[0].shape[:2]
+    C = chunk_length(chunk_size, T)
+    return tuple(to_chunks(x, C) for x in xs), chunk_masks(segment_ids, B, T, C)
 
 
 def cumsum_exclusive(log_w: Float[Array, "... C K"], *, reverse: bool = False) -> Float[Array, "... C K"]:

@@ -1,4 +1,4 @@
-"""kernels/mamba3/chunk.py's linear attention with a scalar decay per head and token, in its quadratic
+"""kernels/ssd/chunk.py's scalar_gla_chunk, linear attention with a scalar decay per head and token, in its quadratic
 form over the whole sequence (kernels/ssd/parallel.py's, with the decay g and the input v apart):
 
     y_t = Σ_{s <= t} L[t, s] (q_t · k_s) v_s + L[t, -1] h_0 q_t,   L[t, s] = exp(Σ_{s < r <= t} g_r)

@@ -33,9 +33,9 @@ from jaxtyping import Array, Bool, Float, Int
 from kernels import pallas_platform
 from kernels.gla.pallas import gla_pallas
 from kernels.gla.pallas_tpu import gla_pallas_tpu
-from kernels.mamba3.chunk import scalar_gla_chunk
 from kernels.mamba3.parallel import scalar_gla_parallel
 from kernels.mamba3.reference import Mamba3Carry, rotate, wrap_angle
+from kernels.ssd.chunk import scalar_gla_chunk
 
 
 def cumulative_angle(increment: Float[Array, "B T H _M"], starts: Bool[Array, "B T"],
