@@ -20,18 +20,11 @@ chunk_size, capped at T rounded up to a multiple of 16 (a short call pads less).
 The state update between chunks is a lax.scan over T / C steps.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.decayed_chunks import (
-    chunk_length,
-    chunk_masks,
-    cumsum_exclusive,
-    decayed_scores,
-    from_chunks,
-    to_chunks,
-)
+from kernels.decayed_chunks import carry_states, chunk_inputs, cumsum_exclusive, decayed_scores, from_chunks
+from kernels.segments import entering_state
 
 
 def wkv6_chunk(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -41,9 +34,7 @@ def wkv6_chunk(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[
     """Returns (o (B, T, H, V) in r's dtype, S_T (B, H, K, V) float32)."""
     B, T, H, K = r.shape
     V = v.shape[-1]
-    chunk_size = chunk_length(chunk_size, T)
-    rc, kc, vc, lw = (to_chunks(x, chunk_size) for x in (r, k, v, log_w))  # (B, H, N, C, D)
-    cont, same, last, carry = chunk_masks(segment_ids, B, T, chunk_size)
+    (rc, kc, vc, lw), (cont, same, last, carry) = chunk_inputs((r, k, v, log_w), segment_ids, chunk_size)
     Gm = cumsum_exclusive(lw)  # (B, H, N, C, K): G_{t-1}
     G_end = jnp.sum(lw, axis=-2)  # (B, H, N, K): G_{C-1}
 
@@ -54,12 +45,6 @@ def wkv6_chunk(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[
     k_out = kc * jnp.exp(cumsum_exclusive(lw, reverse=True)) * last[..., None]  # writes S_C
     dS = jnp.einsum("bhnsk,bhnsv->bhnkv", k_out, vc)  # (B, H, N, K, V)
     g_end = jnp.exp(G_end) * carry[..., None]  # (B, H, N, K)
-
-    def step(S, inp):
-        g, d = inp
-        return g[..., None] * S + d, S
-
-    S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    S_T, S_in = jax.lax.scan(step, S0, (jnp.moveaxis(g_end, 2, 0), jnp.moveaxis(dS, 2, 0)))
-    o = o + jnp.einsum("bhntk,nbhkv->bhntv", r_in, S_in)
+    S_in, S_T = carry_states(g_end[..., None], dS, entering_state(initial_state, (B, H, K, V)), axis=2)
+    o = o + jnp.einsum("bhntk,bhnkv->bhntv", r_in, S_in)
     return from_chunks(o, T).astype(r.dtype), S_T

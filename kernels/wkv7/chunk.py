@@ -28,15 +28,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.decayed_chunks import (
-    chunk_length,
-    chunk_masks,
-    cumsum_exclusive,
-    decayed_scores,
-    from_chunks,
-    to_chunks,
-)
+from kernels.decayed_chunks import chunk_inputs, cumsum_exclusive, decayed_scores, from_chunks
 from kernels.linalg import unit_lower_inverse
+from kernels.segments import entering_state
 
 
 def wkv7_chunk(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
@@ -47,9 +41,8 @@ def wkv7_chunk(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Fl
     """Returns (o (B, T, H, V) in r's dtype, S_T (B, H, K, V) float32). max_decay: decayed_scores'."""
     B, T, H, K = r.shape
     V = v.shape[-1]
-    C = chunk_length(chunk_size, T)  # capped at T rounded up to whole 16-token sub-chunks
-    rc, lw, kc, vc, ac, bc = (to_chunks(x, C) for x in (r, w_log, k, v, a, b))  # (B, H, N, C, D)
-    cont, same, last, carry = chunk_masks(segment_ids, B, T, C)
+    xs = (r, w_log, k, v, a, b)  # each cut to (B, H, N, C, D), C capped at T rounded up to whole sub-chunks
+    (rc, lw, kc, vc, ac, bc), (cont, same, last, carry) = chunk_inputs(xs, segment_ids, chunk_size)
     G = jnp.cumsum(lw, axis=-2)  # (B, H, N, C, K): G_t
     Gm = cumsum_exclusive(lw)  # G_{t-1}
 
@@ -75,9 +68,8 @@ def wkv7_chunk(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Fl
         S_new = g[..., None] * S + d + jnp.einsum("bhck,bhcv->bhkv", bo, sa)
         return S_new, (S, sa)
 
-    S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (g_end, W, U, b_out, dS))
-    S_T, (S_in, SA) = jax.lax.scan(step, S0, xs)
+    S_T, (S_in, SA) = jax.lax.scan(step, entering_state(initial_state, (B, H, K, V)), xs)
     SA = jnp.moveaxis(SA, 0, 2)  # (B, H, N, C, V)
     o = (jnp.einsum("bhntk,nbhkv->bhntv", r_in, S_in) + jnp.einsum("bhnts,bhnsv->bhntv", A_rk, vc)
          + jnp.einsum("bhnts,bhnsv->bhntv", A_rb, SA))
