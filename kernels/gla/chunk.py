@@ -29,11 +29,11 @@ Any T: padding tokens get zero q, k, v and g = 0, so they neither add to nor dec
 C is min(chunk_size, T); c is 16 when 16 divides C, else C.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_index
+from kernels.decayed_chunks import carry_states, document_masks, split_chunks
+from kernels.segments import entering_state
 
 SUB_CHUNK = 16
 
@@ -45,18 +45,13 @@ def gla_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     V, out_dtype = v.shape[-1], q.dtype
     C = min(chunk_size, T)
     c = SUB_CHUNK if C % SUB_CHUNK == 0 else C
-    N, n = -(-T // C), C // c
-    pad = ((0, 0), (0, N * C - T), (0, 0), (0, 0))
-    q, k, v, g = (jnp.pad(x.astype(jnp.float32), pad).reshape(B, N, C, H, -1) for x in (q, k, v, g))
+    n = C // c
+    q, k, v, g = (split_chunks(x.astype(jnp.float32), C) for x in (q, k, v, g))  # (B, N, C, H, D)
+    N = q.shape[1]
     q = q * scale
-    S0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32))
     b = jnp.cumsum(g, axis=2)  # (B, N, C, H, K), <= 0, non-increasing along the chunk
     b_last = b[:, :, -1]  # (B, N, H, K)
-
-    doc = document_index(segment_ids, B, T)
-    doc = jnp.pad(doc, ((0, 0), (0, N * C - T)), mode="edge").reshape(B, N, C)
-    state_doc = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), doc[:, :-1, -1]], axis=1)  # (B, N)
+    sees_state, same_doc, in_last_doc, keep = document_masks(segment_ids, B, T, C)
 
     # Diagonal sub-chunk blocks: pairwise decay, from log-decays summed inside the sub-chunk (fewer
     # terms than b, so b_i - b_j loses less to cancellation).
@@ -76,24 +71,14 @@ def gla_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     k_off = k[:, :, None] * jnp.exp(to_ref) * earlier
     off = jnp.einsum("bnsihk,bnsjhk->bnhsij", q_off, k_off).reshape(B, N, H, C, C)
 
-    same_doc = (doc[..., :, None] == doc[..., None, :])[:, :, None]  # (B, N, 1, C, C)
-    o = jnp.einsum("bnhij,bnjhv->bnihv", (diag + off) * same_doc, v)  # (B, N, C, H, V)
+    o = jnp.einsum("bnhij,bnjhv->bnihv", (diag + off) * same_doc[:, :, None], v)  # (B, N, C, H, V)
 
-    in_last_doc = (doc == doc[..., -1:])[..., None, None]  # (B, N, C, 1, 1)
     # b_{C-1} - b_j as a sum of the later gates (suffix sum) rather than a difference of prefix sums.
     suffix = jnp.flip(jnp.cumsum(jnp.flip(g, axis=2), axis=2), axis=2)  # (B, N, C, H, K): sum_{t >= j} g_t
     to_end = jnp.concatenate([suffix[:, :, 1:], jnp.zeros_like(suffix[:, :, :1])], axis=2)  # sum_{t > j}
-    k_to_end = k * jnp.exp(to_end) * in_last_doc
+    k_to_end = k * jnp.exp(to_end) * in_last_doc[..., None, None]
     update = jnp.einsum("bnjhk,bnjhv->bnhkv", k_to_end, v)  # (B, N, H, K, V)
-    keep = (doc[..., -1] == state_doc)[..., None, None]  # (B, N, 1, 1): no document start in chunk
-    carry = (jnp.exp(b_last) * keep)[..., None]  # (B, N, H, K, 1)
-
-    def body(S, xs):
-        carry_n, update_n = xs
-        return carry_n * S + update_n, S
-
-    S, S_before = jax.lax.scan(body, S0, (jnp.moveaxis(carry, 1, 0), jnp.moveaxis(update, 1, 0)))
-    S_before = jnp.moveaxis(S_before, 0, 1)  # (B, N, H, K, V)
-    sees_state = (doc == state_doc[..., None])[..., None, None]  # (B, N, C, 1, 1)
-    o = o + jnp.einsum("bnihk,bnhkv->bnihv", q * jnp.exp(b) * sees_state, S_before)
+    carry = (jnp.exp(b_last) * keep[..., None, None])[..., None]  # (B, N, H, K, 1): no document start in chunk
+    S_before, S = carry_states(carry, update, entering_state(initial_state, (B, H, K, V)), axis=1)  # (B, N, H, K, V)
+    o = o + jnp.einsum("bnihk,bnhkv->bnihv", q * jnp.exp(b) * sees_state[..., None, None], S_before)
     return o.reshape(B, N * C, H, V)[:, :T].astype(out_dtype), S

@@ -19,56 +19,12 @@ Any T: padding tokens get zero q, k, v and log-decay 0 (gamma = 1), so they neit
 the state.
 """
 
-import jax
-import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from kernels.segments import document_index
+from kernels.scalar_decay import scalar_decay_chunk
 
 
-def retention_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
-                    log_gamma: Float[Array, " H"], *, scale: float = 1.0,
-                    segment_ids: Int[Array, "B T"] | None = None,
-                    initial_state: Float[Array, "B H K V"] | None = None, chunk_size: int = 64):
-    B, T, H, K = q.shape
-    V, out_dtype = v.shape[-1], q.dtype
-    C = min(chunk_size, T)
-    N = -(-T // C)
-    pad = ((0, 0), (0, N * C - T), (0, 0), (0, 0))
-    q, k, v = (jnp.pad(x.astype(jnp.float32), pad).reshape(B, N, C, H, -1) for x in (q, k, v))
-    q = q * scale
-    S0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32))
-
-    real = (jnp.arange(N * C) < T).reshape(N, C)
-    log_decay = jnp.where(real[..., None], log_gamma.astype(jnp.float32), 0.0)  # (N, C, H)
-    b = jnp.cumsum(log_decay, axis=1)  # (N, C, H), <= 0, non-increasing in i
-    b_last = b[:, -1]  # (N, H)
-
-    doc = document_index(segment_ids, B, T)
-    doc = jnp.pad(doc, ((0, 0), (0, N * C - T)), mode="edge").reshape(B, N, C)
-    state_doc = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), doc[:, :-1, -1]], axis=1)  # (B, N)
-
-    causal = jnp.tril(jnp.ones((C, C), bool))
-    diff = jnp.where(causal[None, :, :, None], b[:, :, None, :] - b[:, None, :, :], 0.0)  # (N, C, C, H)
-    decay = jnp.moveaxis(jnp.exp(diff), -1, 1) * causal  # (N, H, C, C); masked before exp: no overflow
-    same_doc = (doc[..., :, None] == doc[..., None, :])[:, :, None]  # (B, N, 1, C, C)
-    scores = jnp.einsum("bnihk,bnjhk->bnhij", q, k) * decay * same_doc
-    o = jnp.einsum("bnhij,bnjhv->bnihv", scores, v)  # (B, N, C, H, V)
-
-    in_last_doc = (doc == doc[..., -1:])[..., None, None]  # (B, N, C, 1, 1)
-    k_to_end = k * jnp.exp(b_last[:, None] - b)[..., None] * in_last_doc
-    update = jnp.einsum("bnjhk,bnjhv->bnhkv", k_to_end, v)  # (B, N, H, K, V)
-    keep = doc[..., -1] == state_doc  # (B, N): no document start in the chunk
-    carry = jnp.exp(b_last)[None, :, :, None, None] * keep[..., None, None, None]  # (B, N, H, 1, 1)
-
-    def body(S, xs):
-        carry_n, update_n = xs
-        return carry_n * S + update_n, S
-
-    S, S_before = jax.lax.scan(body, S0, (jnp.moveaxis(carry, 1, 0), jnp.moveaxis(update, 1, 0)))
-    S_before = jnp.moveaxis(S_before, 0, 1)  # (B, N, H, K, V)
-    sees_state = (doc == state_doc[..., None])[..., None, None]  # (B, N, C, 1, 1)
-    q_from_start = q * jnp.exp(b)[..., None] * sees_state
-    o = o + jnp.einsum("bnihk,bnhkv->bnihv", q_from_start, S_before)
-    return o.reshape(B, N * C, H, V)[:, :T].astype(out_dtype), S
+def retention_chunk(q, k, v, log_gamma: Float[Array, " H"], **kwargs):
+    """`retention`'s arguments (kernels/retention/__init__.py; shapes checked in scalar_decay_chunk)
+    with log_gamma = log(gamma) and chunk_size. Returns (o (B, T, H, V) in q's dtype, S float32)."""
+    return scalar_decay_chunk(q, k, v, log_gamma, **kwargs)

@@ -12,37 +12,12 @@ normalisation undoes them, and they are left out here so all three forms compute
 O(T^2) time and memory per head.
 """
 
-import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from kernels.segments import document_index
+from kernels.scalar_decay import scalar_decay_parallel
 
 
-def retention_parallel(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
-                       log_gamma: Float[Array, " H"], *, scale: float = 1.0,
-                       segment_ids: Int[Array, "B T"] | None = None,
-                       initial_state: Float[Array, "B H K V"] | None = None):
-    B, T, H, K = q.shape
-    out_dtype = q.dtype
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    q = q * scale
-    log_gamma = log_gamma.astype(jnp.float32)
-    S0 = (jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32))
-    doc = document_index(segment_ids, B, T)
-
-    t = jnp.arange(T, dtype=jnp.float32)
-    lag = t[:, None] - t[None, :]  # (T, T): i - j
-    causal = lag >= 0
-    decay = jnp.exp(log_gamma[:, None, None] * jnp.where(causal, lag, 0.0)) * causal  # (H, T, T)
-    same_doc = (doc[:, :, None] == doc[:, None, :])[:, None]  # (B, 1, T, T)
-    scores = jnp.einsum("bihk,bjhk->bhij", q, k) * decay * same_doc
-    first_doc = (doc == 0)[..., None, None]  # (B, T, 1, 1)
-    q_from_start = q * jnp.exp((t[:, None] + 1) * log_gamma)[..., None] * first_doc
-    o = jnp.einsum("bhij,bjhv->bihv", scores, v) + jnp.einsum("bihk,bhkv->bihv", q_from_start, S0)
-
-    in_last_doc = (doc == doc[:, -1:])[..., None, None]
-    k_to_end = k * jnp.exp((T - 1 - t)[:, None] * log_gamma)[..., None] * in_last_doc
-    S = (jnp.where(first_doc[:, -1:], jnp.exp(T * log_gamma)[:, None, None], 0.0) * S0
-         + jnp.einsum("bjhk,bjhv->bhkv", k_to_end, v))
-    return o.astype(out_dtype), S
+def retention_parallel(q, k, v, log_gamma: Float[Array, " H"], **kwargs):
+    """`retention`'s arguments (kernels/retention/__init__.py; shapes checked in scalar_decay_parallel)
+    with log_gamma = log(gamma). Returns (o (B, T, H, V) in q's dtype, S float32)."""
+    return scalar_decay_parallel(q, k, v, log_gamma, **kwargs)
