@@ -46,10 +46,10 @@ leaves the state untouched.
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool
 
 from kernels.linalg import unit_lower_inverse
-from kernels.segments import document_index
+from kernels.segments import document_index, entering_state
 
 SUB_CHUNK = 16
 
@@ -112,39 +112,37 @@ def intra_chunk_terms(q, k, v, beta, g, doc, first):
     return jnp.where(mask, QK, 0.0), decay_in * q, Ut, W, Kd, decay_in[..., -1, :]
 
 
-def _heads_first(x, n_pad):
-    """(B, T, H, ...) -> (B, H, T + n_pad, ...) float32, zero padded in time."""
-    x = jnp.moveaxis(x.astype(jnp.float32), 2, 1)
-    return jnp.pad(x, [(0, 0), (0, 0), (0, n_pad)] + [(0, 0)] * (x.ndim - 3))
-
-
-def delta_rule_chunk(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T H V"],
-    beta: Float[Array, "B T H"],
-    g: Float[Array, "B T H"] | Float[Array, "B T H K"] | None = None,
-    *,
-    scale: float,
-    segment_ids: Int[Array, "B T"] | None = None,
-    initial_state: Float[Array, "B H K V"] | None = None,
-    chunk_size: int = 64,
-) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
+def chunk_terms(q, k, v, beta, g, *, scale: float, segment_ids, chunk_size: int):
+    """`intra_chunk_terms` of every chunk of C = min(chunk_size, T) tokens, heads first and chunked,
+    (B, H, N, C, ...): the inputs (arguments as `delta_rule`) in float32, g None as 0, zero padded
+    in time; c_i marks the tokens of the document the state entering the chunk belongs to."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
     C = min(chunk_size, T)  # a short call pads no further than T
     N = -(-T // C)
-    pad = N * C - T
     g = jnp.zeros(beta.shape, jnp.float32) if g is None else g
-    qf, kf, vf, bf, gf = (_heads_first(x, pad) for x in (q, k, v, beta, g))  # (B, H, N*C, ...)
-    chunked = lambda x: x.reshape(B, H, N, C, *x.shape[3:])  # (B, H, N, C, ...)
-    qf, kf, vf, bf, gf = map(chunked, (qf, kf, vf, bf, gf))
-    doc = jnp.pad(document_index(segment_ids, B, T), ((0, 0), (0, pad)), mode="edge")  # (B, N*C)
+
+    def heads_first(x):  # (B, T, H, ...) -> (B, H, N, C, ...) float32
+        x = jnp.moveaxis(x.astype(jnp.float32), 2, 1)
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, N * C - T)] + [(0, 0)] * (x.ndim - 3))
+        return x.reshape(B, H, N, C, *x.shape[3:])
+
+    qf, kf, vf, bf, gf = map(heads_first, (q, k, v, beta, g))
+    doc = jnp.pad(document_index(segment_ids, B, T), ((0, 0), (0, N * C - T)), mode="edge")  # (B, N*C)
     doc = doc.reshape(B, 1, N, C)
     # The incoming state of chunk n belongs to the document of token nC - 1 (document 0 for n = 0).
     doc_in = jnp.concatenate([jnp.zeros_like(doc[:, :, :1, :1]), doc[:, :, :-1, -1:]], axis=2)  # (B, 1, N, 1)
     first: Bool[Array, "B 1 N C"] = doc == doc_in
-    P, Qs, Ut, W, Kd, gamma = intra_chunk_terms(qf * scale, kf, vf, bf, gf, doc, first)
+    return intra_chunk_terms(qf * scale, kf, vf, bf, gf, doc, first)
+
+
+def delta_rule_chunk(q, k, v, beta, g=None, *, scale: float, segment_ids=None, initial_state=None,
+                     chunk_size: int = 64):
+    """Arguments, shapes and returns as `delta_rule_recurrent` (reference.py; shapes are checked at
+    the entry, `delta_rule`), plus chunk_size."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    P, Qs, Ut, W, Kd, gamma = chunk_terms(q, k, v, beta, g, scale=scale, segment_ids=segment_ids,
+                                          chunk_size=chunk_size)
 
     def step(S, xs):  # S: (B, H, K, V), the state entering the chunk
         Ut_n, W_n, Kd_n, gamma_n = xs
@@ -152,10 +150,10 @@ def delta_rule_chunk(
         S_next = gamma_n[..., None] * S + jnp.einsum("BHCK,BHCV->BHKV", Kd_n, U_n)  # gamma_n (B, H, K or 1)
         return S_next, (S, U_n)
 
-    S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # (N, B, H, ...)
+    S0 = entering_state(initial_state, (B, H, K, V))
     final, (S_in, U) = jax.lax.scan(step, S0, tuple(map(chunk_major, (Ut, W, Kd, gamma))))
     S_in, U = jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(U, 0, 2)  # (B, H, N, K, V), (B, H, N, C, V)
     o = jnp.einsum("BHNCK,BHNKV->BHNCV", Qs, S_in) + jnp.einsum("BHNCD,BHNDV->BHNCV", P, U)
-    o = o.reshape(B, H, N * C, V)[:, :, :T]  # (B, H, T, V)
+    o = o.reshape(B, H, -1, V)[:, :, :T]  # (B, H, T, V)
     return jnp.moveaxis(o, 1, 2).astype(q.dtype), final

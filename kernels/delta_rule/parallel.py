@@ -17,31 +17,18 @@ sub-chunked ones over the whole sequence: O(T (16 + T / 16) K) memory per head.
 """
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
 
-from kernels.delta_rule.chunk import intra_chunk_terms
-from kernels.segments import document_index
+from kernels.delta_rule.chunk import chunk_terms
+from kernels.segments import entering_state
 
 
-def delta_rule_parallel(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T H V"],
-    beta: Float[Array, "B T H"],
-    g: Float[Array, "B T H"] | Float[Array, "B T H K"] | None = None,
-    *,
-    scale: float,
-    segment_ids: Int[Array, "B T"] | None = None,
-    initial_state: Float[Array, "B H K V"] | None = None,
-) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
+def delta_rule_parallel(q, k, v, beta, g=None, *, scale: float, segment_ids=None, initial_state=None):
+    """Arguments, shapes and returns as `delta_rule_recurrent` (reference.py; shapes are checked at
+    the entry, `delta_rule`)."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
-    g = jnp.zeros(beta.shape, jnp.float32) if g is None else g
-    heads_first = lambda x: jnp.moveaxis(x.astype(jnp.float32), 2, 1)  # (B, H, T, ...)
-    qf, kf, vf, bf, gf = map(heads_first, (q, k, v, beta, g))
-    doc = document_index(segment_ids, B, T)[:, None]  # (B, 1, T)
-    P, Qs, Ut, W, Kd, gamma = intra_chunk_terms(qf * scale, kf, vf, bf, gf, doc, doc == 0)
-    S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    terms = chunk_terms(q, k, v, beta, g, scale=scale, segment_ids=segment_ids, chunk_size=T)
+    P, Qs, Ut, W, Kd, gamma = (x[:, :, 0] for x in terms)  # one chunk: (B, H, T, ...)
+    S0 = entering_state(initial_state, (B, H, K, v.shape[-1]))
     U = Ut - jnp.einsum("BHTK,BHKV->BHTV", W, S0)  # (B, H, T, V)
     o = jnp.einsum("BHTK,BHKV->BHTV", Qs, S0) + jnp.einsum("BHTS,BHSV->BHTV", P, U)
     final = gamma[..., None] * S0 + jnp.einsum("BHTK,BHTV->BHKV", Kd, U)
