@@ -38,17 +38,24 @@ def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, 
     """
     check_mode(mode, chunk_size, "gla")
     check_impl(impl, "gla")
-    kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
-                  initial_state=initial_state)
-    if use_pallas(impl, supports(q, k, v)):
-        kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas
-        o, state = kernel(q, k, v, g, **kwargs)
-    else:
-        mode = "recurrent" if impl == "reference" else mode
-        if mode == "chunk":
-            kwargs["chunk_size"] = chunk_size
-        o, state = _FORMS[mode](q, k, v, g, **kwargs)
+    o, state = run_form(_FORMS, q, k, v, g, pallas_gate=lambda: g, mode=mode, chunk_size=chunk_size, impl=impl,
+                        scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
+                        initial_state=initial_state)
     return o, (state if output_final_state else None)
 
 
-__all__ = ["gla", "gla_step", "gla_pallas", "gla_pallas_tpu"]
+def run_form(forms: dict, q, k, v, *args, pallas_gate, mode: str, chunk_size: int, impl: str, **kwargs):
+    """The one dispatch point of gla and of the ops that run GLA's Pallas kernels with a scalar gate
+    (retention, linear_attention): the kernels with the log-decay `pallas_gate()` (B, T, H) or
+    (B, T, H, K) where `use_pallas` holds, else the XLA form forms[mode](q, k, v, *args, **kwargs)
+    (forms["recurrent"] for impl="reference"), chunk_size passed to the chunk form only."""
+    if use_pallas(impl, supports(q, k, v)):
+        kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas
+        return kernel(q, k, v, pallas_gate(), **kwargs)
+    mode = "recurrent" if impl == "reference" else mode
+    if mode == "chunk":
+        kwargs["chunk_size"] = chunk_size
+    return forms[mode](q, k, v, *args, **kwargs)
+
+
+__all__ = ["gla", "gla_step", "gla_pallas", "gla_pallas_tpu", "run_form"]

@@ -11,9 +11,8 @@ elsewhere; "reference" is the token-by-token scan; "xla" the form picked by `mod
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode, pallas_platform, use_pallas
-from kernels.gla.pallas import gla_pallas, supports
-from kernels.gla.pallas_tpu import gla_pallas_tpu
+from kernels import check_impl, check_mode
+from kernels.gla import run_form
 from kernels.linear_attention.chunk import linear_attention_chunk
 from kernels.linear_attention.parallel import linear_attention_parallel
 from kernels.linear_attention.reference import linear_attention_reference, linear_attention_step
@@ -36,15 +35,9 @@ def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
     """
     check_mode(mode, chunk_size, "linear_attention")
     check_impl(impl, "linear_attention")
-    kwargs = dict(scale=1.0 if scale is None else scale, segment_ids=segment_ids, initial_state=initial_state)
-    if use_pallas(impl, supports(q, k, v)):
-        kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas
-        o, state = kernel(q, k, v, jnp.zeros(v.shape[:3], jnp.float32), **kwargs)
-    else:
-        mode = "recurrent" if impl == "reference" else mode
-        if mode == "chunk":
-            kwargs["chunk_size"] = chunk_size
-        o, state = _FORMS[mode](q, k, v, **kwargs)
+    o, state = run_form(_FORMS, q, k, v, pallas_gate=lambda: jnp.zeros(v.shape[:3], jnp.float32), mode=mode,
+                        chunk_size=chunk_size, impl=impl, scale=1.0 if scale is None else scale,
+                        segment_ids=segment_ids, initial_state=initial_state)
     return o, (state if output_final_state else None)
 
 

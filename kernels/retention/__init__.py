@@ -11,9 +11,8 @@ the token-by-token scan; "xla" the form picked by `mode`.
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode, pallas_platform, use_pallas
-from kernels.gla.pallas import gla_pallas, supports
-from kernels.gla.pallas_tpu import gla_pallas_tpu
+from kernels import check_impl, check_mode
+from kernels.gla import run_form
 from kernels.retention.chunk import retention_chunk
 from kernels.retention.parallel import retention_parallel
 from kernels.retention.reference import retention_reference, retention_step
@@ -36,16 +35,9 @@ def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     check_mode(mode, chunk_size, "retention")
     check_impl(impl, "retention")
     log_gamma = jnp.log(jnp.asarray(gamma, jnp.float32))
-    kwargs = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
-                  initial_state=initial_state)
-    if use_pallas(impl, supports(q, k, v)):
-        kernel = gla_pallas_tpu if pallas_platform() == "tpu" else gla_pallas
-        o, state = kernel(q, k, v, jnp.broadcast_to(log_gamma, v.shape[:3]), **kwargs)
-    else:
-        mode = "recurrent" if impl == "reference" else mode
-        if mode == "chunk":
-            kwargs["chunk_size"] = chunk_size
-        o, state = _FORMS[mode](q, k, v, log_gamma, **kwargs)
+    o, state = run_form(_FORMS, q, k, v, log_gamma, pallas_gate=lambda: jnp.broadcast_to(log_gamma, v.shape[:3]),
+                        mode=mode, chunk_size=chunk_size, impl=impl, segment_ids=segment_ids,
+                        scale=q.shape[-1] ** -0.5 if scale is None else scale, initial_state=initial_state)
     return o, (state if output_final_state else None)
 
 
