@@ -50,6 +50,16 @@ def entering_state(initial_state: Float[Array, "..."] | None, shape: tuple) -> F
     return jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
 
+def scan_inputs(arrays: tuple, D: Array | None, segment_ids: Int[Array, "B T"] | None,
+                initial_state: Float[Array, "..."] | None, state_shape: tuple):
+    """The inputs a state-space op passes its forms: `arrays` (the first (B, T, ...)) and D (or None)
+    in float32, the document starts (B, T) (all False without segment_ids) and the `entering_state`."""
+    B, T = arrays[0].shape[:2]
+    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
+    args = [a.astype(jnp.float32) for a in arrays] + [None if D is None else D.astype(jnp.float32)]
+    return args, starts, entering_state(initial_state, state_shape)
+
+
 def scan_documents(step, state: Float[Array, "B ..."], xs: tuple, segment_ids: Int[Array, "B T"] | None = None):
     """lax.scan of `step(S, *x_t) -> (o_t, S)` over time, with S set to zero before the step at
     every document start. xs: arrays (B, T, ...), or None (passed to step as None). Returns

@@ -37,12 +37,14 @@ mode on CPU, slow and meant for tests; "auto" the kernels on GPU/TPU when kernel
 elsewhere.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels import MODES, check_impl, check_mode, pallas_platform, use_pallas
-from kernels.segments import document_starts
+from kernels.segments import scan_inputs
 from kernels.selective_scan.chunk import selective_scan_chunk
 from kernels.selective_scan.pallas import selective_scan_pallas, supports
 from kernels.selective_scan.pallas_tpu import selective_scan_pallas_tpu
@@ -67,24 +69,16 @@ def selective_scan(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: 
     if A.shape != (Dm, N) or delta.shape != x.shape or B.shape != (Bsz, T, N) or C.shape != (Bsz, T, N):
         raise ValueError(f"selective_scan: expected x, delta (B, T, Dm), A (Dm, N), B, C (B, T, N); got x "
                          f"{x.shape}, delta {delta.shape}, A {A.shape}, B {B.shape}, C {C.shape}")
-    f32 = jnp.float32
-    starts = jnp.zeros((Bsz, T), bool) if segment_ids is None else document_starts(segment_ids)
-    h0 = jnp.zeros((Bsz, Dm, N), f32) if initial_state is None else initial_state.astype(f32)
+    args, starts, h0 = scan_inputs((x, delta, A, B, C), D, segment_ids, initial_state, (Bsz, Dm, N))
     if use_pallas(impl, supports(x, A)):  # the one dispatch point
         kernel = selective_scan_pallas_tpu if pallas_platform() == "tpu" else selective_scan_pallas
         y, h = kernel(x, delta, A, B, C, D, starts, h0)
         return y, (h if output_final_state else None)
-    args = [a.astype(f32) for a in (x, delta, A, B, C)] + [None if D is None else D.astype(f32)]
     if mode == "auto":
         mode = "recurrent" if jax.default_backend() == "cpu" else "chunk"
-    if impl == "reference":
-        y, h = selective_scan_recurrent(*args, starts, h0)
-    elif mode == "recurrent":
-        y, h = selective_scan_adjoint(*args, starts, h0)
-    elif mode == "chunk":
-        y, h = selective_scan_chunk(*args, starts, h0, chunk_size)
-    else:
-        y, h = selective_scan_parallel(*args, starts, h0)
+    forms = {"recurrent": selective_scan_adjoint, "chunk": partial(selective_scan_chunk, chunk_size=chunk_size),
+             "parallel": selective_scan_parallel}
+    y, h = (selective_scan_recurrent if impl == "reference" else forms[mode])(*args, starts, h0)
     return y.astype(x.dtype), (h if output_final_state else None)
 
 

@@ -23,11 +23,12 @@ tests), whose chunk is their own block size, not `chunk_size`; "auto" the kernel
 kernels.AUTO_PALLAS is set and pallas.supports() the call, the XLA form elsewhere.
 """
 
-import jax.numpy as jnp
+from functools import partial
+
 from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode, use_pallas
-from kernels.segments import document_starts
+from kernels.segments import scan_inputs
 from kernels.ssd.chunk import ssd_chunk
 from kernels.ssd.pallas import ssd_pallas, supports
 from kernels.ssd.parallel import ssd_parallel
@@ -53,18 +54,9 @@ def ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "
     if use_pallas(impl, supports(x, B)):  # the one dispatch point
         y, h = ssd_pallas(x, dt, A, B, C, D, segment_ids=segment_ids, initial_state=initial_state)
         return y, (h if output_final_state else None)
-    f32 = jnp.float32
-    starts = jnp.zeros((Bsz, T), bool) if segment_ids is None else document_starts(segment_ids)
-    h0 = jnp.zeros((Bsz, H, P, N), f32) if initial_state is None else initial_state.astype(f32)
-    args = [a.astype(f32) for a in (x, dt, A, B, C)] + [None if D is None else D.astype(f32)]
-    if impl == "reference":
-        mode = "recurrent"
-    if mode == "recurrent":
-        y, h = ssd_recurrent(*args, starts, h0)
-    elif mode == "chunk":
-        y, h = ssd_chunk(*args, starts, h0, chunk_size)
-    else:
-        y, h = ssd_parallel(*args, starts, h0)
+    args, starts, h0 = scan_inputs((x, dt, A, B, C), D, segment_ids, initial_state, (Bsz, H, P, N))
+    forms = {"recurrent": ssd_recurrent, "chunk": partial(ssd_chunk, chunk_size=chunk_size), "parallel": ssd_parallel}
+    y, h = forms["recurrent" if impl == "reference" else mode](*args, starts, h0)
     return y.astype(x.dtype), (h if output_final_state else None)
 
 
