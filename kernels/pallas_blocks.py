@@ -1,7 +1,8 @@
 """Building blocks the chunked Pallas kernels share: GLA (and the ops built on it), the delta rule and
 WKV-7, in their GPU (Triton) and TPU (Mosaic) forms. One home, so that a fix reaches every kernel.
 
-- `BlockSizes`, `supports`, `fit_block`: the GPU kernels' block knobs and auto-dispatch rule;
+- `BlockSizes`, `check_blocks`, `supports`, `fit_block`: the GPU kernels' block knobs, their check,
+  and the auto-dispatch rule;
 - `dot`, `EXACT`: a 2-D dot in the inputs' dtype (float32 result), or in full float32 for bookkeeping;
 - `row_of`, `col_of`, `row`, `column`: rows and columns of tiles by a mask and a reduction (the index
   may be a loop counter), with no transposes or dynamic slices on chip;
@@ -9,7 +10,9 @@ WKV-7, in their GPU (Triton) and TPU (Mosaic) forms. One home, so that a fix rea
 - `local_cumsum`, `doc_suffix_sum`: the XLA work around the kernels (chunk-local cumulative gates,
   the gate gradient's suffix sum within each document).
 
-Loop counters, iotas and 0/1 tiles come from kernels/x64.py (int32 and float32 under x64).
+What the wrappers around the kernels share (fitting, launch, custom_vjp, inputs) is in
+kernels/pallas_launch.py. Loop counters, iotas and 0/1 tiles come from kernels/x64.py (int32 and
+float32 under x64).
 """
 
 import dataclasses
@@ -26,6 +29,14 @@ f32 = jnp.float32
 EXACT = SimpleNamespace(dtype="float32", exact=True)  # `dot` settings of float32 bookkeeping (masks, inverses)
 
 
+def check_blocks(blocks, names, least: int):
+    """Refuse a block size among `names` of the dataclass `blocks` that is not a power of two >= least."""
+    for name in names:
+        b = getattr(blocks, name)
+        if b < least or b & (b - 1):
+            raise ValueError(f"BlockSizes.{name}={b} must be a power of two" + (f" >= {least}" if least > 1 else ""))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tokens per chunk (block_t) and value columns per program (block_v), powers of two >= 16, and
@@ -37,10 +48,7 @@ class BlockSizes:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_t", "block_v"):
-            b = getattr(self, name)
-            if b < 16 or b & (b - 1):
-                raise ValueError(f"BlockSizes.{name}={b} must be a power of two >= 16")
+        check_blocks(self, ("block_t", "block_v"), 16)
 
 
 def supports(q, k, v) -> bool:
@@ -52,16 +60,18 @@ def supports(q, k, v) -> bool:
             and q.shape[1] > 16)
 
 
-def fit_block(block, n):
-    """The block shrunk to n (rounded up to a power of two), at least 16."""
-    return min(block, max(16, pl.next_power_of_2(n)))
+def fit_block(block, n, least: int = 16):
+    """The block shrunk to n (rounded up to a power of two), at least `least`."""
+    return min(block, max(least, pl.next_power_of_2(n)))
 
 
 def dot(a, b, dims, cfg):
     """a @ b contracting a's axis dims[0] with b's axis dims[1] (2-D), float32 result. The operands
-    are cast to cfg.dtype; cfg.exact asks for full-precision dots (no TF32) on GPU."""
+    are cast to cfg.dtype (None: taken as they are); cfg.exact asks for full-precision dots (no TF32)
+    on GPU."""
     precision = lax.Precision.HIGHEST if cfg.exact else lax.Precision.DEFAULT
-    a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
+    if cfg.dtype is not None:
+        a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
     return lax.dot_general(a, b, (((dims[0],), (dims[1],)), ((), ())), precision=precision,
                            preferred_element_type=f32)
 

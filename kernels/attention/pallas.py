@@ -70,6 +70,7 @@ from jaxtyping import Array, Float, Int
 
 from kernels.attention.masks import NO_WINDOW, Band, Tokens
 from kernels.attention.reference import default_positions, doc_positions
+from kernels.pallas_blocks import dot, fit_block
 from kernels.x64 import div, fori_loop
 
 LOG2E = math.log2(math.e)
@@ -207,13 +208,7 @@ class _Config:
     num_stages: int
     interpret: bool
     exact: bool  # float32 inputs: ask for full-precision dots (no TF32) on GPU
-
-
-def _dot(a, b, dims, cfg):
-    """float32 a @ b contracting a's axis dims[0] with b's axis dims[1] (2-D operands)."""
-    precision = lax.Precision.HIGHEST if cfg.exact else lax.Precision.DEFAULT
-    return lax.dot_general(a, b, (((dims[0],), (dims[1],)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
+    dtype: None = None  # pallas_blocks.dot takes the operands as they are (each cast where it is made)
 
 
 def _visible(qp, qs, qa, kp, ks, k0, bk, h, cfg):
@@ -254,7 +249,7 @@ def _read(ref, *index):
 
 def _logits(q, k, qd, kd, cfg):
     """(bq, bk) float32 base-2 logits: scale q k^T, plus qd_i - kd_j with a decay (qd, kd not None)."""
-    s = _dot(q, k, (1, 1), cfg) * (cfg.scale * LOG2E)
+    s = dot(q, k, (1, 1), cfg) * (cfg.scale * LOG2E)
     return s if qd is None else s + (qd[:, None] - kd[None, :]) * LOG2E
 
 
@@ -316,7 +311,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, qa_ref, *re
         if mask is not None:  # a row with nothing visible yet has m_new = MASK and s - m_new = 0
             p = jnp.where(mask, p, 0.0)
         alpha = jnp.exp2(m - m_new)
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0), cfg)
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (1, 0), cfg)
         return acc, m_new, l * alpha + p.sum(axis=1)
 
     init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq,), MASK, jnp.float32),
@@ -345,8 +340,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, qa_ref, do_r
         sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[sl, :], v_ref[sl, :]  # (bk, K), (bk, V)
         p = _probs(q, k, qd, _read(kd_ref, sl), lse, mask, cfg)  # (bq, bk)
-        ds = p * (_dot(do, v, (1, 1), cfg) - delta[:, None])  # (bq, bk)
-        return dq + _dot(ds.astype(k.dtype), k, (1, 0), cfg)
+        ds = p * (dot(do, v, (1, 1), cfg) - delta[:, None])  # (bq, bk)
+        return dq + dot(ds.astype(k.dtype), k, (1, 0), cfg)
 
     dq = _blocks(*_kv_block_range(qp, qa, bk, k_ref.shape[0] // bk, cfg), step, mask_of,
                  jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
@@ -375,9 +370,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, qa_ref, do_
             sl = pl.ds(pl.multiple_of(i * bq, bq), bq)
             q, do = q_ref[sl, r, :], do_ref[sl, r, :]  # (bq, K), (bq, V)
             p = _probs(q, k, _read(qd_ref, r, sl), kd, lse_ref[r, sl], mask, cfg)  # (bq, bk)
-            ds = p * (_dot(do, v, (1, 1), cfg) - delta_ref[r, sl][:, None])
-            grads = (dk + _dot(ds.astype(q.dtype), q, (0, 0), cfg),
-                     dv + _dot(p.astype(do.dtype), do, (0, 0), cfg))
+            ds = p * (dot(do, v, (1, 1), cfg) - delta_ref[r, sl][:, None])
+            grads = (dk + dot(ds.astype(q.dtype), q, (0, 0), cfg),
+                     dv + dot(p.astype(do.dtype), do, (0, 0), cfg))
             return grads if kd is None else (*grads, dkd[0] - ds.sum(axis=0))
 
         if kd is None:
@@ -481,9 +476,13 @@ _flash = flash_vjp(_forward, _backward, lambda o, do, cfg: jnp.einsum(
     "BTHV,BTHV->BHT", o.astype(jnp.float32), do.astype(jnp.float32)))  # D (B, H, T)
 
 
-def _fit(block, n):
-    """The block shrunk to the sequence (rounded up to a power of two), at least 16."""
-    return min(block, max(16, pl.next_power_of_2(n)))
+def fit_blocks(blocks, T: int, S: int, least: int = 16):
+    """The six block sizes of a BlockSizes (block_q, block_k, block_q_dkv, ...: query blocks fitted to T,
+    key blocks to S, at least `least`) and T, S padded to the largest of each: (fitted, Tp, Sp)."""
+    fitted = tuple(fit_block(getattr(blocks, f.name), T if f.name.startswith("block_q") else S, least)
+                   for f in dataclasses.fields(blocks)[:6])
+    Tp, Sp = -(-T // max(fitted[::2])) * max(fitted[::2]), -(-S // max(fitted[1::2])) * max(fitted[1::2])
+    return fitted, Tp, Sp
 
 
 def mask_rows(T, S, segment_ids, tokens: Tokens):
@@ -531,9 +530,7 @@ def flash_attention(
     tokens = Tokens() if tokens is None else tokens
     backend = jax.default_backend()
     blocks = block_sizes or default_block_sizes(backend)
-    fitted = tuple(_fit(getattr(blocks, f.name), T if f.name.startswith("block_q") else S)
-                   for f in dataclasses.fields(blocks)[:6])
-    Tp, Sp = -(-T // max(fitted[::2])) * max(fitted[::2]), -(-S // max(fitted[1::2])) * max(fitted[1::2])
+    fitted, Tp, Sp = fit_blocks(blocks, T, S)
     Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
     cfg = _Config(
         scale=K ** -0.5 if scale is None else float(scale), causal=causal,

@@ -60,13 +60,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from kernels.attention.masks import Band, Tokens
-from kernels.attention.pallas import MASK, KernelBand, decay_rows, flash_vjp, mask_rows
+from kernels.attention.pallas import MASK, KernelBand, decay_rows, fit_blocks, flash_vjp, mask_rows
+from kernels.pallas_blocks import dot
 from kernels.x64 import div, iota
 
 
@@ -110,13 +110,12 @@ class _Config:
     padded: tuple[int, int]  # (T, S) padded to the blocks
     interpret: bool
     exact: bool  # float32 inputs: full-precision dots
+    dtype: None = None  # pallas_blocks.dot takes the operands as they are
 
 
 def _dot(a, b, cfg, trans_b=False):
     """a (m, k) @ b (k, n), or @ b^T for b (n, k); float32 accumulation."""
-    precision = lax.Precision.HIGHEST if cfg.exact else lax.Precision.DEFAULT
-    return lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
+    return dot(a, b, (1, 1 if trans_b else 0), cfg)
 
 
 def _span(cfg):
@@ -401,11 +400,6 @@ def _row_sums(o, do, cfg):
 _flash = flash_vjp(_forward, _backward, _row_sums)
 
 
-def _fit(block, n):
-    """The block shrunk to the sequence (rounded up to a power of two), at least 8."""
-    return min(block, max(8, pl.next_power_of_2(n)))
-
-
 def flash_attention_tpu(
     q: Float[Array, "B T H K"],
     k: Float[Array, "B S G K"],
@@ -430,9 +424,7 @@ def flash_attention_tpu(
     tokens = Tokens() if tokens is None else tokens
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     blocks = block_sizes or BlockSizes()
-    fitted = tuple(_fit(getattr(blocks, f.name), T if f.name.startswith("block_q") else S)
-                   for f in dataclasses.fields(blocks))
-    Tp, Sp = -(-T // max(fitted[::2])) * max(fitted[::2]), -(-S // max(fitted[1::2])) * max(fitted[1::2])
+    fitted, Tp, Sp = fit_blocks(blocks, T, S, least=8)
     if not interpret:
         for f, b in zip(dataclasses.fields(blocks)[1::2], fitted[1::2]):
             if b % 128 and b != Sp:

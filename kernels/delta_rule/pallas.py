@@ -100,52 +100,35 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from kernels import pallas_launch as launch
 from kernels.delta_rule.pairwise import pair_grads, pair_scores
 from kernels.pallas_blocks import (  # noqa: F401 (supports: re-exported)
     EXACT,
     BlockSizes,
     column,
     dot,
-    fit_block,
     local_cumsum,
     row,
     row_of,
     supports,
     unit_lower_inverse_t,
 )
-from kernels.segments import document_index
 from kernels.x64 import fori_loop, indicator, iota
 
 f32 = jnp.float32
 
 
-BLOCK_SIZES = {
-    # Not tuned (no GPU measurement yet). 32-token chunks keep the C-step substitution and the
-    # backward's (C, K) tiles small; fla uses 64.
-    "gpu": BlockSizes(block_t=32, block_v=64),
-    # Interpret mode (CPU): its cost is per step, so whole value widths.
-    "cpu": BlockSizes(block_t=16, block_v=128),
-}
-
-
-def default_block_sizes(backend: str | None = None) -> BlockSizes:
-    return BLOCK_SIZES.get(backend or jax.default_backend(), BLOCK_SIZES["cpu"])
+# Not tuned (no GPU measurement yet). 32-token chunks keep the C-step substitution and the
+# backward's (C, K) tiles small; fla uses 64.
+default_block_sizes = launch.block_defaults(gpu=BlockSizes(block_t=32, block_v=64))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class _Config(launch.ChunkConfig):
     scale: float
     channel: bool  # a log-decay per key channel (KDA), g (B, T, H, K), not per head
-    block_t: int
-    block_v: int
-    num_warps: int
-    num_stages: int
-    interpret: bool
-    dtype: str  # operand dtype of the dots (the inputs')
-    exact: bool  # float32 inputs: full-precision dots (no TF32) on GPU
 
 
 def _chunk(n, refs, cfg, scores=True):
@@ -282,51 +265,34 @@ def _gate_specs(cfg, s):
     return (s.qk, s.part_qk) if cfg.channel else (s.tok, s.part_tok)
 
 
-def _call(kernel, cfg, s, in_specs, out_specs, out_shape, name, *args):
-    return pl.pallas_call(
-        kernel, grid=s.grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=cfg.interpret, name=name,
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(*args)
-
-
-def _forward(q, k, v, beta, G, doc, prev, s0, cfg, states=False):
+def _forward(cfg, q, k, v, beta, G, doc, prev, s0, states=False):
     """(o or the per-chunk start states (B, H, N*K, V), final state)."""
     s = _specs(cfg, q, v)
     B, Tp, H, K = q.shape
     out = ((s.h, jax.ShapeDtypeStruct((B, H, Tp // cfg.block_t * K, v.shape[3]), f32)) if states
            else (s.v, jax.ShapeDtypeStruct(v.shape, q.dtype)))
-    return _call(functools.partial(_fwd_kernel, cfg=cfg, states=states), cfg, s,
-                 [s.qk, s.qk, s.v, s.tok, _gate_specs(cfg, s)[0], s.row, s.row, s.st], [out[0], s.st],
-                 [out[1], jax.ShapeDtypeStruct(s0.shape, f32)],
-                 "delta_rule_states" if states else "delta_rule_fwd", q, k, v, beta, G, doc, prev, s0)
+    return launch.triton_call(functools.partial(_fwd_kernel, cfg=cfg, states=states), cfg, s.grid,
+                       [s.qk, s.qk, s.v, s.tok, _gate_specs(cfg, s)[0], s.row, s.row, s.st], [out[0], s.st],
+                       [out[1], jax.ShapeDtypeStruct(s0.shape, f32)],
+                       "delta_rule_states" if states else "delta_rule_fwd", q, k, v, beta, G, doc, prev, s0)
 
 
-def _cumsum(g, cfg):
-    """local_cumsum of this file's layouts: (B, H, Tp) per head, (B, Tp, H, K) per channel."""
-    return local_cumsum(g, cfg.block_t, axis=1 if cfg.channel else -1)
+def _prepare(cfg, q, k, v, beta, g, doc, prev, s0):
+    """g summed from each chunk's start (local_cumsum of this file's layouts: (B, H, Tp) per head,
+    (B, Tp, H, K) per channel)."""
+    return q, k, v, beta, local_cumsum(g, cfg.block_t, axis=1 if cfg.channel else -1), doc, prev, s0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _delta_rule(q, k, v, beta, g, doc, prev, s0, cfg):
-    return _forward(q, k, v, beta, _cumsum(g, cfg), doc, prev, s0, cfg)
-
-
-def _delta_rule_fwd(q, k, v, beta, g, doc, prev, s0, cfg):
-    G = _cumsum(g, cfg)
-    return _forward(q, k, v, beta, G, doc, prev, s0, cfg), (q, k, v, beta, G, doc, prev, s0)
-
-
-def _delta_rule_bwd(cfg, res, cts):
+def _backward(cfg, res, cts):
     q, k, v, beta, G, doc, prev, s0 = res
     do, dst = cts
-    h, _ = _forward(q, k, v, beta, G, doc, prev, s0, cfg, states=True)
+    h, _ = _forward(cfg, *res, states=True)
     s = _specs(cfg, q, v)
     part_qk = jax.ShapeDtypeStruct((s.grid[0], *q.shape), f32)
     part_tok = jax.ShapeDtypeStruct((s.grid[0], *beta.shape), f32)
     g_spec, dg_spec = _gate_specs(cfg, s)
-    dq, dk, dv, dbeta, dg, ds0 = _call(
-        functools.partial(_bwd_kernel, cfg=cfg), cfg, s,
+    dq, dk, dv, dbeta, dg, ds0 = launch.triton_call(
+        functools.partial(_bwd_kernel, cfg=cfg), cfg, s.grid,
         [s.qk, s.qk, s.v, s.tok, g_spec, s.row, s.row, s.h, s.v, s.st],
         [s.part_qk, s.part_qk, s.v, s.part_tok, dg_spec, s.st],
         [part_qk, part_qk, jax.ShapeDtypeStruct(v.shape, v.dtype), part_tok,
@@ -336,7 +302,16 @@ def _delta_rule_bwd(cfg, res, cts):
     return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv, dbeta.sum(0), dg.sum(0), None, None, ds0)
 
 
-_delta_rule.defvjp(_delta_rule_fwd, _delta_rule_bwd)
+_delta_rule = launch.recompute_vjp(_prepare, _forward, _backward)
+
+
+def check_delta_rule_shapes(where: str, q, k, v, beta, g):
+    """Refuse q, k, v, beta, g whose shapes do not agree (the Pallas wrappers' check)."""
+    B, T, H, K = q.shape
+    launch.check_shapes(where, "q, k (B, T, H, K), v (B, T, H, V), beta (B, T, H) and g (B, T, H) or (B, T, H, K)",
+                 k.shape == q.shape and v.shape[:3] == (B, T, H) and beta.shape == (B, T, H)
+                 and (g is None or g.shape in ((B, T, H), (B, T, H, K))),
+                 q=q, k=k, v=v, beta=beta, g=g)
 
 
 def delta_rule_pallas(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -350,28 +325,14 @@ def delta_rule_pallas(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v:
     DeltaNet. interpret=None: interpret mode everywhere but on GPU."""
     B, T, H, K = q.shape
     V = v.shape[3]
-    if (k.shape != q.shape or v.shape[:3] != (B, T, H) or beta.shape != (B, T, H)
-            or (g is not None and g.shape not in ((B, T, H), (B, T, H, K)))):
-        raise ValueError(f"delta_rule_pallas: expected q, k (B, T, H, K), v (B, T, H, V), beta (B, T, H) and g "
-                         f"(B, T, H) or (B, T, H, K); "
-                         f"got q {q.shape}, k {k.shape}, v {v.shape}, beta {beta.shape}, "
-                         f"g {None if g is None else g.shape}")
-    backend = jax.default_backend()
-    blocks = block_sizes or default_block_sizes(backend)
-    Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
-    C, bv = fit_block(blocks.block_t, T), min(blocks.block_v, Vp)
-    Tp = -(-T // C) * C
+    check_delta_rule_shapes("delta_rule_pallas", q, k, v, beta, g)
     channel = g is not None and g.ndim == 4
-    cfg = _Config(scale=float(scale), channel=channel, block_t=C, block_v=bv,
-                  num_warps=blocks.num_warps or (4 if Kp * bv <= 64 * 64 else 8), num_stages=blocks.num_stages,
-                  interpret=backend != "gpu" if interpret is None else interpret,
-                  dtype=jnp.dtype(q.dtype).name, exact=q.dtype == f32)
+    sizes, Tp, Kp, Vp = launch.chunk_launch(block_sizes or default_block_sizes(), T, K, V, q.dtype, interpret)
+    cfg = _Config(scale=float(scale), channel=channel, **sizes)
     pad = lambda x, d: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, d - x.shape[3])))  # (B, Tp, H, d)
     tok = lambda x: jnp.pad(jnp.swapaxes(x.astype(f32), 1, 2), ((0, 0), (0, 0), (0, Tp - T)))  # (B, H, Tp)
     g = jnp.zeros((B, H, Tp), f32) if g is None else pad(g.astype(f32), Kp) if channel else tok(g)
-    doc = jnp.pad(document_index(segment_ids, B, T), ((0, 0), (0, Tp - T)), mode="edge")  # (B, Tp)
-    prev = jnp.pad(doc[:, :-1], ((0, 0), (1, 0)))  # the document of the token before
-    s0 = (jnp.zeros((B, H, Kp, Vp), f32) if initial_state is None else
-          jnp.pad(initial_state.astype(f32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V))))
-    o, st = _delta_rule(pad(q, Kp), pad(k, Kp), pad(v, Vp), tok(beta), g, doc, prev, s0, cfg)
+    doc, prev = launch.document_rows(segment_ids, B, T, Tp)  # (B, Tp) each
+    s0 = launch.padded_state(initial_state, B, H, Kp, Vp)
+    o, st = _delta_rule(cfg, pad(q, Kp), pad(k, Kp), pad(v, Vp), tok(beta), g, doc, prev, s0)
     return o[:, :T, :, :V], st[:, :, :K, :V]

@@ -95,9 +95,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from kernels import pallas_launch as launch
 from kernels.delta_rule.pairwise import pair_grads, pair_scores
+from kernels.delta_rule.pallas import check_delta_rule_shapes
 from kernels.pallas_blocks import EXACT, column, dot, local_cumsum, row, row_of
-from kernels.segments import document_index
 from kernels.x64 import indicator, iota
 
 f32 = jnp.float32
@@ -302,7 +303,7 @@ def _call(kernel, cfg, s, in_specs, out_specs, out_shape, name, *args):
     )(*args)
 
 
-def _forward(q, k, v, tok, G, s0, cfg, states=False):
+def _forward(cfg, q, k, v, tok, G, s0, states=False):
     """(o (B, H, Tp, V) or the chunks' start states (B, H, N, K, V), final state (B, H, K, V)). G: the
     per-channel cumulative gates (B, H, Tp, K), None for a per-head gate (in tok)."""
     s = _specs(cfg, q, v, reverse=False)
@@ -316,32 +317,23 @@ def _forward(q, k, v, tok, G, s0, cfg, states=False):
                  "delta_rule_states_tpu" if states else "delta_rule_fwd_tpu", q, k, v, tok, *gate, s0)
 
 
-def _tokens(beta, g, masks, cfg):
-    """The per-token scalars of _TOKEN_FIELDS by chunk, (B, H, N, 6, C), and the per-channel
-    cumulative gates G (B, H, Tp, K) (None for a per-head gate, whose G is a field); masks
-    (B, 4, Tp): first, last, start, doc."""
+def _prepare(cfg, q, k, v, beta, g, masks, s0):
+    """The kernels' inputs: q, k, v, the per-token scalars of _TOKEN_FIELDS by chunk, (B, H, N, 6, C),
+    the per-channel cumulative gates G (B, H, Tp, K) (None for a per-head gate, whose G is a field)
+    and s0; masks (B, 4, Tp): first, last, start, doc."""
     B, H, Tp = beta.shape
     G = local_cumsum(g, cfg.block_t, axis=2) if cfg.channel else None
     G_field = jnp.zeros_like(beta) if cfg.channel else local_cumsum(g, cfg.block_t, axis=-1)
     fields = jnp.concatenate([beta[:, :, None], G_field[:, :, None],
                               jnp.broadcast_to(masks[:, None], (B, H, 4, Tp))], axis=2)  # (B, H, 6, Tp)
-    return jnp.swapaxes(fields.reshape(B, H, len(_TOKEN_FIELDS), cfg.num_chunks, cfg.block_t), 2, 3), G
+    tok = jnp.swapaxes(fields.reshape(B, H, len(_TOKEN_FIELDS), cfg.num_chunks, cfg.block_t), 2, 3)
+    return q, k, v, tok, G, s0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _delta_rule(q, k, v, beta, g, masks, s0, cfg):
-    return _forward(q, k, v, *_tokens(beta, g, masks, cfg), s0, cfg)
-
-
-def _delta_rule_fwd(q, k, v, beta, g, masks, s0, cfg):
-    tok, G = _tokens(beta, g, masks, cfg)
-    return _forward(q, k, v, tok, G, s0, cfg), (q, k, v, tok, G, s0)
-
-
-def _delta_rule_bwd(cfg, res, cts):
+def _backward(cfg, res, cts):
     q, k, v, tok, G, s0 = res
     do, dst = cts
-    h, _ = _forward(q, k, v, tok, G, s0, cfg, states=True)
+    h, _ = _forward(cfg, *res, states=True)
     s = _specs(cfg, q, v, reverse=True)
     B, H, Tp, _ = q.shape
     gate = [G] if cfg.channel else []
@@ -358,7 +350,7 @@ def _delta_rule_bwd(cfg, res, cts):
     return dq, dk, dv, dbeta, outs[4] if cfg.channel else dg, None, ds0
 
 
-_delta_rule.defvjp(_delta_rule_fwd, _delta_rule_bwd)
+_delta_rule = launch.recompute_vjp(_prepare, _forward, _backward)
 
 
 def delta_rule_pallas_tpu(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -366,16 +358,10 @@ def delta_rule_pallas_tpu(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"]
                           *, scale: float, segment_ids: Int[Array, "B T"] | None = None,
                           initial_state: Float[Array, "B H K V"] | None = None,
                           block_sizes: BlockSizes | None = None, interpret: bool | None = None):
-    """Same function as delta_rule_recurrent, differentiable in q, k, v, beta, g and initial_state.
-    Returns (o (B, T, H, V) in q's dtype, final state (B, H, K, V) float32). g (B, T, H): a log-decay
-    per head (Gated DeltaNet); (B, T, H, K): per key channel (Kimi Delta Attention); None: plain
-    DeltaNet. interpret=None: the TPU interpreter everywhere but on a TPU."""
+    """The function, arguments and result of delta_rule_pallas (the GPU kernels), on a TPU.
+    interpret=None: the TPU interpreter everywhere but on a TPU."""
     B, T, H, K = q.shape
-    if (k.shape != q.shape or v.shape[:3] != (B, T, H) or beta.shape != (B, T, H)
-            or (g is not None and g.shape not in ((B, T, H), (B, T, H, K)))):
-        raise ValueError(f"delta_rule_pallas_tpu: expected q, k (B, T, H, K), v (B, T, H, V), beta (B, T, H) and g "
-                         f"(B, T, H) or (B, T, H, K); got q {q.shape}, k {k.shape}, v {v.shape}, beta {beta.shape}, "
-                         f"g {None if g is None else g.shape}")
+    check_delta_rule_shapes("delta_rule_pallas_tpu", q, k, v, beta, g)
     C = min((block_sizes or BlockSizes()).block_t, max(8, pl.next_power_of_2(T)))
     N = -(-T // C)
     Tp = N * C
@@ -386,12 +372,11 @@ def delta_rule_pallas_tpu(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"]
     heads = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))  # (B, H, Tp, D)
     tok = lambda x: jnp.pad(jnp.swapaxes(x.astype(f32), 1, 2), ((0, 0), (0, 0), (0, Tp - T)))  # (B, H, Tp)
     g = jnp.zeros((B, H, Tp), f32) if g is None else heads(g.astype(f32)) if channel else tok(g)
-    doc = jnp.pad(document_index(segment_ids, B, T), ((0, 0), (0, Tp - T)), mode="edge")  # (B, Tp)
-    prev = jnp.pad(doc[:, :-1], ((0, 0), (1, 0)))  # the document of the token before
+    doc, prev = launch.document_rows(segment_ids, B, T, Tp)  # (B, Tp) each
     chunks = doc.reshape(B, N, C)
     first = chunks == prev.reshape(B, N, C)[:, :, :1]  # same document as the token before the chunk
     last = chunks == chunks[:, :, -1:]  # in the chunk's last document
     masks = jnp.stack([first.reshape(B, Tp), last.reshape(B, Tp), doc != prev, doc], axis=1).astype(f32)  # (B, 4, Tp)
-    s0 = jnp.zeros((B, H, K, v.shape[3]), f32) if initial_state is None else initial_state.astype(f32)
-    o, st = _delta_rule(heads(q), heads(k), heads(v), tok(beta), g, masks, s0, cfg)
+    s0 = launch.padded_state(initial_state, B, H, K, v.shape[3])
+    o, st = _delta_rule(cfg, heads(q), heads(k), heads(v), tok(beta), g, masks, s0)
     return jnp.swapaxes(o, 1, 2)[:, :T], st

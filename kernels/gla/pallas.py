@@ -65,19 +65,10 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from kernels.pallas_blocks import (  # noqa: F401 (supports: re-exported)
-    BlockSizes,
-    col_of,
-    doc_suffix_sum,
-    dot,
-    fit_block,
-    local_cumsum,
-    supports,
-)
-from kernels.segments import document_starts
+from kernels import pallas_launch as launch
+from kernels.pallas_blocks import BlockSizes, col_of, doc_suffix_sum, dot, local_cumsum, supports  # noqa: F401 (supports: re-exported)
 from kernels.x64 import fori_loop, iota
 
 f32 = jnp.float32
@@ -88,8 +79,7 @@ BLOCK_SIZES = {
     # short; 64 value columns give B * H * V / 64 programs. A scalar gate: 64-token chunks, all matmuls.
     "gpu": BlockSizes(block_t=16, block_v=64),
     "gpu-scalar": BlockSizes(block_t=64, block_v=64),
-    # Interpret mode (CPU): its cost is per step, so whole value widths.
-    "cpu": BlockSizes(block_t=16, block_v=128),
+    "cpu": launch.INTERPRET_BLOCKS,
 }
 
 
@@ -97,23 +87,53 @@ def default_block_sizes(backend: str | None = None, scalar_gate: bool = False) -
     backend = backend or jax.default_backend()
     if backend == "gpu" and scalar_gate:
         return BLOCK_SIZES["gpu-scalar"]
-    return BLOCK_SIZES.get(backend, BLOCK_SIZES["cpu"])
+    return launch.block_sizes_for(BLOCK_SIZES, backend)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class GLAOptions:
+    """The static options of a GLA call that both kernel families (this file's and pallas_tpu.py's)
+    read, beside their own blocks."""
+
     scale: float
     scalar: bool  # one log-decay per (token, head) rather than per channel
     segmented: bool
     length: int  # T before padding
     groups: int  # R = H / G value heads per query/key head
-    block_t: int
-    block_v: int
-    num_warps: int
-    num_stages: int
-    interpret: bool
-    dtype: str  # operand dtype of the dots (the inputs')
-    exact: bool  # float32 inputs: full-precision dots (no TF32) on GPU
+
+
+def gla_options(where: str, q, k, v, g, scale, segment_ids) -> GLAOptions:
+    """The options of a call, after refusing inputs whose shapes do not agree (the wrappers' check)."""
+    B, T, G, K = q.shape
+    H = v.shape[2]
+    launch.check_shapes(where, "q, k (B, T, G, K), v (B, T, H, V) with G dividing H and g (B, T, H[, K])",
+                 H % G == 0 and k.shape == q.shape and g.shape[:3] == (B, T, H) and g.ndim in (3, 4),
+                 q=q, k=k, v=v, g=g)
+    return GLAOptions(scale=float(scale), scalar=g.ndim == 3, segmented=segment_ids is not None, length=T,
+                      groups=H // G)
+
+
+def gate_grad(q, k, dq, dk, dst, st, doc, prev, cfg, heads: int = 2):
+    """dg (B, Tp, H[, K]) float32 by the state-free identity of the docstring, from q, k with G heads
+    and dq, dk per value head on axis `heads` (2: (B, Tp, H, K); 1: (B, H, Tp, K)), the final state's
+    cotangent dst and value st (B, H, V, K)."""
+    R = cfg.groups
+    dB = jnp.repeat(q, R, axis=heads).astype(f32) * dq - jnp.repeat(k, R, axis=heads).astype(f32) * dk
+    dB = jnp.swapaxes(dB, 1, 2) if heads == 1 else dB  # (B, Tp, H, K)
+    final = jnp.sum(dst * st, axis=2)  # (B, H, K): the final state's own e^{B_T} factor
+    if cfg.scalar:
+        dB, final = dB.sum(-1), final.sum(-1)
+    return doc_suffix_sum(dB.at[:, cfg.length - 1].add(final), doc, prev)
+
+
+def group_heads(x, R: int, heads: int = 2):
+    """x per value head on axis `heads`, summed over the R value heads of each query/key head."""
+    return x.reshape(*x.shape[:heads], -1, R, *x.shape[heads + 1:]).sum(heads + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config(GLAOptions, launch.ChunkConfig):
+    pass
 
 
 def _load(n, q_ref, k_ref, b_ref, doc_ref, prev_ref, cfg):
@@ -235,12 +255,8 @@ def _specs(cfg, q, v):
                            grid=(v.shape[3] // bv, q.shape[0], v.shape[2]))
 
 
-def _call(kernel, cfg, s, in_specs, out_specs, out_shape, name, *args):
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg), grid=s.grid, in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, interpret=cfg.interpret, name=name,
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(*args)
+def _call(kernel, cfg, s, *specs_shapes_name_args):
+    return launch.triton_call(functools.partial(kernel, cfg=cfg), cfg, s.grid, *specs_shapes_name_args)
 
 
 def _forward(q, k, v, b, doc, prev, s0t, cfg):
@@ -280,13 +296,8 @@ def _gla_bwd(cfg, res, cts):
                          [part, jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(s0t.shape, f32)],
                          "gla_dkv", q, k, v, b, doc, prev, do, dst)
     dq, dk = dq.sum(0), dk.sum(0)  # (B, Tp, H, K), per value head
-    R = cfg.groups
-    dB = (jnp.repeat(q, R, axis=2).astype(f32) * dq - jnp.repeat(k, R, axis=2).astype(f32) * dk)
-    final = jnp.sum(dst * st, axis=2)  # (B, H, K): the final state's own e^{B_T} factor
-    if cfg.scalar:
-        dB, final = dB.sum(-1), final.sum(-1)
-    dg = doc_suffix_sum(dB.at[:, cfg.length - 1].add(final), doc, prev)
-    group = lambda x: x.reshape(*x.shape[:2], -1, R, x.shape[-1]).sum(3)  # (B, Tp, G, K)
+    dg = gate_grad(q, k, dq, dk, dst, st, doc, prev, cfg)
+    group = lambda x: group_heads(x, cfg.groups)  # (B, Tp, G, K)
     return (group(dq).astype(q.dtype), group(dk).astype(k.dtype), dv, dg.astype(g.dtype), None, None, ds0t)
 
 
@@ -306,30 +317,13 @@ def gla_pallas(q: Float[Array, "B T G K"], k: Float[Array, "B T G K"], v: Float[
     """
     B, T, G, K = q.shape
     H, V = v.shape[2:]
-    if H % G or k.shape != q.shape or g.shape[:3] != (B, T, H) or g.ndim not in (3, 4):
-        raise ValueError(f"gla_pallas: expected q, k (B, T, G, K), v (B, T, H, V) with G dividing H and g "
-                         f"(B, T, H[, K]); got q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}")
-    scalar = g.ndim == 3
-    backend = jax.default_backend()
-    blocks = block_sizes or default_block_sizes(backend, scalar)
-    Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
-    C, bv = fit_block(blocks.block_t, T), min(blocks.block_v, Vp)
-    Tp = -(-T // C) * C
-    cfg = _Config(scale=float(scale), scalar=scalar, segmented=segment_ids is not None, length=T,
-                  groups=H // G, block_t=C, block_v=bv,
-                  num_warps=blocks.num_warps or (4 if Kp * bv <= 64 * 64 else 8),
-                  num_stages=blocks.num_stages,
-                  interpret=backend != "gpu" if interpret is None else interpret,
-                  dtype=jnp.dtype(q.dtype).name, exact=q.dtype == f32)
+    opts = gla_options("gla_pallas", q, k, v, g, scale, segment_ids)
+    sizes, Tp, Kp, Vp = launch.chunk_launch(block_sizes or default_block_sizes(scalar_gate=opts.scalar), T, K, V,
+                                      q.dtype, interpret)
+    cfg = _Config(**dataclasses.asdict(opts), **sizes)
     pad = lambda x, d: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, d - x.shape[3])))
-    g = jnp.pad(g, ((0, 0), (0, Tp - T), (0, 0))) if scalar else pad(g, Kp)
-    if segment_ids is None:
-        doc = prev = jnp.zeros((B, Tp), jnp.int32)
-    else:
-        doc = jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
-        doc = jnp.pad(doc, ((0, 0), (0, Tp - T)), mode="edge")
-        prev = jnp.pad(doc[:, :-1], ((0, 0), (1, 0)))  # the document of the token before
-    s0t = (jnp.zeros((B, H, Vp, Kp), f32) if initial_state is None else
-           jnp.pad(jnp.swapaxes(initial_state.astype(f32), 2, 3), ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K))))
+    g = jnp.pad(g, ((0, 0), (0, Tp - T), (0, 0))) if opts.scalar else pad(g, Kp)
+    doc, prev = launch.document_rows(segment_ids, B, T, Tp)  # (B, Tp) each: zeros without segment_ids
+    s0t = launch.padded_state(initial_state, B, H, Kp, Vp, transpose=True)  # (B, H, Vp, Kp)
     o, st = _gla(pad(q, Kp), pad(k, Kp), pad(v, Vp), g, doc, prev, s0t, cfg)
     return o[:, :T, :, :V], jnp.swapaxes(st, 2, 3)[:, :, :K, :V]

@@ -69,8 +69,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from kernels.pallas_blocks import doc_suffix_sum, local_cumsum
-from kernels.segments import document_starts
+from kernels import pallas_launch as launch
+from kernels.gla.pallas import GLAOptions, gate_grad, gla_options, group_heads
+from kernels.pallas_blocks import local_cumsum
 from kernels.x64 import div, fori_loop, indicator, iota
 
 f32 = jnp.float32
@@ -110,12 +111,7 @@ def default_block_sizes(scalar_gate: bool = False) -> BlockSizes:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    scale: float
-    scalar: bool  # one log-decay per (token, head) rather than per channel
-    segmented: bool
-    length: int  # T before padding
-    groups: int  # R = H / G value heads per query/key head
+class _Config(GLAOptions):
     block_t: int
     block_sub: int
     block_v: int
@@ -338,14 +334,9 @@ def _gla_bwd(cfg, res, cts):
                           "ds0": ("state", jax.ShapeDtypeStruct(s0t.shape, f32))},
                          "gla_tpu_dkv", reverse=True)
     dq, dk = dq.sum(0), dk.sum(0)  # (B, H, Tp, K), per value head
-    dB = jnp.repeat(q, R, axis=1).astype(f32) * dq - jnp.repeat(k, R, axis=1).astype(f32) * dk
-    dB = jnp.swapaxes(dB, 1, 2)  # (B, Tp, H, K)
-    final = jnp.sum(dst * st, axis=2)  # (B, H, K): the final state's own e^{B_T} factor
-    if cfg.scalar:
-        dB, final = dB.sum(-1), final.sum(-1)
     doc, prev = docs if cfg.segmented else (jnp.zeros((B, Tp), jnp.int32),) * 2
-    dg = doc_suffix_sum(dB.at[:, cfg.length - 1].add(final), doc, prev)
-    group = lambda x: x.reshape(B, G, R, Tp, K).sum(2)  # (B, G, Tp, K)
+    dg = gate_grad(q, k, dq, dk, dst, st, doc, prev, cfg, heads=1)
+    group = lambda x: group_heads(x, R, heads=1)  # (B, G, Tp, K)
     return group(dq).astype(q.dtype), group(dk).astype(k.dtype), dv, dg.astype(g.dtype), None, ds0t
 
 
@@ -365,28 +356,19 @@ def gla_pallas_tpu(q: Float[Array, "B T G K"], k: Float[Array, "B T G K"], v: Fl
     """
     B, T, G, K = q.shape
     H, V = v.shape[2:]
-    if H % G or k.shape != q.shape or g.shape[:3] != (B, T, H) or g.ndim not in (3, 4):
-        raise ValueError(f"gla_pallas_tpu: expected q, k (B, T, G, K), v (B, T, H, V) with G dividing H "
-                         f"and g (B, T, H[, K]); got q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}")
-    scalar = g.ndim == 3
-    blocks = block_sizes or default_block_sizes(scalar)
+    opts = gla_options("gla_pallas_tpu", q, k, v, g, scale, segment_ids)
+    blocks = block_sizes or default_block_sizes(opts.scalar)
     sub = blocks.block_sub
     C = min(blocks.block_t, -(-T // sub) * sub)  # a multiple of block_sub
     bv = min(V, blocks.block_v)
     Tp, Vp = -(-T // C) * C, -(-V // bv) * bv
-    cfg = _Config(scale=float(scale), scalar=scalar, segmented=segment_ids is not None, length=T,
-                  groups=H // G, block_t=C, block_sub=min(sub, C), block_v=bv, num_chunks=Tp // C,
+    cfg = _Config(**dataclasses.asdict(opts), block_t=C, block_sub=min(sub, C), block_v=bv, num_chunks=Tp // C,
                   interpret=jax.default_backend() != "tpu" if interpret is None else interpret,
                   dtype=jnp.dtype(q.dtype).name, exact=q.dtype == f32)
     pad = lambda x, d: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, d - x.shape[3])))
     heads_first = lambda x, d: jnp.swapaxes(pad(x, d), 1, 2)  # (B, H, Tp, d)
     g = jnp.pad(g, ((0, 0), (0, Tp - T)) + ((0, 0),) * (g.ndim - 2))
-    docs = None
-    if segment_ids is not None:
-        doc = jnp.cumsum(document_starts(segment_ids), axis=1, dtype=jnp.int32)
-        doc = jnp.pad(doc, ((0, 0), (0, Tp - T)), mode="edge")
-        docs = (doc, jnp.pad(doc[:, :-1], ((0, 0), (1, 0))))  # and the document of the token before
-    s0t = (jnp.zeros((B, H, Vp, K), f32) if initial_state is None else
-           jnp.pad(jnp.swapaxes(initial_state.astype(f32), 2, 3), ((0, 0), (0, 0), (0, Vp - V), (0, 0))))
+    docs = launch.document_rows(segment_ids, B, T, Tp) if opts.segmented else None  # doc, prev (B, Tp)
+    s0t = launch.padded_state(initial_state, B, H, K, Vp, transpose=True)  # (B, H, Vp, K)
     o, st = _gla(heads_first(q, K), heads_first(k, K), heads_first(v, Vp), g, docs, s0t, cfg)
     return jnp.swapaxes(o, 1, 2)[:, :T, :, :V], jnp.swapaxes(st, 2, 3)[:, :, :, :V]

@@ -47,9 +47,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Bool, Float
 
+from kernels import pallas_launch as launch
+from kernels.pallas_blocks import check_blocks
 from kernels.x64 import fori_loop
 
 f32 = jnp.float32
@@ -66,10 +67,7 @@ class BlockSizes:
     num_stages: int = 1
 
     def __post_init__(self):
-        for name in ("block_t", "block_d"):
-            b = getattr(self, name)
-            if b < 1 or b & (b - 1):
-                raise ValueError(f"BlockSizes.{name}={b} must be a power of two")
+        check_blocks(self, ("block_t", "block_d"), 1)
 
 
 BLOCK_SIZES = {
@@ -82,7 +80,7 @@ BLOCK_SIZES = {
 
 
 def default_block_sizes(backend: str | None = None) -> BlockSizes:
-    return BLOCK_SIZES.get(backend or jax.default_backend(), BLOCK_SIZES["cpu"])
+    return launch.block_sizes_for(BLOCK_SIZES, backend)
 
 
 def supports(x, A) -> bool:
@@ -172,12 +170,8 @@ class _Specs:
         self.bd = pl.BlockSpec((None, bd), lambda j, b: (b, j))  # dD per batch row
 
 
-def _call(kernel, cfg, s, in_specs, out_specs, out_shape, name, *args):
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg), grid=s.grid, in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, interpret=cfg.interpret, name=name,
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(*args)
+def _call(kernel, cfg, s, *specs_shapes_name_args):
+    return launch.triton_call(functools.partial(kernel, cfg=cfg), cfg, s.grid, *specs_shapes_name_args)
 
 
 def _forward(x, dt, A, B, C, D, keep, h0, cfg, save):
@@ -191,17 +185,25 @@ def _forward(x, dt, A, B, C, D, keep, h0, cfg, save):
                  "selective_scan_fwd", x, dt, A, B, C, D, keep, h0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _scan(x, dt, A, B, C, D, keep, h0, cfg):
-    return tuple(_forward(x, dt, A, B, C, D, keep, h0, cfg, save=False))
+def scan_vjp(forward, backward):
+    """The differentiable call of a selective-scan kernel family (this file's GPU kernels and
+    pallas_tpu.py's TPU ones): scan(x, dt, A, B, C, D, keep, h0, cfg) -> (y, final state), from
+    forward(x, dt, A, B, C, D, keep, h0, cfg, save) -> (y, final state[, the state entering each chunk
+    with save]) and backward(cfg, (x, dt, A, B, C, D, keep, chunk states), (dy, d final state)) -> the
+    inputs' cotangents."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+    def scan(x, dt, A, B, C, D, keep, h0, cfg):
+        return tuple(forward(x, dt, A, B, C, D, keep, h0, cfg, save=False))
+
+    def scan_fwd(x, dt, A, B, C, D, keep, h0, cfg):
+        y, hT, hs = forward(x, dt, A, B, C, D, keep, h0, cfg, save=True)
+        return (y, hT), (x, dt, A, B, C, D, keep, hs)
+
+    scan.defvjp(scan_fwd, backward)
+    return scan
 
 
-def _scan_fwd(x, dt, A, B, C, D, keep, h0, cfg):
-    y, hT, hs = _forward(x, dt, A, B, C, D, keep, h0, cfg, save=True)
-    return (y, hT), (x, dt, A, B, C, D, keep, hs)
-
-
-def _scan_bwd(cfg, res, cts):
+def _backward(cfg, res, cts):
     x, dt, A, B, C, D, keep, hs = res
     dy, dhT = cts
     s = _Specs(cfg, x, A)
@@ -218,7 +220,7 @@ def _scan_bwd(cfg, res, cts):
             dD.sum(0).astype(D.dtype), None, dh0)
 
 
-_scan.defvjp(_scan_fwd, _scan_bwd)
+_scan = scan_vjp(_forward, _backward)
 
 
 def selective_scan_pallas(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: Float[Array, "Dm N"],

@@ -57,7 +57,6 @@ the state unchanged.
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +65,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float
 
 from kernels.pallas_blocks import col_of
+from kernels.selective_scan.pallas import scan_vjp
 from kernels.x64 import fori_loop, iota
 
 f32 = jnp.float32
@@ -249,17 +249,7 @@ def _forward(x, dt, A, B, C, D, keep, h0, cfg, save):
                  x, dt, A, B, C, D, keep, h0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _scan(x, dt, A, B, C, D, keep, h0, cfg):
-    return tuple(_forward(x, dt, A, B, C, D, keep, h0, cfg, save=False))
-
-
-def _scan_fwd(x, dt, A, B, C, D, keep, h0, cfg):
-    y, hT, hs = _forward(x, dt, A, B, C, D, keep, h0, cfg, save=True)
-    return (y, hT), (x, dt, A, B, C, D, keep, hs)
-
-
-def _scan_bwd(cfg, res, cts):
+def _backward(cfg, res, cts):
     x, dt, A, B, C, D, keep, hs = res
     dy, dhT = cts
     s = _Specs(cfg, x, A, rev=True)
@@ -277,7 +267,7 @@ def _scan_bwd(cfg, res, cts):
     return dx, ddt, dA.sum(0), dB.sum(0), dC.sum(0), dD.sum(0), None, dh0
 
 
-_scan.defvjp(_scan_fwd, _scan_bwd)
+_scan = scan_vjp(_forward, _backward)
 
 
 def _round_up(n, m):

@@ -83,48 +83,23 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 # The delta-rule kernels' triangular inverse; the GLA kernels' block knobs, dot and column helpers,
-# and auto-dispatch rule.
-from kernels.pallas_blocks import (  # noqa: F401 (supports: re-exported)
-    EXACT,
-    BlockSizes,
-    col_of,
-    dot,
-    fit_block,
-    local_cumsum,
-    supports,
-    unit_lower_inverse_t,
-)
-from kernels.segments import document_index
+# launch and auto-dispatch rule.
+from kernels import pallas_launch as launch
+from kernels.pallas_blocks import EXACT, BlockSizes, col_of, dot, local_cumsum, supports, unit_lower_inverse_t  # noqa: F401 (supports: re-exported)
 from kernels.x64 import fori_loop, iota
 
 f32 = jnp.float32
 
-BLOCK_SIZES = {
-    # Not tuned (no GPU measurement yet): 16-token chunks keep the per-key loops and the C-step
-    # substitution short (the official RWKV-7 CUDA kernel also uses 16); 64 value columns.
-    "gpu": BlockSizes(block_t=16, block_v=64),
-    # Interpret mode (CPU): its cost is per step, so whole value widths.
-    "cpu": BlockSizes(block_t=16, block_v=128),
-}
-
-
-def default_block_sizes(backend: str | None = None) -> BlockSizes:
-    return BLOCK_SIZES.get(backend or jax.default_backend(), BLOCK_SIZES["cpu"])
+# Not tuned (no GPU measurement yet): 16-token chunks keep the per-key loops and the C-step
+# substitution short (the official RWKV-7 CUDA kernel also uses 16); 64 value columns.
+default_block_sizes = launch.block_defaults(gpu=BlockSizes(block_t=16, block_v=64))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    block_t: int
-    block_v: int
-    num_warps: int
-    num_stages: int
-    interpret: bool
-    dtype: str  # operand dtype of the dots (the inputs')
-    exact: bool  # float32 inputs: full-precision dots (no TF32) on GPU
+class _Config(launch.ChunkConfig):
     w_dtype: str  # w_log's dtype (of its cotangent)
 
 
@@ -285,53 +260,38 @@ def _specs(cfg, r, v):
         part=pl.BlockSpec((None, None, Tp, None, K), lambda j, b, h: (j, b, 0, h, 0)))
 
 
-def _call(kernel, cfg, s, in_specs, out_specs, out_shape, name, *args):
-    return pl.pallas_call(
-        kernel, grid=s.grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=cfg.interpret, name=name,
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(*args)
-
-
-def _forward(ins, s0t, cfg, states=False):
-    """(o, or the per-chunk start states (B, H, Vp / bv, N*bv, Kp), final state transposed)."""
+def _forward(cfg, *ins, states=False):
+    """(o, or the per-chunk start states (B, H, Vp / bv, N*bv, Kp), final state transposed). ins: the
+    inputs of _IN, then s0t."""
+    ins, s0t = ins[:-1], ins[-1]
     r, v = ins[0], ins[2]
     s = _specs(cfg, r, v)
     B, Tp, H, K = r.shape
     nvb, bv = v.shape[3] // cfg.block_v, cfg.block_v
     out = ((s.h, jax.ShapeDtypeStruct((B, H, nvb, Tp // cfg.block_t * bv, K), f32)) if states
            else (s.v, jax.ShapeDtypeStruct(v.shape, r.dtype)))
-    return _call(functools.partial(_fwd_kernel, cfg=cfg, states=states), cfg, s,
-                 [s.k, s.k, s.v, s.k, s.k, s.k, s.k, s.row, s.row, s.st], [out[0], s.st],
-                 [out[1], jax.ShapeDtypeStruct(s0t.shape, f32)],
-                 "wkv7_states" if states else "wkv7_fwd", *ins, s0t)
+    return launch.triton_call(functools.partial(_fwd_kernel, cfg=cfg, states=states), cfg, s.grid,
+                       [s.k, s.k, s.v, s.k, s.k, s.k, s.k, s.row, s.row, s.st], [out[0], s.st],
+                       [out[1], jax.ShapeDtypeStruct(s0t.shape, f32)],
+                       "wkv7_states" if states else "wkv7_fwd", *ins, s0t)
 
 
-def _cumsums(w_log, cfg):
-    """G, G-: the log-decays summed from each chunk's start, inclusive and exclusive, float32."""
+def _prepare(cfg, r, w_log, k, v, a, b, doc, prev, s0t):
+    """The kernels' inputs (_IN, then s0t), with G, G-: the log-decays summed from each chunk's start,
+    inclusive and exclusive, float32."""
     G = local_cumsum(w_log, cfg.block_t)  # (B, Tp, H, K)
-    return G, G - w_log.astype(f32)
+    return r, k, v, a, b, G, G - w_log.astype(f32), doc, prev, s0t
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _wkv7(r, w_log, k, v, a, b, doc, prev, s0t, cfg):
-    return _forward((r, k, v, a, b, *_cumsums(w_log, cfg), doc, prev), s0t, cfg)
-
-
-def _wkv7_fwd(r, w_log, k, v, a, b, doc, prev, s0t, cfg):
-    ins = (r, k, v, a, b, *_cumsums(w_log, cfg), doc, prev)
-    return _forward(ins, s0t, cfg), (ins, s0t)
-
-
-def _wkv7_bwd(cfg, res, cts):
-    ins, s0t = res
+def _backward(cfg, res, cts):
+    ins, s0t = res[:-1], res[-1]
     r, k, v, a, b = ins[:5]
     do, dst = cts
-    h, _ = _forward(ins, s0t, cfg, states=True)
+    h, _ = _forward(cfg, *res, states=True)
     s = _specs(cfg, r, v)
     part = jax.ShapeDtypeStruct((s.grid[0], *r.shape), f32)
-    dr, dk, dv, da, db, dw, ds0t = _call(
-        functools.partial(_bwd_kernel, cfg=cfg), cfg, s,
+    dr, dk, dv, da, db, dw, ds0t = launch.triton_call(
+        functools.partial(_bwd_kernel, cfg=cfg), cfg, s.grid,
         [s.k, s.k, s.v, s.k, s.k, s.k, s.k, s.row, s.row, s.h, s.v, s.st],
         [s.part, s.part, s.v, s.part, s.part, s.part, s.st],
         [part, part, jax.ShapeDtypeStruct(v.shape, v.dtype), part, part, part, jax.ShapeDtypeStruct(s0t.shape, f32)],
@@ -341,7 +301,14 @@ def _wkv7_bwd(cfg, res, cts):
             total(db, b.dtype), None, None, ds0t)
 
 
-_wkv7.defvjp(_wkv7_fwd, _wkv7_bwd)
+_wkv7 = launch.recompute_vjp(_prepare, _forward, _backward)
+
+
+def check_wkv7_shapes(where: str, r, w_log, k, v, a, b):
+    """Refuse inputs whose shapes do not agree (the Pallas wrappers' check)."""
+    launch.check_shapes(where, "r, w_log, k, a, b (B, T, H, K) and v (B, T, H, V)",
+                 all(x.shape == r.shape for x in (w_log, k, a, b)) and v.shape[:3] == r.shape[:3],
+                 r=r, w_log=w_log, k=k, v=v, a=a, b=b)
 
 
 def wkv7_pallas(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
@@ -354,22 +321,11 @@ def wkv7_pallas(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: F
     interpret mode everywhere but on GPU."""
     B, T, H, K = r.shape
     V = v.shape[3]
-    if any(x.shape != r.shape for x in (w_log, k, a, b)) or v.shape[:3] != (B, T, H):
-        raise ValueError(f"wkv7_pallas: expected r, w_log, k, a, b (B, T, H, K) and v (B, T, H, V); got "
-                         f"r {r.shape}, w_log {w_log.shape}, k {k.shape}, v {v.shape}, a {a.shape}, b {b.shape}")
-    backend = jax.default_backend()
-    blocks = block_sizes or default_block_sizes(backend)
-    Kp, Vp = max(16, pl.next_power_of_2(K)), max(16, pl.next_power_of_2(V))
-    C, bv = fit_block(blocks.block_t, T), min(blocks.block_v, Vp)
-    Tp = -(-T // C) * C
-    cfg = _Config(block_t=C, block_v=bv, num_warps=blocks.num_warps or (4 if Kp * bv <= 64 * 64 else 8),
-                  num_stages=blocks.num_stages, interpret=backend != "gpu" if interpret is None else interpret,
-                  dtype=jnp.dtype(r.dtype).name, exact=r.dtype == f32,
-                  w_dtype=jnp.dtype(w_log.dtype).name)
+    check_wkv7_shapes("wkv7_pallas", r, w_log, k, v, a, b)
+    sizes, Tp, Kp, Vp = launch.chunk_launch(block_sizes or default_block_sizes(), T, K, V, r.dtype, interpret)
+    cfg = _Config(**sizes, w_dtype=jnp.dtype(w_log.dtype).name)
     pad = lambda x, d: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, d - x.shape[3])))  # (B, Tp, H, d)
-    doc = jnp.pad(document_index(segment_ids, B, T), ((0, 0), (0, Tp - T)), mode="edge")  # (B, Tp)
-    prev = jnp.pad(doc[:, :-1], ((0, 0), (1, 0)))  # the document of the token before
-    s0t = (jnp.zeros((B, H, Vp, Kp), f32) if initial_state is None else
-           jnp.pad(jnp.swapaxes(initial_state.astype(f32), 2, 3), ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K))))
-    o, st = _wkv7(pad(r, Kp), pad(w_log, Kp), pad(k, Kp), pad(v, Vp), pad(a, Kp), pad(b, Kp), doc, prev, s0t, cfg)
+    doc, prev = launch.document_rows(segment_ids, B, T, Tp)  # (B, Tp) each
+    s0t = launch.padded_state(initial_state, B, H, Kp, Vp, transpose=True)  # (B, H, Vp, Kp)
+    o, st = _wkv7(cfg, pad(r, Kp), pad(w_log, Kp), pad(k, Kp), pad(v, Vp), pad(a, Kp), pad(b, Kp), doc, prev, s0t)
     return o[:, :T, :, :V], jnp.swapaxes(st, 2, 3)[:, :, :K, :V]

@@ -80,8 +80,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from kernels import pallas_launch as launch
 from kernels.pallas_blocks import col_of, row_of
-from kernels.segments import document_index
+from kernels.wkv7.pallas import check_wkv7_shapes
 from kernels.x64 import fori_loop, indicator, iota
 
 f32 = jnp.float32
@@ -276,8 +277,9 @@ def _call(kernel, cfg, in_specs, out_specs, out_shape, scratch, name, *args):
     )(*args)
 
 
-def _forward(xs, s0, cfg, states=False):
-    """xs = (r, w, k, v, a, b, flags, docrow), (B, H, Tp, D) layout. (o or per-chunk states, S_T)."""
+def _forward(cfg, *xs, states=False):
+    """xs = (r, w, k, v, a, b, flags, docrow, s0), (B, H, Tp, D) layout. (o or per-chunk states, S_T)."""
+    xs, s0 = xs[:-1], xs[-1]
     r, v = xs[0], xs[3]
     B, H, _, K = r.shape
     V = v.shape[3]
@@ -290,20 +292,10 @@ def _forward(xs, s0, cfg, states=False):
                  "wkv7_states" if states else "wkv7_fwd", *xs, s0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _wkv7(r, w, k, v, a, b, flags, docrow, s0, cfg):
-    return _forward((r, w, k, v, a, b, flags, docrow), s0, cfg)
-
-
-def _wkv7_fwd(r, w, k, v, a, b, flags, docrow, s0, cfg):
-    xs = (r, w, k, v, a, b, flags, docrow)
-    return _forward(xs, s0, cfg), (xs, s0)
-
-
-def _wkv7_bwd(cfg, res, cts):
-    xs, s0 = res
+def _backward(cfg, res, cts):
+    xs, s0 = res[:-1], res[-1]
     do, dst = cts
-    h, _ = _forward(xs, s0, cfg, states=True)
+    h, _ = _forward(cfg, *res, states=True)
     r, v = xs[0], xs[3]
     K, V = r.shape[3], v.shape[3]
     s = _specs(cfg, K, V, reverse=True)
@@ -315,7 +307,7 @@ def _wkv7_bwd(cfg, res, cts):
     return tuple(g.astype(x.dtype) for g, x in zip(grads[:6], xs)) + (None, None, grads[6])
 
 
-_wkv7.defvjp(_wkv7_fwd, _wkv7_bwd)
+_wkv7 = launch.recompute_vjp(lambda cfg, *xs: xs, _forward, _backward)  # the kernels take the inputs as they are
 
 
 def wkv7_pallas_tpu(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
@@ -323,27 +315,23 @@ def wkv7_pallas_tpu(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], 
                     segment_ids: Int[Array, "B T"] | None = None,
                     initial_state: Float[Array, "B H K V"] | None = None,
                     block_sizes: BlockSizes | None = None, interpret: bool | None = None):
-    """Same function as wkv7_recurrent, differentiable in r, w_log, k, v, a, b and initial_state.
-    Returns (o (B, T, H, V) in r's dtype, final state (B, H, K, V) float32). interpret=None: the
-    TPU interpreter everywhere but on a TPU."""
+    """The function, arguments and result of wkv7_pallas (the GPU kernels), on a TPU. interpret=None:
+    the TPU interpreter everywhere but on a TPU."""
     B, T, H, K = r.shape
     V = v.shape[3]
-    if any(x.shape != r.shape for x in (w_log, k, a, b)) or v.shape[:3] != (B, T, H):
-        raise ValueError(f"wkv7_pallas_tpu: expected r, w_log, k, a, b (B, T, H, K) and v (B, T, H, V); got r "
-                         f"{r.shape}, w_log {w_log.shape}, k {k.shape}, v {v.shape}, a {a.shape}, b {b.shape}")
+    check_wkv7_shapes("wkv7_pallas_tpu", r, w_log, k, v, a, b)
     C = min((block_sizes or BlockSizes()).block_t, 16 * -(-T // 16))
     N = -(-T // C)
     Tp = N * C
     cfg = _Config(block_t=C, num_chunks=N, exact=r.dtype == f32,
                   interpret=jax.default_backend() != "tpu" if interpret is None else interpret)
     tr = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))  # (B, H, Tp, D)
-    doc = jnp.pad(document_index(segment_ids, B, T), ((0, 0), (0, Tp - T)), mode="edge")  # (B, Tp)
-    prev = jnp.pad(doc[:, :-1], ((0, 0), (1, 0)))  # the document of the token before
+    doc, prev = launch.document_rows(segment_ids, B, T, Tp)  # (B, Tp) each
     chunks = doc.reshape(B, N, C)
     entering = prev[:, ::C, None]  # (B, N, 1): the document of the state entering each chunk
     flags = jnp.stack([chunks, chunks == entering, chunks == chunks[..., -1:], (doc != prev).reshape(B, N, C)],
                       axis=-1).astype(f32).reshape(B, Tp, 4)  # (doc, cont, last, start)
     docrow = chunks.astype(f32)[:, :, None, :]  # (B, N, 1, C)
-    s0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    o, st = _wkv7(tr(r), tr(w_log), tr(k), tr(v), tr(a), tr(b), flags, docrow, s0, cfg)
+    s0 = launch.padded_state(initial_state, B, H, K, V)
+    o, st = _wkv7(cfg, tr(r), tr(w_log), tr(k), tr(v), tr(a), tr(b), flags, docrow, s0)
     return jnp.swapaxes(o, 1, 2)[:, :T], st
