@@ -19,7 +19,8 @@ Without a GPU or TPU it is a smoke run: tiny shapes, the kernels in Pallas inter
 numbers only show that the script works (ZOO_PALLAS_PLATFORM=tpu smoke-runs the TPU kernels).
 
 Adding a kernel (SSD, ...): write `bench_<name>(ceilings, smoke, lengths) -> rows` that builds its
-inputs, calls `_check` once and `_time_pass` per (impl, T, pass), and add it to KERNELS.
+inputs and calls `_passes` per (impl, T) (the reference check where given, then both passes), and add it to
+KERNELS.
 """
 
 import argparse
@@ -91,6 +92,25 @@ def _time_pass(row: dict, fn, args, flops: float | None, ceil: Ceilings, nbytes:
     return row
 
 
+def _passes(row: dict, f, args, cotangent, ceil: Ceilings, flops: float | None = None, bwd_times: float = 3.5,
+            ref=None, nbytes: tuple | None = None) -> list[dict]:
+    """The fwd and fwd+bwd rows of f(*args) (bwd_times the forward's FLOPs in all; nbytes the two passes'
+    traffic), with the max relative error against `ref` where given; printed as they come."""
+    if ref is not None:
+        row = {**row, "max rel err": f"{_check(f, ref, args, cotangent):.1e}"}
+    fwd_bytes, bwd_bytes = nbytes or (None, None)
+    rows = [_time_pass({**row, "pass": "fwd"}, jax.jit(f), args, flops, ceil, fwd_bytes),
+            _time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, cotangent), args,
+                       None if flops is None else bwd_times * flops, ceil, bwd_bytes)]
+    _print(rows)
+    return rows
+
+
+def _output(op, **kw):
+    """A recurrent op's output alone (not its final state), called with `kw`."""
+    return lambda *args: op(*args, **kw)[0]
+
+
 def _print(rows):
     for r in rows:
         print("  ".join(f"{c}={r[c]}" for c in COLUMNS if c in r), flush=True)
@@ -125,15 +145,9 @@ def bench_flash_attention(ceil: Ceilings, smoke: bool, lengths: list[int]) -> li
         vendor = vendor or _vendor_attention((q, k, v))
         impls[vendor[0]] = vendor[1]
         flops = 4 * B * H * T * T * D / 2  # two (T, T, D) matmuls, half the blocks under causal
-        for impl, f in impls.items():
-            row = {"kernel": "flash_attention", "impl": impl, "T": T}
-            if impl == "pallas" and n == 0:
-                row["max rel err"] = f"{_check(f, attention_reference, (q, k, v), do):.1e}"
-            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), (q, k, v), flops, ceil))
-            # The backward does 5 matmuls to the forward's 2: 3.5x the forward's FLOPs in all.
-            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), (q, k, v),
-                                   3.5 * flops, ceil))
-            _print(rows[-2:])
+        for impl, f in impls.items():  # the backward does 5 matmuls to the forward's 2: 3.5x the FLOPs in all
+            ref = attention_reference if impl == "pallas" and n == 0 else None
+            rows += _passes({"kernel": "flash_attention", "impl": impl, "T": T}, f, (q, k, v), do, ceil, flops, ref=ref)
     return rows
 
 
@@ -154,13 +168,9 @@ def bench_sinks_window(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[
         pairs = sum(min(t + 1, W + sinks) for t in range(T))  # each query's visible keys
         flops = 4 * B * H * pairs * D
         for impl, f in impls.items():
-            row = {"kernel": "flash_attention sinks+window", "impl": impl, "T": T}
-            if impl == "pallas" and n == 0:
-                ref = partial(attention_reference, band=Band(window=W, sinks=sinks))
-                row["max rel err"] = f"{_check(f, ref, (q, k, v), do):.1e}"
-            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), (q, k, v), flops, ceil))
-            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), (q, k, v), 3.5 * flops, ceil))
-            _print(rows[-2:])
+            ref = partial(attention_reference, band=Band(window=W, sinks=sinks)) if impl == "pallas" and not n else None
+            rows += _passes({"kernel": "flash_attention sinks+window", "impl": impl, "T": T}, f, (q, k, v), do, ceil,
+                            flops, ref=ref)
     return rows
 
 
@@ -175,26 +185,15 @@ def bench_gla(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
         keys = jax.random.split(jax.random.key(T), 5)
         q, k, v, do = (jax.random.normal(key, (B, T, H, D), dtype) for key in keys[:4])
         g = jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H, D), jnp.float32) + 4).astype(dtype)
-        impls = {"pallas": partial(gla, impl="pallas"), "xla chunk": partial(gla, impl="xla", mode="chunk")}
+        impls = {"pallas": _output(gla, impl="pallas"), "xla chunk": _output(gla, impl="xla", mode="chunk")}
         # State products: q S and k^T v, 2 K V FLOPs each per token and head (the intra-chunk terms
         # add O(C / K) to this); the backward does 5 such products to the forward's 2.
         flops = 4 * B * T * H * D * D
-        for impl, op in impls.items():
-            f = lambda q, k, v, g, op=op: op(q, k, v, g)[0]
-            row = {"kernel": "gla", "impl": impl, "T": T}
-            if n == 0 and T <= max_ref_T:
-                ref = lambda q, k, v, g: gla(q, k, v, g, impl="reference")[0]
-                row["max rel err"] = f"{_check(f, ref, (q, k, v, g), do):.1e}"
-            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), (q, k, v, g), flops, ceil))
-            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), (q, k, v, g),
-                                   3.5 * flops, ceil))
-            _print(rows[-2:])
-        attn_flops = 4 * B * H * T * T * D / 2
-        row = {"kernel": "gla", "impl": "flash attention (pallas)", "T": T}
-        rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(flash_attention), (q, k, v), attn_flops, ceil))
-        rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(flash_attention, do), (q, k, v),
-                               3.5 * attn_flops, ceil))
-        _print(rows[-2:])
+        ref = _output(gla, impl="reference") if n == 0 and T <= max_ref_T else None
+        for impl, f in impls.items():
+            rows += _passes({"kernel": "gla", "impl": impl, "T": T}, f, (q, k, v, g), do, ceil, flops, ref=ref)
+        rows += _passes({"kernel": "gla", "impl": "flash attention (pallas)", "T": T}, flash_attention, (q, k, v), do,
+                        ceil, 4 * B * H * T * T * D / 2)
     return rows
 
 
@@ -214,20 +213,15 @@ def bench_delta_rule(ceil: Ceilings, smoke: bool, lengths: list[int], channel: b
         g_shape = (B, T, H, D) if channel else (B, T, H)
         g = jax.nn.log_sigmoid(jax.random.normal(keys[5], g_shape, jnp.float32) + 4).astype(dtype)
         args = (q, k, v, beta, g)
-        impls = {"pallas": partial(delta_rule, impl="pallas"),
-                 "xla chunk": partial(delta_rule, impl="xla", mode="chunk")}
+        impls = {"pallas": _output(delta_rule, impl="pallas"),
+                 "xla chunk": _output(delta_rule, impl="xla", mode="chunk")}
         # State products: q S, W S and K^T U, 2 K V FLOPs each per token and head (the intra-chunk
         # terms add O(C / K)); the backward recomputes the states and does 6 more: 4x in all.
         flops = 6 * B * T * H * D * D
-        for impl, op in impls.items():
-            f = lambda q, k, v, beta, g, op=op: op(q, k, v, beta, g)[0]
-            row = {"kernel": "kda" if channel else "delta_rule", "impl": impl, "T": T}
-            if n == 0 and T <= max_ref_T:
-                ref = lambda q, k, v, beta, g: delta_rule(q, k, v, beta, g, impl="reference")[0]
-                row["max rel err"] = f"{_check(f, ref, args, do):.1e}"
-            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), args, flops, ceil))
-            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), args, 4 * flops, ceil))
-            _print(rows[-2:])
+        ref = _output(delta_rule, impl="reference") if n == 0 and T <= max_ref_T else None
+        for impl, f in impls.items():
+            rows += _passes({"kernel": "kda" if channel else "delta_rule", "impl": impl, "T": T}, f, args, do, ceil,
+                            flops, 4, ref)
     return rows
 
 
@@ -248,17 +242,10 @@ def bench_selective_scan(ceil: Ceilings, smoke: bool, lengths: list[int]) -> lis
         D = jnp.ones((Dm,), jnp.float32)
         fwd_bytes = size * Bsz * T * (3 * Dm + 2 * N)  # x, Δ, B, C read; y written
         bwd_bytes = size * Bsz * T * (5 * Dm + 4 * N)  # x, Δ, B, C, dy read; dx, dΔ, dB, dC written
+        ref = _output(selective_scan, impl="reference") if n == 0 else None
         for impl, kw in (("pallas", dict(impl="pallas")), ("xla chunk", dict(impl="xla", mode="chunk"))):
-            f = lambda x, dt, A, B, C, D, kw=kw: selective_scan(x, dt, A, B, C, D, **kw)[0]
-            row = {"kernel": "selective_scan", "impl": impl, "T": T}
-            args = (x, dt, A, B, C, D)
-            if n == 0:
-                ref = lambda x, dt, A, B, C, D: selective_scan(x, dt, A, B, C, D, impl="reference")[0]
-                row["max rel err"] = f"{_check(f, ref, args, dy):.1e}"
-            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), args, None, ceil, fwd_bytes))
-            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, dy), args, None, ceil,
-                                   fwd_bytes + bwd_bytes))
-            _print(rows[-2:])
+            rows += _passes({"kernel": "selective_scan", "impl": impl, "T": T}, _output(selective_scan, **kw),
+                            (x, dt, A, B, C, D), dy, ceil, ref=ref, nbytes=(fwd_bytes, fwd_bytes + bwd_bytes))
     return rows
 
 
@@ -275,17 +262,11 @@ def bench_wkv6(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
         log_w = (-jnp.exp(jax.random.normal(keys[4], (B, T, H, D), jnp.float32) - 2)).astype(dtype)
         u = 0.1 * jax.random.normal(keys[5], (H, D), jnp.float32)
         args = (r, k, v, log_w, u)
-        impls = {"pallas": partial(wkv6, impl="pallas"), "xla chunk": partial(wkv6, impl="xla", mode="chunk")}
+        impls = {"pallas": _output(wkv6, impl="pallas"), "xla chunk": _output(wkv6, impl="xla", mode="chunk")}
         flops = 4 * B * T * H * D * D  # as GLA: r S and k^T v per token and head
-        for impl, op in impls.items():
-            f = lambda r, k, v, log_w, u, op=op: op(r, k, v, log_w, u)[0]
-            row = {"kernel": "wkv6", "impl": impl, "T": T}
-            if n == 0 and T <= max_ref_T:
-                ref = lambda r, k, v, log_w, u: wkv6(r, k, v, log_w, u, impl="reference")[0]
-                row["max rel err"] = f"{_check(f, ref, args, do):.1e}"
-            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), args, flops, ceil))
-            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), args, 3.5 * flops, ceil))
-            _print(rows[-2:])
+        ref = _output(wkv6, impl="reference") if n == 0 and T <= max_ref_T else None
+        for impl, f in impls.items():
+            rows += _passes({"kernel": "wkv6", "impl": impl, "T": T}, f, args, do, ceil, flops, ref=ref)
     return rows
 
 
@@ -305,19 +286,13 @@ def bench_wkv7(ceil: Ceilings, smoke: bool, lengths: list[int]) -> list[dict]:
         w_log = -np.exp(-0.5) * jax.nn.sigmoid(jax.random.normal(keys[6], (B, T, H, D), jnp.float32))
         args = tuple(x.astype(dtype) for x in (r, w_log, 0.5 * k, v, -kappa, kappa * icl))
         do = do.astype(dtype)
-        impls = {"pallas": partial(wkv7, impl="pallas"), "xla chunk": partial(wkv7, impl="xla", mode="chunk")}
+        impls = {"pallas": _output(wkv7, impl="pallas"), "xla chunk": _output(wkv7, impl="xla", mode="chunk")}
         # State products: r S, W S, K^T V and B^T SA, 2 K V FLOPs each per token and head (the
         # intra-chunk terms add O(C / K)); the backward recomputes the states and does about 3x more.
         flops = 8 * B * T * H * D * D
-        for impl, op in impls.items():
-            f = lambda r, w_log, k, v, a, b, op=op: op(r, w_log, k, v, a, b)[0]
-            row = {"kernel": "wkv7", "impl": impl, "T": T}
-            if n == 0 and T <= max_ref_T:
-                ref = lambda r, w_log, k, v, a, b: wkv7(r, w_log, k, v, a, b, impl="reference")[0]
-                row["max rel err"] = f"{_check(f, ref, args, do):.1e}"
-            rows.append(_time_pass({**row, "pass": "fwd"}, jax.jit(f), args, flops, ceil))
-            rows.append(_time_pass({**row, "pass": "fwd+bwd"}, _with_grads(f, do), args, 4 * flops, ceil))
-            _print(rows[-2:])
+        ref = _output(wkv7, impl="reference") if n == 0 and T <= max_ref_T else None
+        for impl, f in impls.items():
+            rows += _passes({"kernel": "wkv7", "impl": impl, "T": T}, f, args, do, ceil, flops, 4, ref)
     return rows
 
 

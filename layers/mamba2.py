@@ -57,6 +57,22 @@ class Mamba2State:
     conv: Float[Array, "B W _Dconv"] | None  # (B, conv_size - 1, Di + 2 G N) last conv inputs; None if conv_size = 0
 
 
+def ssd_heads(where: str, d_model: int, state_size: int, expand: int, head_dim: int, num_groups: int):
+    """(inner width expand * d_model, its number of heads of head_dim) of Mamba-2 and Mamba-3, refusing sizes that
+    do not divide, naming `where`."""
+    if min(d_model, state_size, expand, head_dim, num_groups) < 1:
+        raise ValueError(f"{where}: d_model={d_model}, state_size={state_size}, expand={expand}, "
+                         f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")
+    Di = expand * d_model
+    if Di % head_dim:
+        raise ValueError(f"{where}: head_dim={head_dim} does not divide expand * d_model = {Di}")
+    H = Di // head_dim
+    if H % num_groups:
+        raise ValueError(f"{where}: num_groups={num_groups} does not divide num_heads = expand * d_model / "
+                         f"head_dim = {H}")
+    return Di, H
+
+
 class Mamba2(SequenceMixer):
     """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head (heads of head_dim channels of the expand * d_model
     inner width, A from A_init_range) and grouped B/C (num_groups groups of state_size), a causal conv of conv_size
@@ -71,16 +87,7 @@ class Mamba2(SequenceMixer):
                  dt_min: PosFloat = 0.001, dt_max: PosFloat = 0.1, dt_init_floor: PosFloat = 1e-4,
                  A_init_range: tuple[PosFloat, PosFloat] = (1.0, 16.0), norm_before_gate: bool = True,
                  norm_eps: PosFloat = 1e-5, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
-        if min(d_model, state_size, expand, head_dim, num_groups) < 1:
-            raise ValueError(f"Mamba2: d_model={d_model}, state_size={state_size}, expand={expand}, "
-                             f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")
-        Di = expand * d_model
-        if Di % head_dim:
-            raise ValueError(f"Mamba2: head_dim={head_dim} does not divide expand * d_model = {Di}")
-        H = Di // head_dim
-        if H % num_groups:
-            raise ValueError(f"Mamba2: num_groups={num_groups} does not divide num_heads = expand * d_model / "
-                             f"head_dim = {H}")
+        Di, H = ssd_heads("Mamba2", d_model, state_size, expand, head_dim, num_groups)
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"Mamba2: need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
         lo, hi = A_init_range

@@ -48,6 +48,7 @@ from kernels.mamba3 import Mamba3Carry, mamba3, mamba3_step, zero_carry
 from kernels.ssd.reference import heads_from_groups
 from layers.linear import Linear
 from layers.mamba import inverse_softplus_dt
+from layers.mamba2 import ssd_heads
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.options import Impl, Mode, PosFloat, PosInt, Range
@@ -82,16 +83,7 @@ class Mamba3(SequenceMixer):
                  chunk_size: PosInt = 64, mode: Mode = "chunk", dt_min: PosFloat = 0.001, dt_max: PosFloat = 0.1,
                  dt_init_floor: PosFloat = 1e-4, A_floor: PosFloat = 1e-4, norm_eps: PosFloat = 1e-5,
                  impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
-        if min(d_model, state_size, expand, head_dim, num_groups) < 1:
-            raise ValueError(f"Mamba3: d_model={d_model}, state_size={state_size}, expand={expand}, "
-                             f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")
-        Di = expand * d_model
-        if Di % head_dim:
-            raise ValueError(f"Mamba3: head_dim={head_dim} does not divide expand * d_model = {Di}")
-        H = Di // head_dim
-        if H % num_groups:
-            raise ValueError(f"Mamba3: num_groups={num_groups} does not divide num_heads = expand * d_model / "
-                             f"head_dim = {H}")
+        Di, H = ssd_heads("Mamba3", d_model, state_size, expand, head_dim, num_groups)
         M = int(state_size * rope_fraction) // 2
         if state_size % 2 or not 0 < rope_fraction <= 1 or M < 1:
             raise ValueError(f"Mamba3: need an even state_size and 0 < rope_fraction <= 1 rotating at least one "

@@ -46,7 +46,7 @@ from layers.options import Impl, Mode, PosInt
 from layers.rwkv_init import depth_ratios, orthogonal, param
 from layers.sharding import COLUMNS, ROWS
 from layers.state import stepwise
-from layers.token_shift import RWKVChannelMixState, RWKVTimeMixState, token_shift
+from layers.token_shift import RWKVChannelMix, RWKVTimeMixState, token_shift
 
 
 class RWKV6TimeMix(SequenceMixer):
@@ -122,7 +122,7 @@ class RWKV6TimeMix(SequenceMixer):
         return (o * g) @ p(self.w_o), (RWKVTimeMixState.stepped if steps else RWKVTimeMixState)(last, wkv)
 
 
-class RWKV6ChannelMix(SequenceMixer):
+class RWKV6ChannelMix(RWKVChannelMix):
     """RWKV-6 channel mix: token-shifted squared-ReLU FFN with a receptance gate (hidden_dim None = 3.5 D). It shifts
     tokens too, so it carries a decode state and follows the mixer protocol: __call__(x, *, segment_ids),
     init_state(batch_size, max_len), decode(...); layer_id / num_layers (the model's) shape its initialisation; dtype:
@@ -131,27 +131,12 @@ class RWKV6ChannelMix(SequenceMixer):
     def __init__(self, d_model: int, *, hidden_dim: PosInt | None = None, layer_id: int = 0, num_layers: int = 1,
                  dtype=jnp.float32, rngs: nnx.Rngs):
         hidden_dim = max(32, int(d_model * 3.5) // 32 * 32) if hidden_dim is None else hidden_dim
-        if hidden_dim < 1:
-            raise ValueError(f"hidden_dim={hidden_dim} must be >= 1")
         _, r1 = depth_ratios(layer_id, num_layers)
-        self.d_model, self.dtype = d_model, dtype
-        ddd = np.arange(d_model) / d_model
-        self.mu_k = param(1.0 - ddd ** r1)
-        self.mu_r = param(1.0 - ddd ** r1)
-        self.w_k = param(orthogonal(rngs.params(), (d_model, hidden_dim)), "embed", "mlp")
+        mu = 1.0 - (np.arange(d_model) / d_model) ** r1
+        self._init_ffn(d_model, hidden_dim, mu, dtype, rngs)
+        self.mu_r = param(mu)
         self.w_r = param(np.zeros((d_model, d_model)), "embed", None)
-        self.w_v = param(np.zeros((hidden_dim, d_model)), "mlp", "embed")
 
-    def init_state(self, batch_size: int, max_len: int) -> RWKVChannelMixState:
-        """max_len is ignored: the state has a fixed size."""
-        return RWKVChannelMixState(shift=jnp.zeros((batch_size, self.d_model), jnp.float32))
-
-    def _mix(self, x, state: RWKVChannelMixState, segment_ids, mode, steps: bool):
-        """One form (mode unused)."""
-        p = lambda w: w[...].astype(self.dtype)
-        x = x.astype(self.dtype)
-        prev, last = token_shift(x, state.shift, segment_ids, steps)
-        xx = prev - x
-        k = jnp.square(jax.nn.relu((x + xx * p(self.mu_k)) @ p(self.w_k)))  # (B, T, F)
-        y = jax.nn.sigmoid((x + xx * p(self.mu_r)) @ p(self.w_r)) * (k @ p(self.w_v))
-        return y, (RWKVChannelMixState.stepped if steps else RWKVChannelMixState)(last)
+    def _gate(self, x, prev, y):
+        """The receptance gate."""
+        return jax.nn.sigmoid((x + (prev - x) * self._p(self.mu_r)) @ self._p(self.w_r)) * y

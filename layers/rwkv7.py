@@ -62,7 +62,7 @@ from layers.options import Impl, Mode, PosInt
 from layers.rwkv_init import depth_ratios, orthogonal, param
 from layers.sharding import COLUMNS, ROWS
 from layers.state import stepwise
-from layers.token_shift import RWKVChannelMixState, RWKVTimeMixState, token_shift
+from layers.token_shift import RWKVChannelMix, RWKVTimeMixState, token_shift
 
 
 def lora_rank(d_model: int, factor: float) -> int:
@@ -188,7 +188,7 @@ class RWKV7TimeMix(SequenceMixer):
         return y, (RWKVTimeMixState.stepped if steps else RWKVTimeMixState)(last, wkv), v_first
 
 
-class RWKV7ChannelMix(SequenceMixer):
+class RWKV7ChannelMix(RWKVChannelMix):
     """RWKV-7 channel mix: token-shifted squared-ReLU FFN (hidden_dim None = 4 D), with the mixer protocol for its
     state; layer_id / num_layers (the model's) shape its initialisation; dtype: the compute dtype (parameters stay
     float32)."""
@@ -196,22 +196,5 @@ class RWKV7ChannelMix(SequenceMixer):
     def __init__(self, d_model: int, *, hidden_dim: PosInt | None = None, layer_id: int = 0, num_layers: int = 1,
                  dtype=jnp.float32, rngs: nnx.Rngs):
         hidden_dim = 4 * d_model if hidden_dim is None else hidden_dim
-        if hidden_dim < 1:
-            raise ValueError(f"hidden_dim={hidden_dim} must be >= 1")
         _, r1 = depth_ratios(layer_id, num_layers)
-        self.d_model, self.dtype = d_model, dtype
-        self.mu_k = param(1.0 - (np.arange(d_model) / d_model) ** (r1 ** 4))
-        self.w_k = param(orthogonal(rngs.params(), (d_model, hidden_dim)), "embed", "mlp")
-        self.w_v = param(np.zeros((hidden_dim, d_model)), "mlp", "embed")
-
-    def init_state(self, batch_size: int, max_len: int) -> RWKVChannelMixState:
-        """max_len is ignored: the state has a fixed size."""
-        return RWKVChannelMixState(shift=jnp.zeros((batch_size, self.d_model), jnp.float32))
-
-    def _mix(self, x, state: RWKVChannelMixState, segment_ids, mode, steps: bool):
-        """One form (mode unused)."""
-        p = lambda w: w[...].astype(self.dtype)
-        x = x.astype(self.dtype)
-        prev, last = token_shift(x, state.shift, segment_ids, steps)
-        k = jnp.square(jax.nn.relu((x + (prev - x) * p(self.mu_k)) @ p(self.w_k)))  # (B, T, F)
-        return k @ p(self.w_v), (RWKVChannelMixState.stepped if steps else RWKVChannelMixState)(last)
+        self._init_ffn(d_model, hidden_dim, 1.0 - (np.arange(d_model) / d_model) ** (r1 ** 4), dtype, rngs)

@@ -1,11 +1,16 @@
 """The token shift of RWKV's time and channel mixing (RWKV-6, RWKV-7): every token reads the one
 before it, zero at a document start, and the last token of a call carries over to the next call in
-the layers' states (defined here, one for each kind of mixing)."""
+the layers' states (defined here, one for each kind of mixing), and the channel mixing both versions
+build on."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kernels.segments import document_starts
+from layers.mixer import SequenceMixer
+from layers.rwkv_init import orthogonal, param
 from layers.state import state
 
 
@@ -28,3 +33,35 @@ def token_shift(x: Float[Array, "B T D"], last: Float[Array, "B D"], segment_ids
     if segment_ids is not None:
         prev = jnp.where(document_starts(segment_ids)[..., None], 0, prev)
     return prev, (jnp.swapaxes(x, 0, 1) if steps else x[:, -1]).astype(jnp.float32)
+
+
+class RWKVChannelMix(SequenceMixer):
+    """RWKV channel mixing, as RWKV-6 and RWKV-7 share it: a squared-ReLU FFN of the token-shifted input,
+    k = relu((x + (x_{t-1} - x) mu_k) W_k)^2, y = k W_v (times RWKV-6's receptance gate, `_gate`), whose decode
+    state is the previous token's input. A subclass's __init__ calls `_init_ffn`."""
+
+    def _init_ffn(self, d_model: int, hidden_dim: int, mu_k: np.ndarray, dtype, rngs):
+        if hidden_dim < 1:
+            raise ValueError(f"hidden_dim={hidden_dim} must be >= 1")
+        self.d_model, self.dtype = d_model, dtype
+        self.mu_k = param(mu_k)
+        self.w_k = param(orthogonal(rngs.params(), (d_model, hidden_dim)), "embed", "mlp")
+        self.w_v = param(np.zeros((hidden_dim, d_model)), "mlp", "embed")
+
+    def _p(self, w):
+        return w[...].astype(self.dtype)
+
+    def init_state(self, batch_size: int, max_len: int) -> RWKVChannelMixState:
+        """max_len is ignored: the state has a fixed size."""
+        return RWKVChannelMixState(shift=jnp.zeros((batch_size, self.d_model), jnp.float32))
+
+    def _gate(self, x, prev, y):
+        return y
+
+    def _mix(self, x, state: RWKVChannelMixState, segment_ids, mode, steps: bool):
+        """One form (mode unused)."""
+        x = x.astype(self.dtype)
+        prev, last = token_shift(x, state.shift, segment_ids, steps)
+        k = jnp.square(jax.nn.relu((x + (prev - x) * self._p(self.mu_k)) @ self._p(self.w_k)))  # (B, T, F)
+        y = self._gate(x, prev, k @ self._p(self.w_v))
+        return y, (RWKVChannelMixState.stepped if steps else RWKVChannelMixState)(last)
