@@ -40,16 +40,15 @@ from flax import nnx
 
 from kernels import check_impl, check_mode
 from kernels.wkv6 import wkv6
-from layers.mixer import SequenceMixer
 from layers.norm import head_group_norm
 from layers.options import Impl, Mode, PosInt
 from layers.rwkv_init import depth_ratios, orthogonal, param
-from layers.sharding import COLUMNS, ROWS
+from layers.sharding import COLUMNS
 from layers.state import stepwise
-from layers.token_shift import RWKVChannelMix, RWKVTimeMixState, token_shift
+from layers.token_shift import RWKVChannelMix, RWKVTimeMix, RWKVTimeMixState, token_shift
 
 
-class RWKV6TimeMix(SequenceMixer):
+class RWKV6TimeMix(RWKVTimeMix):
     """RWKV-6 "Finch" time mix (Peng et al. 2024): data-dependent token shift (LoRA of mix_lora_dim) and decay (LoRA of
     decay_lora_dim), bonus u, heads of head_dim. `mode` ("chunk", "recurrent" or "parallel") picks the WKV6 algorithm of
     __call__, chunk_size its chunk; decode uses "chunk" for T > 1 and the recurrence for T = 1. `impl` ("auto",
@@ -86,19 +85,9 @@ class RWKV6TimeMix(SequenceMixer):
                              None, "embed")
         zigzag = ((np.arange(D) + 1) % 3 - 1) * 0.1
         self.bonus = param((r0 * (1.0 - n) + zigzag).reshape(H, head_dim))
-        self.w_r = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
-        self.w_k = param(orthogonal(rngs.params(), (D, D), 0.1), *COLUMNS)
-        self.w_v = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
+        self._init_rkv(D, rngs)
         self.w_g = param(orthogonal(rngs.params(), (D, D), 0.1), *COLUMNS)
-        self.w_o = param(np.zeros((D, D)), *ROWS)
-        self.ln_weight = param(np.full(D, ((1 + layer_id) / num_layers) ** 0.7))
-        self.ln_bias = param(np.zeros(D))
-
-    def init_state(self, batch_size: int, max_len: int) -> RWKVTimeMixState:
-        """max_len is ignored: the state has a fixed size."""
-        D = self.num_heads * self.head_dim
-        return RWKVTimeMixState(shift=jnp.zeros((batch_size, D), jnp.float32),
-                                wkv=jnp.zeros((batch_size, self.num_heads, self.head_dim, self.head_dim), jnp.float32))
+        self._init_out(D, layer_id, num_layers)
 
     def _mix(self, x, state: RWKVTimeMixState, segment_ids, mode: str, steps: bool):
         B, T, D = x.shape

@@ -56,13 +56,11 @@ from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode
 from kernels.wkv7 import wkv7
-from layers.mixer import SequenceMixer
 from layers.norm import head_group_norm
 from layers.options import Impl, Mode, PosInt
 from layers.rwkv_init import depth_ratios, orthogonal, param
-from layers.sharding import COLUMNS, ROWS
 from layers.state import stepwise
-from layers.token_shift import RWKVChannelMix, RWKVTimeMixState, token_shift
+from layers.token_shift import RWKVChannelMix, RWKVTimeMix, RWKVTimeMixState, token_shift
 
 
 def lora_rank(d_model: int, factor: float) -> int:
@@ -70,7 +68,7 @@ def lora_rank(d_model: int, factor: float) -> int:
     return max(32, int(round(factor * math.sqrt(d_model) / 32) * 32))
 
 
-class RWKV7TimeMix(SequenceMixer):
+class RWKV7TimeMix(RWKVTimeMix):
     """RWKV-7 "Goose" time mix (Peng et al. 2025): generalised delta rule with vector decay and in-context learning
     rate, value residual from layer 0 (see the module docstring for v_first); heads of head_dim; LoRA ranks
     decay_lora_dim, icl_lora_dim, value_lora_dim, gate_lora_dim (None = the official sizes). `mode` ("chunk",
@@ -125,18 +123,8 @@ class RWKV7TimeMix(SequenceMixer):
         self.removal_scale = param(0.71 - 0.1 * linear)
         self.replace_rate = param(np.full(D, 1.02))
         self.bonus = param(np.full((H, head_dim), -0.04))
-        self.w_r = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
-        self.w_k = param(orthogonal(rngs.params(), (D, D), 0.1), *COLUMNS)
-        self.w_v = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
-        self.w_o = param(np.zeros((D, D)), *ROWS)
-        self.ln_weight = param(np.full(D, ((1 + layer_id) / num_layers) ** 0.7))
-        self.ln_bias = param(np.zeros(D))
-
-    def init_state(self, batch_size: int, max_len: int) -> RWKVTimeMixState:
-        """max_len is ignored: the state has a fixed size."""
-        D = self.num_heads * self.head_dim
-        return RWKVTimeMixState(shift=jnp.zeros((batch_size, D), jnp.float32),
-                                wkv=jnp.zeros((batch_size, self.num_heads, self.head_dim, self.head_dim), jnp.float32))
+        self._init_rkv(D, rngs)
+        self._init_out(D, layer_id, num_layers)
 
     def __call__(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None,
                  v_first: Float[Array, "B T D"] | None = None) -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:

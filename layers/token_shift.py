@@ -1,7 +1,7 @@
 """The token shift of RWKV's time and channel mixing (RWKV-6, RWKV-7): every token reads the one
 before it, zero at a document start, and the last token of a call carries over to the next call in
-the layers' states (defined here, one for each kind of mixing), and the channel mixing both versions
-build on."""
+the layers' states (defined here, one for each kind of mixing); and the parts of time and channel mixing
+that both versions share."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int
 from kernels.segments import document_starts
 from layers.mixer import SequenceMixer
 from layers.rwkv_init import orthogonal, param
+from layers.sharding import COLUMNS, ROWS
 from layers.state import state
 
 
@@ -33,6 +34,28 @@ def token_shift(x: Float[Array, "B T D"], last: Float[Array, "B D"], segment_ids
     if segment_ids is not None:
         prev = jnp.where(document_starts(segment_ids)[..., None], 0, prev)
     return prev, (jnp.swapaxes(x, 0, 1) if steps else x[:, -1]).astype(jnp.float32)
+
+
+class RWKVTimeMix(SequenceMixer):
+    """RWKV time mixing, as RWKV-6 and RWKV-7 share it: the receptance, key and value projections, the output
+    projection and per-head group norm, and the decode state (the previous token's input and the (H, K, V)
+    WKV state). A subclass sets num_heads and head_dim and writes the rest."""
+
+    def _init_rkv(self, D: int, rngs):
+        self.w_r = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
+        self.w_k = param(orthogonal(rngs.params(), (D, D), 0.1), *COLUMNS)
+        self.w_v = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
+
+    def _init_out(self, D: int, layer_id: int, num_layers: int):
+        self.w_o = param(np.zeros((D, D)), *ROWS)
+        self.ln_weight = param(np.full(D, ((1 + layer_id) / num_layers) ** 0.7))
+        self.ln_bias = param(np.zeros(D))
+
+    def init_state(self, batch_size: int, max_len: int) -> RWKVTimeMixState:
+        """max_len is ignored: the state has a fixed size."""
+        H, K = self.num_heads, self.head_dim
+        return RWKVTimeMixState(shift=jnp.zeros((batch_size, H * K), jnp.float32),
+                                wkv=jnp.zeros((batch_size, H, K, K), jnp.float32))
 
 
 class RWKVChannelMix(SequenceMixer):
