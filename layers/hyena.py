@@ -55,7 +55,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kernels.attention import write_rows
 from kernels.long_conv import check_no_pallas, long_conv
@@ -78,7 +78,11 @@ class HyenaState:
     filter: Float[Array, "B N S D"]  # (B, N, S, D) float32: tap h_n at lag s, the same in every row
     doc: Int[Array, "B S"]  # (B, S) int32: document number of the token in each slot
     cur_doc: Int[Array, " B"]  # (B,) int32: document number of the last token written
-    index: Int[Array, " B"]  # (B,) int32: each row's next slot to write
+    index: Int[Array, " B"]  # (B,) int32: each row's next slot to write; past S it flags an overflow
+
+    def overflowed(self) -> Bool[Array, ""]:
+        """True once a row decoded more tokens than the cache has slots (as layers/attention.KVCache.overflowed)."""
+        return jnp.any(self.index > self.inputs.shape[2])
 
 
 class Hyena(SequenceMixer):

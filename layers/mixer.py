@@ -61,7 +61,16 @@ class SequenceMixer(nnx.Module):
                              "row)")
 
     def _check_room(self, index: Int[Array, " B"], T: int, slots: int):
-        """Outside jit, refuse T more tokens in a cache of `slots` slots whose rows hold `index` (B,) tokens;
-        under jit nothing can raise, and the cache's `overflowed()` says it."""
-        if not isinstance(index, jax.core.Tracer) and (n := int(np.max(index))) + T > slots:
-            raise ValueError(f"{type(self).__name__}.decode: {n} cached + {T} new tokens exceed max_len={slots}")
+        """Refuse T more tokens in a cache of `slots` slots whose rows hold `index` (B,) tokens. T and slots are
+        static, so T > slots raises under jit too (the cache's writes could not even be traced); how many tokens
+        the rows hold is known only outside jit, and under it the cache's `overflowed()` says an overflow."""
+        name = type(self).__name__
+        try:  # a traced index (jit, scan, vmap) has no value to compare
+            n = int(np.max(jax.device_get(index)))
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                jax.errors.TracerIntegerConversionError):
+            n = None
+        if n is None and T > slots:
+            raise ValueError(f"{name}.decode: {T} new tokens exceed max_len={slots} (under jit, whatever is cached)")
+        if n is not None and n + T > slots:
+            raise ValueError(f"{name}.decode: {n} cached + {T} new tokens exceed max_len={slots}")

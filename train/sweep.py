@@ -57,6 +57,8 @@ class Cell:
 
 def load_grid(path) -> dict:
     grid = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(grid, dict):
+        raise ValueError(f"sweep {path}: expected a mapping of {', '.join(KEYS)}, got {type(grid).__name__} {grid!r}")
     unknown = [k for k in grid if k not in KEYS]
     if unknown:
         raise ValueError(f"sweep {path}: unknown keys {unknown}; expected {', '.join(KEYS)}")
@@ -68,6 +70,9 @@ def load_grid(path) -> dict:
     if isinstance(grid["seq_len"], list):
         grid["seq_len"] = {L: {} for L in grid["seq_len"]}
     grid.setdefault("seeds", [0])
+    for key in ("base", "mixers"):
+        if not isinstance(grid[key], dict):
+            raise ValueError(f"sweep {path}: {key}: expected a mapping, got {type(grid[key]).__name__} {grid[key]!r}")
     match = grid.get("match")
     if match is not None and (not isinstance(match, dict) or set(match) != {"by", "reference"}
                               or match["by"] not in ("params", "state") or match["reference"] not in grid["mixers"]):

@@ -300,7 +300,8 @@ def _check_vocab(model: dict, data: DataConfig) -> dict:
         return {**model, "vocab_size": n}
     given = model.get("vocab_size") if isinstance(model, dict) else None
     if isinstance(given, int) and given < n:
-        raise ValueError(f"model.vocab_size: {given} is smaller than the tokenizer's {n} ids ({where})")
+        raise ValueError(f"model.vocab_size: {given} is smaller than the tokenizer's {n} ids ({where}); pass "
+                         f"model.vocab_size=null to follow the tokenizer, or at least {n}")
     if isinstance(given, int) and given != n and model.get("init_from") is None:
         raise ValueError(f"model.vocab_size: {given} does not match the tokenizer's {n} ids ({where}); remove "
                          f"model.vocab_size (it then follows the tokenizer) or set it to {n}")

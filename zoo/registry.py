@@ -117,9 +117,12 @@ def ffn(kind: str, layer_cls: type) -> type:
 
 
 def build_kind(table: dict, data, path: str):
-    if not isinstance(data, dict) or "kind" not in data:
+    if not isinstance(data, dict):  # a list or a scalar where a kind's keys belong
+        raise ValueError(f"{path}: expected a mapping with a kind key (one of {', '.join(table)}), got "
+                         f"{type(data).__name__} {data!r}")
+    if "kind" not in data:
         raise ValueError(f"{path}.kind: missing; expected one of {', '.join(table)}")
-    if data["kind"] not in table:
+    if not isinstance(data["kind"], str) or data["kind"] not in table:
         raise ValueError(f"{path}.kind: unknown kind {data['kind']!r}; expected one of {', '.join(table)}")
     return build(table[data["kind"]], data, path)
 

@@ -21,6 +21,9 @@ def load_config(path, overrides=None) -> Config:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"config {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):  # a YAML list or scalar at the top: there is no section to read
+        raise ValueError(f"config {str(path)!r}: expected a mapping of sections (model, data, train), got "
+                         f"{type(data).__name__} {data!r}")
     data = apply_overrides(data, overrides)
     model = data.get("model")
     if isinstance(model, dict) and model.get("init_from") is not None:

@@ -88,7 +88,8 @@ def _convert(value, tp, path: str):
 def build(cls, data, path: str):
     """Make dataclass `cls` from a mapping, checking every key and type; `path` names it in errors."""
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of keys, got {data!r}")
+        raise ValueError(f"{path}: expected a mapping of keys ({', '.join(f.name for f in dataclasses.fields(cls))}), "
+                         f"got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)] + (["kind"] if hasattr(cls, "KIND") else [])
     for key in data:

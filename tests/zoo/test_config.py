@@ -97,3 +97,60 @@ def test_out_of_range_values_are_refused_by_name(data, field):
     with pytest.raises(ValueError) as e:
         from_dict(data)
     assert field in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["- model\n- train\n", "5\n", "just words\n"])
+def test_a_config_that_is_not_a_mapping_is_refused_by_file(tmp_path, text):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=r"bad\.yaml'?: expected a mapping of sections \(model, data, train\)"):
+        load_config(bad)
+    with pytest.raises(ValueError, match="expected a mapping of sections"):
+        load_config(bad, ["model.d_model=64"])
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"model": {"mixer": ["attention"]}}, "model.mixer: expected a mapping with a kind key (one of attention"),
+    ({"model": {"mixer": "attention"}}, "model.mixer: expected a mapping with a kind key"),
+    ({"model": {"ffn": [1]}}, "model.ffn: expected a mapping with a kind key (one of none, mlp"),
+    ({"model": {"mixer": {"kind": ["attention"]}}}, "model.mixer.kind: unknown kind ['attention']"),
+    ({"model": {"layer_pattern": [{"kind": "attention"}, "gla"]}}, "model.layer_pattern[1]: expected a mapping with"),
+    ({"model": {"layer_pattern": "attention"}}, "model.layer_pattern: expected a non-empty list of mixer configs"),
+    ({"model": {"exits": [1, 2]}}, "model.exits: expected a mapping of keys (layers, weights"),
+    ({"data": {"task": ["mqar"]}}, "data.task: expected a mapping with a kind key (one of mqar"),
+    ({"data": {"tokenizer": "bpe"}}, "data.tokenizer: expected a mapping of keys (kind, vocab_size"),
+    ({"train": {"mesh": [2]}}, "train.mesh: expected a mapping of keys (data, fsdp"),
+])
+def test_a_section_that_is_not_a_mapping_is_refused_by_path(data, field):
+    with pytest.raises(ValueError) as e:
+        from_dict(data)
+    assert field in str(e.value)
+
+
+def test_train_command_prints_an_error_for_a_list_config(tmp_path, capsys):
+    from train.__main__ import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- model\n- train\n")
+    with pytest.raises(SystemExit) as e:
+        main([str(bad)])
+    message = str(e.value.code)
+    assert message.startswith("error: config ") and "expected a mapping of sections" in message
+    assert "Traceback" not in message + capsys.readouterr().err
+
+
+# Every shipped config of a text corpus and a new model (a task has its own ids; init_from, its model's).
+TEXT_CONFIGS = [p for p in CONFIGS if "task:" not in p.read_text() and "init_from:" not in p.read_text()]
+
+
+@pytest.mark.parametrize("path", TEXT_CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_follow_a_bpe_tokenizer(path):
+    """Switching a shipped config to BPE needs no model.vocab_size=null: none pins the byte vocabulary."""
+    cfg = load_config(path, ["data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=300"])
+    assert cfg.model.vocab_size == 300
+
+
+def test_a_pinned_vocabulary_too_small_for_the_tokenizer_says_what_to_pass():
+    with pytest.raises(ValueError, match=r"model.vocab_size: 256 is smaller than the tokenizer's 300 ids .*pass "
+                                         r"model.vocab_size=null to follow the tokenizer, or at least 300"):
+        load_config(DEFAULT, ["data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=300", "model.vocab_size=256"])

@@ -102,7 +102,11 @@ def derived_model_section(model: dict) -> dict:
     derived = to_dict(model_config(read_config(folder), model.get("dtype", "float32"), str(folder / "config.json")))
     out = {**derived, **{k: v for k, v in model.items() if k not in ("mixer", "ffn")}}
     for key in ("mixer", "ffn"):
-        out[key] = {**derived[key], **(model.get(key) or {})}
+        own = model.get(key) or {}
+        if not isinstance(own, dict):
+            raise ValueError(f"model.{key}: expected a mapping of keys to set on {folder / 'config.json'}'s, got "
+                             f"{type(own).__name__} {own!r}")
+        out[key] = {**derived[key], **own}
     return out
 
 
