@@ -163,10 +163,14 @@ BAND_CASES = {
 }
 
 
-def compare_band(case, kernel, block_sizes):
+def compare_band(case, kernel, block_sizes, sizes=None, seg_seed=81):
+    """The band case against the reference; `sizes` (B, T, S, H, G) in place of the case's own and
+    `seg_seed` the packed documents' draw (the TPU tests' smaller shapes)."""
     B, T, S, H, G, packed, band = BAND_CASES[case]
+    B, T, S, H, G = sizes or (B, T, S, H, G)
     q, k, v, ct = _inputs(B, T, S, H, G, 16, 8, seed=80)
-    _compare(q, k, v, ct, dict(band, segment_ids=_packed(B, T, 81) if packed else None), 1e-4, block_sizes, kernel)
+    _compare(q, k, v, ct, dict(band, segment_ids=_packed(B, T, seg_seed) if packed else None), 1e-4, block_sizes,
+             kernel)
 
 
 @pytest.mark.parametrize("case", BAND_CASES)

@@ -65,7 +65,9 @@ def _compare(inputs, seg, tol, dtype=jnp.float32, block_sizes=BS, kernel=delta_r
     q, k, v, beta, g, S0, wo, ws = inputs
     lo = [None if x is None else x.astype(dtype) for x in (q, k, v, beta, g)]
     grads, (o, S) = _outputs_and_grads(*lo, S0, wo, ws, seg, kernel=kernel, block_sizes=block_sizes)
-    want_grads, (want_o, want_S) = _outputs_and_grads(*lo, S0, wo, ws, seg, kernel=None, block_sizes=None)
+    exact = [None if x is None else x.astype(jnp.float32) for x in lo]  # the reference's own cast, done first:
+    want_grads, (want_o, want_S) = _outputs_and_grads(*exact, S0, wo, ws, seg, kernel=None, block_sizes=None)
+    # one compiled reference per shape, shared by the float32 and bfloat16 tests
     assert o.dtype == dtype and o.shape == want_o.shape and S.dtype == jnp.float32
     assert_close(o, want_o, tol, "o")
     assert_close(S, want_S, tol, "final state")

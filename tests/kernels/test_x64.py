@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kernels.attention import Band, attention
@@ -151,7 +152,7 @@ def check_under_x64(op, impl, mode=None):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want)):
         name = jax.tree_util.keystr(path)
         assert a.dtype == b.dtype == jnp.float32, name
-        assert jnp.isfinite(a).all(), f"{name} not finite"
+        assert np.isfinite(np.asarray(a)).all(), f"{name} not finite"  # numpy: no eager compile per leaf shape
         assert_close(a, b, 1e-4, name)
 
 
