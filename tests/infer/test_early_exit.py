@@ -11,11 +11,12 @@ import infer
 from infer import Exits
 from infer.early_exit import MEASURES, confident, exit_pass
 from tests.layers.conformance import perturbed
-from tests.util import assert_tree_close, forward, tiny_config
+from tests.util import assert_tree_close, tiny_config
 from zoo import LanguageModel
 from zoo.config import from_dict
 
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
+# Three rows of two lengths, 8 new tokens: most generate calls of this file are one of a few compiled programs
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41, 42, 43, 44]]
 EXITS = {"layers": [1, 2], "weights": [0.5, 0.5]}
 
 
@@ -52,23 +53,24 @@ def test_threshold_one_is_the_full_model_and_zero_the_first_exit(model):
 
 
 def test_first_exit_tokens_follow_the_exit_head(model):
-    """At threshold 0 the first token is exit 1's greedy token after the prompt."""
-    out = infer.generate(model, [PROMPTS[1]], max_new_tokens=1, exits=Exits(0.0))
-    _, hidden = nnx.jit(lambda m, t: m(t, return_exits=True))(model, jnp.asarray([PROMPTS[1]]))
-    assert out[0][0] == int(jnp.argmax(model.exit_logits(0, hidden[0])[0, -1]))
+    """At threshold 0 the first token is exit 1's greedy token after the prompt. (Any measure stops every
+    row at the first exit at threshold 0; saturation and 8 tokens are the next test's compiled program.)"""
+    out = infer.generate(model, [PROMPTS[1]], max_new_tokens=8, exits=Exits(0.0, measure="saturation"))
+    logits = nnx.jit(lambda m, t: m.exit_logits(0, m(t, return_exits=True)[1][0]))(model, jnp.asarray([PROMPTS[1]]))
+    assert out[0][0] == int(jnp.argmax(logits[0, -1]))
 
 
 def test_rows_exiting_at_different_layers_each_get_their_tokens_alone(model):
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41]]
+    prompts = PROMPTS  # the batch is the first test's saturation program; alone, two lengths: two programs
     for threshold in (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99):
-        batch, info = infer.generate(model, prompts, max_new_tokens=6, exits=Exits(threshold, measure="saturation"),
+        batch, info = infer.generate(model, prompts, max_new_tokens=8, exits=Exits(threshold, measure="saturation"),
                                      return_info=True)
         if len({tuple(r) for r in info["exit_layers"]}) > 1 and len({x for r in info["exit_layers"] for x in r}) > 1:
             break
     else:
         pytest.fail("no threshold made the rows exit at different layers")
     for prompt, tokens, layers in zip(prompts, batch, info["exit_layers"]):
-        alone, alone_info = infer.generate(model, [prompt], max_new_tokens=6,
+        alone, alone_info = infer.generate(model, [prompt], max_new_tokens=8,
                                            exits=Exits(threshold, measure="saturation"), return_info=True)
         assert alone == [tokens] and alone_info["exit_layers"] == [layers]
 
@@ -109,7 +111,9 @@ def test_skipped_layers_advancing_only_their_state_equal_running_in_full(mixer, 
             break
     else:
         pytest.fail("no threshold made the rows exit at different layers and all of them early at some token")
-    for rows in (prompt, prompt[:1]):
+    # The first row alone, as a batch of copies of it: every row exits where it does, so every block past its
+    # exit only advances its state (as in a batch of one), and the batch's compiled programs serve.
+    for rows in (prompt, jnp.repeat(prompt[:1], len(prompt), axis=0)):
         ref = exit_decode(model, rows, threshold, steps=12, full_blocks=True)
         new = exit_decode(model, rows, threshold, steps=12, full_blocks=False)
         assert np.array_equal(ref[0], new[0]) and np.array_equal(ref[1], new[1]), (len(rows), ref[:2], new[:2])
@@ -120,9 +124,10 @@ def test_skipped_layers_advancing_only_their_state_equal_running_in_full(mixer, 
 
 def test_generate_runs_skipped_blocks_in_full_on_request(model):
     exits = Exits(0.9, measure="saturation")
-    full = infer.generate(model, PROMPTS, max_new_tokens=6, exits=dataclasses.replace(exits, full_blocks=True),
+    # the program of full_blocks=False is the saturation one of the first test
+    full = infer.generate(model, PROMPTS, max_new_tokens=8, exits=dataclasses.replace(exits, full_blocks=True),
                           return_info=True)
-    assert full == infer.generate(model, PROMPTS, max_new_tokens=6, exits=exits, return_info=True)
+    assert full == infer.generate(model, PROMPTS, max_new_tokens=8, exits=exits, return_info=True)
 
 
 def test_exit_losses_fall_and_the_classifier_is_fitted(tmp_path):
@@ -146,14 +151,17 @@ def test_exit_losses_fall_and_the_classifier_is_fitted(tmp_path):
     assert jnp.any(model.exit_classifier[...] != 0)
 
 
+_forward = nnx.jit(lambda m, t: m(t))  # compiled once per mode (tests.util.forward compiles on every call)
+
+
 def test_layer_dropout_only_in_training():
     model = exit_model(layer_dropout=0.5)
     tokens = jax.random.randint(jax.random.key(0), (16, 6), 1, 256)
     model.eval()
-    plain = forward(model, tokens)
-    assert jnp.array_equal(plain, forward(model, tokens))
+    plain = _forward(model, tokens)
+    assert jnp.array_equal(plain, _forward(model, tokens))  # eval: no layer dropout
     model.train()
-    rows_changed = jnp.any(jnp.abs(model(tokens) - plain) > 1e-4, axis=(1, 2))
+    rows_changed = jnp.any(jnp.abs(_forward(model, tokens) - plain) > 1e-4, axis=(1, 2))
     assert rows_changed.any() and not rows_changed.all()  # per row, not for the whole batch
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 import infer
 from infer import Exits, Sampling, Speculation, speculative
-from tests.util import tiny_config
+from tests.util import forward, tiny_config
 from zoo import LanguageModel
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
@@ -64,15 +64,22 @@ def test_greedy_speculation_is_greedy(kind):
 
 def test_a_mamba_drafts_for_a_transformer_whose_rows_accept_differently():
     model = target(MHA)
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41], [7]]
+    draft = drafter(model)
+    # Two prompt lengths (the short rows left-padded by 4 in the batch, one token each alone): each row alone
+    # compiles once per length, not once per row.
+    prompts = [[5, 6, 7, 8, 9], [9, 10, 11, 12, 13], [40], [7]]
     greedy = infer.generate(model, prompts, max_new_tokens=16)
     for k, tree in ((4, None), (2, (2, 2))):
         out, info = infer.generate(model, prompts, max_new_tokens=16,
-                                   speculation=Speculation(k, draft_model=drafter(model), tree=tree), return_info=True)
+                                   speculation=Speculation(k, draft_model=draft, tree=tree), return_info=True)
         assert out == greedy and 0 < info["acceptance"] < 1, (tree, info)
+    rounds = []
     for p, row in zip(prompts, greedy):  # each row alone: rows advance independently
-        assert infer.generate(model, [p], max_new_tokens=16, speculation=Speculation(4, draft_model=drafter(model))
-                              ) == [row]
+        out, info = infer.generate(model, [p], max_new_tokens=16, speculation=Speculation(4, draft_model=draft),
+                                   return_info=True)
+        assert out == [row]
+        rounds.append(info["rounds"])
+    assert len(set(rounds)) > 1, rounds  # the rows accept differently: in the batch, they advance apart
 
 
 def test_a_round_rolls_back_to_the_state_of_plain_decoding():
@@ -80,15 +87,18 @@ def test_a_round_rolls_back_to_the_state_of_plain_decoding():
     cache and recurrent states, rows keeping different counts)."""
     model = LanguageModel(tiny_config(layer_pattern=[{"kind": "attention", "num_heads": 4}, {"kind": "gla"}],
                                       num_layers=2), rngs=nnx.Rngs(0))
-    draft = drafter()
+    for block in model.blocks:  # blocks scaled down, so that a drafter with its embedding is accepted at times
+        nnx.update(block, jax.tree.map(lambda p: p * 0.4, nnx.state(block, nnx.Param)))
+    draft = drafter(model)
     B, k = 2, 4
     prompt = jnp.asarray([[5, 6, 7], [9, 10, 11]])
     plain = nnx.jit(lambda m, fed: m.decode(fed, m.init_state(fed.shape[0], 16))[1])  # the state after `fed`
     state, draft_state = plain(model, prompt), plain(draft, prompt)
-    last = jnp.asarray([3, 4])
-    kept, n, state, draft_state = speculative.speculative_round(
-        model, speculative.model_drafter(draft, k), last, state, draft_state, jax.random.key(0), k=k, tree=(),
-        warp_fn=lambda x: x, greedy=True)
+    last = jnp.asarray([4, 5])
+    round_ = nnx.jit(lambda m, d, *args: speculative.speculative_round(  # one compile, not one per op
+        m, speculative.model_drafter(d, k), *args, k=k, tree=(), warp_fn=lambda x: x, greedy=True))
+    kept, n, state, draft_state = round_(model, draft, last, state, draft_state, jax.random.key(0))
+    assert n[0] != n[1] and 0 < n.min() < k, n  # rows keep different counts (here 2 and 4 of 4)
     for b in range(B):
         fed = jnp.concatenate([prompt[b], last[b:b + 1], kept[b, :n[b]]])[None]
         for m, got in ((model, state), (draft, draft_state)):
@@ -115,9 +125,9 @@ def test_sampled_speculation_follows_the_target_distribution():
     model, draft = target(MHA, vocab_size=V, scale_last=1.0), drafter(vocab_size=V)
     prompt = [1, 2, 3]
 
-    def exact(m):
-        first = jax.nn.softmax(m(jnp.asarray([prompt]))[0, -1] / T)
-        seconds = jax.nn.softmax(m(jnp.asarray([prompt + [t] for t in range(V)]))[:, -1] / T, -1)
+    def exact(m):  # one jitted forward pass of the V continuations: the first token's logits are at position -2
+        logits = forward(m, jnp.asarray([prompt + [t] for t in range(V)]))
+        first, seconds = jax.nn.softmax(logits[0, -2] / T), jax.nn.softmax(logits[:, -1] / T, -1)
         return np.asarray(first[:, None] * seconds).ravel()  # (V * V,): p(t1, t2)
 
     p = exact(model)
