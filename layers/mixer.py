@@ -65,11 +65,7 @@ class SequenceMixer(nnx.Module):
         static, so T > slots raises under jit too (the cache's writes could not even be traced); how many tokens
         the rows hold is known only outside jit, and under it the cache's `overflowed()` says an overflow."""
         name = type(self).__name__
-        try:  # a traced index (jit, scan, vmap) has no value to compare
-            n = int(np.max(jax.device_get(index)))
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
-                jax.errors.TracerIntegerConversionError):
-            n = None
+        n = None if isinstance(index, jax.core.Tracer) else int(np.max(index))  # traced (jit, scan): no value
         if n is None and T > slots:
             raise ValueError(f"{name}.decode: {T} new tokens exceed max_len={slots} (under jit, whatever is cached)")
         if n is not None and n + T > slots:
