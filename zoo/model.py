@@ -257,8 +257,9 @@ class LanguageModel(nnx.Module):
             raise ValueError(f"LanguageModel.decode: model.head={self.cfg.head!r} is not a language model; "
                              "only model.head=lm decodes")
         self.check_tokens(tokens, segment_ids, "LanguageModel.decode")
-        x, new_state, _ = self.walk(self.embed_tokens(tokens), state, segment_ids=segment_ids, steps=steps)
-        return self.logits(x), new_state
+        model = nnx.view(self, deterministic=True)  # decoding is inference: MoE routes as in evaluation, any mode
+        x, new_state, _ = model.walk(model.embed_tokens(tokens), state, segment_ids=segment_ids, steps=steps)
+        return model.logits(x), new_state
 
     def rollback(self, stepped: tuple, drop: Int[Array, " B"]) -> tuple:
         """The state after token T - 1 - drop[b] of the last decode(..., steps=True) for each row b,

@@ -1,8 +1,9 @@
 """Every shipped config (configs/*.yaml) as shipped, but as shallow as shows every layer of it (one
 layer; two for RWKV-7, whose value residual crosses layers; a layer_pattern's length; the early-exit
-config keeps its four, one per exit), in eval mode: prefill + token-by-token decode equals the full
-pass, and a packed row equals its documents alone. MoE configs included: outside training their FFN
-is dropless, one function of each token whatever the batch (layers/moe.py). Every kind's own
+config keeps its four, one per exit), built fresh (flax modules start in training mode): prefill +
+token-by-token decode equals the full pass of an evaluation view, whatever the mode (decoding is
+inference), and a packed row equals its documents alone. MoE configs included: outside training their
+FFN is dropless, one function of each token whatever the batch (layers/moe.py). Every kind's own
 protocol runs in tests/layers/test_conformance.py; this is the model around them. Zero-initialised
 weights (RWKV's output projections) get noise, so no check is vacuous."""
 
@@ -23,10 +24,12 @@ T, PREFILL, DOCS = 13, 7, (5, 1, 7)  # a packed row of three documents, one of a
 
 
 def outputs(model, tokens, packed, alone):
-    """(full pass, prefill + steps, packed row, documents alone), from one jit."""
+    """(full pass, prefill + steps, packed row, documents alone), from one jit; the passes in evaluation
+    mode, the decoding in the model's own."""
     @nnx.jit
     def run(model, tokens, packed, alone):
-        full = model(tokens)
+        evaluated = nnx.view(model, deterministic=True)
+        full = evaluated(tokens)
         logits, state = model.decode(tokens[:, :PREFILL], model.init_state(tokens.shape[0], T))
 
         def step(state, tok):
@@ -36,7 +39,7 @@ def outputs(model, tokens, packed, alone):
         _, steps = jax.lax.scan(step, state, tokens[:, PREFILL:].T)
         decoded = jnp.concatenate([logits, jnp.swapaxes(steps, 0, 1)], axis=1)
         seg = jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in enumerate(DOCS)])[None]
-        return full, decoded, model(packed, segment_ids=seg), model(alone)
+        return full, decoded, evaluated(packed, segment_ids=seg), evaluated(alone)
 
     return run(model, tokens, packed, alone)
 
@@ -46,8 +49,7 @@ def test_shipped_config_decodes_and_packs_like_its_full_pass(path):
     shipped = load_config(path).model
     depth = len(shipped.layer_pattern or ()) or (2 if shipped.mixer.KIND == "rwkv7" else 1)
     cfg = load_config(path, [] if shipped.exits else [f"model.num_layers={depth}"])
-    model = perturbed(LanguageModel(cfg.model, rngs=nnx.Rngs(0)))
-    model.eval()
+    model = perturbed(LanguageModel(cfg.model, rngs=nnx.Rngs(0)))  # in training mode, as built
     rng = np.random.default_rng(0)
     V = cfg.model.vocab_size  # 256 bytes, or a task's vocabulary (configs/recall.yaml)
     tokens = jnp.asarray(rng.integers(0, V, (2, T)), jnp.int32)
