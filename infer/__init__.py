@@ -1,4 +1,5 @@
-"""Generation: prefill + decode under one jit, sampling, early exit, speculation and quantized decoding."""
+"""Generation: prefill + decode under one jit, sampling, stop strings, early exit, speculation and quantized
+decoding."""
 
 from infer.generate import Exits, Quantization, Sampling, Speculation, generate, generate_text, sample_logits
 from infer.quantize import quantize

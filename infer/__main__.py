@@ -3,6 +3,9 @@
 A Hugging Face model folder (config.json + safetensors, zoo/hf) is read with its tokenizer.json,
 and generation stops at its end-of-text token; --dtype bfloat16 loads it in bfloat16.
 
+--stop "Question:" (repeatable; any length; $'\n\n' in bash for a blank line) also stops a row at that text
+and cuts the output before it.
+
 Early exit (a model trained with model.exits): --exit-threshold 0.9 --exit-measure margin [--show-exits].
 Speculative decoding: --speculative 4 with --draft RUN2 (another model of the same vocabulary) or
 [--draft-layers 2] (the model's own first layers and their exit); --tree 2,2 checks a tree of drafts
@@ -35,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this much mass")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default: %(default)s)")
-    p.add_argument("--stop", default=None, help="stop at this character (one byte)")
+    p.add_argument("--stop", action="append", help="stop a row at this text, of any length, and cut it there; "
+                   "repeat for several")
     p.add_argument("--exit-threshold", type=float, default=None, help="early exit: confidence in [0, 1] to stop at")
     p.add_argument("--exit-measure", default="softmax",
                    help="softmax, margin, saturation or classifier (default: %(default)s)")

@@ -3,8 +3,9 @@
 Prompts of different lengths are left-padded into one (B, P) batch; the padding is its own document
 (segment 0, the prompt segment 1), so attention never sees it and a recurrent layer restarts from a
 zero state at the prompt's first token: each row gets exactly what it gets alone. The loop is a
-`lax.while_loop` that stops when every row has hit `stop_token` or `max_new_tokens`; one compile per
-(batch, padded prompt length, max_new_tokens, sampling flags, early-exit settings). Early exit and
+`lax.while_loop` that stops when every row has hit `stop_token`, a stop string (infer/stops.py: each row
+carries its matcher's state) or `max_new_tokens`; one compile per (batch, padded prompt length,
+max_new_tokens, sampling flags, early-exit settings, stop-string table shape). Early exit and
 speculative decoding (infer/speculative.py, its own loop) run inside one jit. A model whose parameters
 are sharded over a device mesh (zoo/sharding.py) decodes the same way: jit partitions prefill and
 loop from the parameters' shardings, and the tokens are those of one device.
@@ -20,7 +21,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jaxtyping import Array, Float, Int
 
-from infer import early_exit, speculative
+from infer import early_exit, speculative, stops
 from infer.quantize import quantize as quantize_model
 from layers.state import hold
 from zoo import tokenizer as tokenizer_lib
@@ -99,10 +100,10 @@ DECODE_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"), compiler_options=DECODE_OPTIONS)
-def _generate(graphdef, params, tokens, segment_ids, key, stop_token, sampling: Sampling, exits: Exits | None, *,
-              max_new_tokens: int):
+def _generate(graphdef, params, tokens, segment_ids, key, stop_token, stop_table, sampling: Sampling,
+              exits: Exits | None, *, max_new_tokens: int):
     """(tokens (B, max_new_tokens) with -1 after the end, layers used per token, overflowed); `sampling`
-    traced (`Sampling.traced`)."""
+    traced (`Sampling.traced`); `stop_table` the stop strings' table (`stops.StopStrings.table`) or None."""
     TRACES["generate"] += 1
     model = nnx.merge(graphdef, params)
     model.eval()  # no training-time side effects (MoE jitter, bias updates) inside the loop
@@ -137,31 +138,34 @@ def _generate(graphdef, params, tokens, segment_ids, key, stop_token, sampling: 
     layers = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(used)
 
     def cond(carry):
-        i, _, _, _, _, done = carry
+        i, _, _, _, _, done, _ = carry
         return (i < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        i, state, last, out, layers, done = carry
+        i, state, last, out, layers, done, matched = carry
         logits, state, used = step(last, state, i)
         tok = sample_logits(logits, jax.random.fold_in(key, i), sampling)
         out = jax.lax.dynamic_update_slice(out, jnp.where(done, -1, tok)[:, None], (0, i))
         layers = jax.lax.dynamic_update_slice(layers, jnp.where(done, 0, used)[:, None], (0, i))
-        return i + 1, state, tok, out, layers, done | (tok == stop_token)
+        matched, done = stops.advance(stop_table, matched, tok[:, None], done | (tok == stop_token))
+        return i + 1, state, tok, out, layers, done, matched
 
-    _, state, _, out, layers, _ = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), state, first, out, layers, first == stop_token))
+    matched, done = stops.advance(stop_table, None, first[:, None], first == stop_token)
+    _, state, _, out, layers, _, _ = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), state, first, out, layers, done, matched))
     return out, layers, model.overflowed(state)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "draft_graphdef", "speculation", "max_new_tokens"),
                    compiler_options=DECODE_OPTIONS)
-def _speculate(graphdef, params, draft_graphdef, draft_params, tokens, segment_ids, key, stop_token,
+def _speculate(graphdef, params, draft_graphdef, draft_params, tokens, segment_ids, key, stop_token, stop_table,
                sampling: Sampling, speculation: Speculation, *, max_new_tokens: int):
     """Speculative decoding (infer/speculative.py): (tokens (B, max_new_tokens) with -1 after the end,
     accepted drafts per row, rounds per row, overflowed); `sampling` traced (`Sampling.traced`),
     `speculation` checked (`_speculation`, its draft model given as draft_graphdef and draft_params).
-    Row b has produced i[b] tokens; it is active until it reaches max_new_tokens or the stop token,
-    and an inactive row's states are held."""
+    Row b has produced i[b] tokens; it is active until it reaches max_new_tokens, the stop token or a stop
+    string (`stop_table` as in `_generate`; matched over each round's kept tokens), and an inactive row's
+    states are held."""
     TRACES["generate"] += 1
     model = nnx.merge(graphdef, params)
     model.eval()
@@ -183,7 +187,7 @@ def _speculate(graphdef, params, draft_graphdef, draft_params, tokens, segment_i
     zeros = jnp.zeros((B,), jnp.int32)
 
     def body(carry):
-        r, i, state, draft_state, last, out, done, accepted, rounds = carry
+        r, i, state, draft_state, last, out, done, matched, accepted, rounds = carry
         kept, n, new_state, new_draft_state = speculative.speculative_round(
             model, drafter, last, state, draft_state, jax.random.fold_in(key, r + 1), k=k, tree=speculation.tree,
             warp_fn=warp_fn, greedy=greedy)
@@ -191,24 +195,27 @@ def _speculate(graphdef, params, draft_graphdef, draft_params, tokens, segment_i
         state, draft_state = hold(active, state, new_state), hold(active, draft_state, new_draft_state)
         out = write(out, jnp.where(active[:, None], kept, -1), i)
         i = i + jnp.where(active, n + 1, 0)
-        done = done | jnp.any(kept == stop_token, axis=1) | (i >= max_new_tokens)
+        matched, done = stops.advance(stop_table, matched, kept, done | jnp.any(kept == stop_token, axis=1), n + 1)
+        done = done | (i >= max_new_tokens)
         last = jnp.where(active, jnp.take_along_axis(kept, n[:, None], 1)[:, 0], last)
-        return (r + 1, i, state, draft_state, last, out, done, accepted + jnp.where(active, n, 0),
+        return (r + 1, i, state, draft_state, last, out, done, matched, accepted + jnp.where(active, n, 0),
                 rounds + active)
 
-    done = (first == stop_token) | (max_new_tokens == 1)
-    carry = (jnp.int32(0), zeros + 1, state, draft_state, first, out, done, zeros, zeros)
-    _, _, state, _, _, out, _, accepted, rounds = jax.lax.while_loop(lambda c: ~jnp.all(c[6]), body, carry)
+    matched, done = stops.advance(stop_table, None, first[:, None], (first == stop_token) | (max_new_tokens == 1))
+    carry = (jnp.int32(0), zeros + 1, state, draft_state, first, out, done, matched, zeros, zeros)
+    _, _, state, _, _, out, _, _, accepted, rounds = jax.lax.while_loop(lambda c: ~jnp.all(c[6]), body, carry)
     return out[:, :max_new_tokens], accepted, rounds, model.overflowed(state)
 
 
 def generate(model, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(), exits: Exits | None = None,
              speculation: Speculation | None = None, quantization: Quantization | None = None, seed: int = 0,
-             stop_token: int | None = None, return_info: bool = False):
+             stop_token: int | None = None, stop_strings: stops.StopStrings | None = None, return_info: bool = False):
     """New token ids for each prompt (a list of token-id lists of any lengths).
 
-    `sampling` (default greedy) draws each token; a row ends after `stop_token` (which is not returned) or
-    `max_new_tokens`. The same seed gives the same tokens.
+    `sampling` (default greedy) draws each token; a row ends after `stop_token` (which is not returned), at the
+    token that completes one of `stop_strings` in the row's generated text (`infer.stops.build` for the model's
+    vocabulary; that token is returned, as it may hold text before the match) or after `max_new_tokens`. The
+    same seed gives the same tokens.
 
     `exits` (a model with `model.exits`) decodes with early exit, `speculation` with speculative decoding
     (greedy: exactly plain greedy decoding's tokens; sampling: exactly plain sampling's distribution); one
@@ -226,10 +233,11 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: Sampling = Sampli
         if speculation is not None and speculation.draft_model is not None:
             speculation = dataclasses.replace(speculation, draft_model=quantize_model(
                 speculation.draft_model, weights=quantization.weights, kv_cache=quantization.kv_cache))
-    tokens, segments = _prompt_batch(model, prompts, max_new_tokens, sampling, stop_token)
+    tokens, segments = _prompt_batch(model, prompts, max_new_tokens, sampling, stop_token, stop_strings)
     graphdef, params = nnx.split(model)
     args = (jnp.asarray(tokens), jnp.asarray(segments), jax.random.key(seed),
-            jnp.int32(-2 if stop_token is None else stop_token), sampling.traced())
+            jnp.int32(-2 if stop_token is None else stop_token),
+            None if stop_strings is None else jnp.asarray(stop_strings.table), sampling.traced())
     if speculation is not None:
         if exits is not None:
             raise ValueError("generate: give exits or speculation, not both")
@@ -252,6 +260,7 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: Sampling = Sampli
     for row, row_layers in zip(np.asarray(out).tolist(), np.asarray(layers).tolist()):
         n = row.index(-1) if -1 in row else len(row)
         n = min(n, row.index(stop_token)) if stop_token in row else n
+        n = n if stop_strings is None else stop_strings.end(row[:n])
         rows.append(row[:n])
         used.append(row_layers[:n])
     if not return_info:
@@ -263,8 +272,10 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: Sampling = Sampli
     return rows, info
 
 
-def _prompt_batch(model, prompts, max_new_tokens: int, sampling: Sampling, stop_token) -> tuple[np.ndarray, ...]:
-    """Check the prompts and the sampling arguments; returns the left-padded (tokens, segment_ids), (B, P) each."""
+def _prompt_batch(model, prompts, max_new_tokens: int, sampling: Sampling, stop_token,
+                  stop_strings) -> tuple[np.ndarray, ...]:
+    """Check the prompts, the sampling and the stop arguments; returns the left-padded (tokens, segment_ids),
+    (B, P) each."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token (e.g. a newline byte)")
     if max_new_tokens < 1:
@@ -280,6 +291,9 @@ def _prompt_batch(model, prompts, max_new_tokens: int, sampling: Sampling, stop_
                          f"{bad[0][1]}")
     if stop_token is not None and not 0 <= stop_token < V:
         raise ValueError(f"generate: stop_token={stop_token} is not a token id in [0, {V})")
+    if stop_strings is not None and stop_strings.table.shape[1] != V:
+        raise ValueError(f"generate: stop_strings were built for {stop_strings.table.shape[1]} token ids, the model "
+                         f"has {V} (model.vocab_size); build them from a token_bytes() of that length")
     P = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), P), np.int32)
     segments = np.zeros((len(prompts), P), np.int32)
@@ -331,22 +345,19 @@ def _speculation(model, sampling: Sampling, speculation: Speculation) -> Specula
     return dataclasses.replace(speculation, draft_layers=draft_layers, tree=tree)
 
 
-def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str | None = None, tokenizer=None,
-                  **kwargs):
+def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str | list[str] | None = None,
+                  tokenizer=None, **kwargs):
     """`generate` for strings through `tokenizer` (zoo/tokenizer.py; default bytes, or the one
-    zoo.hf.load returns). A row stops at `stop`, a string of one token, or else at the tokenizer's
-    end-of-text token (bytes have none). Returns the texts (with `return_info`: the texts and the
-    info dict)."""
+    zoo.hf.load returns). A row stops at the tokenizer's end-of-text token (bytes have none) or at any
+    of the `stop` strings (one or a list, of any length) in its generated text, which is cut before the
+    earliest of them. Returns the texts (with `return_info`: the texts and the info dict)."""
     tok = tokenizer or tokenizer_lib.Bytes
-    if tok.vocab_size > model.cfg.vocab_size:
-        raise ValueError(f"generate_text: the tokenizer has {tok.vocab_size} ids but the model {model.cfg.vocab_size} "
-                         "(model.vocab_size)")
-    stop_ids = None if stop is None else tok.encode(stop, special=False)
-    if stop_ids is not None and len(stop_ids) != 1:
-        raise ValueError(f"generate_text: stop={stop!r} must be a single token, got ids {stop_ids}")
-    stop_token = tok.eos_id if stop is None else stop_ids[0]
+    V = model.cfg.vocab_size
+    if tok.vocab_size > V:
+        raise ValueError(f"generate_text: the tokenizer has {tok.vocab_size} ids but the model {V} (model.vocab_size)")
+    stop_strings = None if stop is None else stops.build(stop, tok.token_bytes() + [b""] * (V - tok.vocab_size))
     out = generate(model, [tok.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
-                   stop_token=stop_token, **kwargs)
+                   stop_token=tok.eos_id, stop_strings=stop_strings, **kwargs)
     ids, info = out if kwargs.get("return_info") else (out, None)
-    texts = [tok.decode(r) for r in ids]
+    texts = [tok.decode(r) if stop is None else stop_strings.cut(tok.decode(r)) for r in ids]
     return (texts, info) if info is not None else texts

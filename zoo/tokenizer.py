@@ -4,11 +4,13 @@ either an existing file or a byte-level BPE vocabulary trained on a corpus' trai
 (`train_bpe`, as GPT-2's: bytes mapped to printable characters, the GPT-2 pre-tokenising regex, no
 normaliser, so decoding gives back every text exactly). A run config picks one in `data.tokenizer`.
 
-Both have `encode(text, special=True) -> ids`, `decode(ids) -> text`, `vocab_size` and `eos_id` (the token that ends
-a text, the stop token of generation; None when the vocabulary has none).
+Both have `encode(text, special=True) -> ids`, `decode(ids) -> text`, `vocab_size`, `eos_id` (the token that ends
+a text, the stop token of generation; None when the vocabulary has none) and `token_bytes()` (each id's bytes in
+decoded text, on which generation matches stop strings: infer/stops.py).
 """
 
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,6 +34,10 @@ class Bytes:
     @staticmethod
     def encode(text: str, special: bool = True) -> list[int]:
         return encode(text)
+
+    @staticmethod
+    def token_bytes() -> list[bytes]:
+        return [bytes([i]) for i in range(VOCAB_SIZE)]
 
 
 class HFTokenizer:
@@ -57,6 +63,39 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes in decoded text: b"" for a special token (decode drops it) or an unused id; an added
+        token's content; a byte-level BPE's token (GPT-2, Llama 3, Qwen) through GPT-2's byte-to-character
+        table; else a byte-fallback token <0xNN> its byte and any other token its text after a plain token
+        (decode([a, t]) minus decode([a]): SentencePiece's leading "▁" stays a space)."""
+        from tokenizers import decoders
+
+        tok, out = self.tokenizer, [b""] * self.vocab_size
+        added = tok.get_added_tokens_decoder()
+        for i, t in added.items():
+            out[i] = b"" if t.special else t.content.encode("utf-8")
+        pieces = {i: p for i in range(self.vocab_size) if i not in added and (p := tok.id_to_token(i)) is not None}
+        if isinstance(tok.decoder, decoders.ByteLevel):
+            byte_of = {c: b for b, c in enumerate(_gpt2_byte_chars())}
+            for i, p in pieces.items():
+                out[i] = bytes(byte_of[c] for c in p)
+            return out
+        anchor = self.encode("a", special=False)[-1]
+        skip = len(self.decode([anchor]))
+        texts = tok.decode_batch([[anchor, i] for i in pieces], skip_special_tokens=True)
+        for (i, p), text in zip(pieces.items(), texts):
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", p)
+            out[i] = bytes([int(byte[1], 16)]) if byte else text[skip:].encode("utf-8")
+        return out
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet, the character byte b stands for at index b (its `bytes_to_unicode`): the
+    printable bytes are themselves, the others the characters from 256 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
 def _eos_from_files(folder: Path, tok) -> int | None:

@@ -211,7 +211,8 @@ def test_command_line_errors_name_the_field_without_a_traceback(finished, tmp_pa
          "error: override 'train.steps=[1': the value '[1' is not valid YAML"),
         (infer.__main__, [str(run_dir), "model.d_model=8"],
          "error: overrides model.d_model=8: a run folder is loaded with the config it was trained with"),
-        (infer.__main__, [str(run_dir), "--stop", ""], "error: generate_text: stop='' must be a single token"),
+        (infer.__main__, [str(run_dir), "--stop", ""],
+         "error: stop=['']: expected a non-empty string or a list of them"),
     ]
     for module, argv, message in cases:
         with unchecked(), pytest.raises(SystemExit) as e:
