@@ -221,7 +221,8 @@ def _haystack(c: T.NeedleTask, rng, L: int, chains: list, asks: list):
     at = []
     for g, chain in enumerate(chains):
         offsets = np.sort(rng.integers(first if g == 0 else 0, F + 1, len(chain)))
-        offsets[0] = first if g == 0 else offsets[0]
+        if g == 0:
+            offsets[0] = first
         at += [(int(o), g, j) for j, o in enumerate(offsets)]
     filler = rng.integers(12 + c.words(), c.vocab_size, F)
     tokens, done = [], 0

@@ -159,8 +159,9 @@ def test_evaluation_writes_the_table_and_the_heatmap(tmp_path, monkeypatch, caps
 
 def test_bad_input_is_refused_by_name():
     """Depths outside [0, 1], a length too short for the task, a run not trained on a retrieval task, and a
-    length the model refuses (attention with dynamic rope scaling past its original context; attention's
-    default long_context: window takes any length, as the heatmap test shows at 4x)."""
+    length the model refuses (attention with dynamic rope scaling past its original context). Attention's
+    default long_context: window takes any length (the heatmap test: 4x), and so does Hyena: the evaluation
+    is a full pass, whose filter is a formula of the lag, and holds no decode cache."""
     from flax import nnx
 
     from zoo.model import LanguageModel
@@ -178,6 +179,8 @@ def test_bad_input_is_refused_by_name():
         main(["runs/missing"])
     with pytest.raises(ValueError, match="data.task: the run was trained on mqar; expected a retrieval task"):
         evaluate(*model(TINY, {"kind": "mqar", "vocab_size": 32, "num_kv_pairs": 2}), [16], [0.5])
+    m, cfg = model({**TINY, "mixer": {"kind": "hyena"}}, NEEDLE_TASK)
+    assert np.shape(evaluate(m, cfg, [16, 256], [0.5], examples=2)["accuracy"]) == (2, 1)
     rope = {"type": "dynamic", "original_max_position_embeddings": 32}
     m, cfg = model({**TINY, "mixer": {**TINY["mixer"], "rope_scaling": rope}}, NEEDLE_TASK)
     assert 0 <= evaluate(m, cfg, [32], [0.5], examples=2)["accuracy"][0][0] <= 1
