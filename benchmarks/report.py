@@ -13,7 +13,11 @@ Per kind, on this machine:
   model: width 256, 4 layers; attention as MHA);
 - MQAR accuracy at the default sweep cell (configs/sweeps/mqar.yaml: length 32, 4 pairs), best
   learning rate, at each width; the sweep's cells of the kinds asked for are run (or resumed, or read
-  when finished) in runs/sweep-mqar.
+  when finished) in runs/sweep-mqar;
+- needle accuracy at 1x, 4x and 16x the trained length (train/needle.py: exact match, the mean over
+  depths 0, 0.25, 0.5, 0.75, 1) of the kind trained on the single needle (`needle`: a one-token word
+  value, vocabulary 32) at 64 tokens: 2 layers of width 128, untied embeddings, up to 400 steps of 32
+  examples at lr 3e-3, stopped at 0.99 held-out accuracy, in runs/report/needle-<kind>.
 Written to runs/report/report_card.md and .json; the report card table in docs/experiments.md is this output.
 """
 
@@ -27,11 +31,12 @@ from flax import nnx
 
 from benchmarks import decode
 from benchmarks.common import save_json
-from train import sweep
+from train import needle, sweep
 from train.extrapolate import extrapolate
 from train.loop import run
 from zoo import load_config
 from zoo.checkpoint import load_model
+from zoo.config import from_dict
 from zoo.registry import MIXERS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -63,6 +68,21 @@ def text_row(kind: str, steps: int, out: Path) -> dict:
             "train_tok_per_s": last.get("tokens_per_s"), "extrapolation_16x": rows[-1]["ratio"]}
 
 
+def retrieval_row(kind: str, out: Path) -> dict:
+    """Needle accuracy at 1x, 4x and 16x the trained 64 tokens, the mean over five depths (module docstring)."""
+    cfg = from_dict({"model": {"d_model": 128, "num_layers": 2, "mixer": {"kind": kind}, "tie_embeddings": False},
+                     "data": {"task": {"kind": "needle", "vocab_size": 32, "value": "word", "value_len": 1,
+                                       "num_test_examples": 256}},
+                     "train": {"steps": 400, "batch_size": 32, "seq_len": 64, "lr": 3e-3, "warmup_steps": 20,
+                               "weight_decay": 0.0, "eval_every": 100, "log_every": 100, "checkpoint_every": 400,
+                               "sample_tokens": 0, "stop_at_accuracy": 0.99}})
+    run(cfg, out / f"needle-{kind}", log=lambda _: None)  # resumes, or reads a finished run
+    cfg, model, _ = load_model(out / f"needle-{kind}")
+    factors = (1, 4, 16)
+    table = needle.evaluate(model, cfg, [f * cfg.train.seq_len for f in factors], [0, 0.25, 0.5, 0.75, 1])
+    return {f"needle_{f}x": round(sum(row) / len(row), 3) for f, row in zip(factors, table["accuracy"])}
+
+
 def mqar_rows(kinds: list[str], workers: int) -> dict:
     grid = sweep.load_grid(sweep.DEFAULT)
     grid["mixers"] = {name: mixer for name, mixer in grid["mixers"].items() if name in kinds}
@@ -91,6 +111,7 @@ def main():
         row[f"state_MiB_{args.contexts[-1]}"] = timed[-1]["state_MiB"]
         for d in widths:
             row[f"mqar_d{d}"] = mqar.get((kind, d))
+        row.update(retrieval_row(kind, out))
         rows.append(row)
         print(json.dumps(row), flush=True)
     cols = list(rows[0])

@@ -8,6 +8,7 @@ it.) Blocks in another language (```text: output, equations, sketches) are not r
 appears word for word in two files (the site's home page repeats the README's) runs once, its id
 naming both."""
 
+import importlib
 import os
 import re
 import shlex
@@ -130,9 +131,8 @@ def parse_command(words):
     elif program == "train.sweep":
         from train import sweep
         sweep.cells(sweep.load_grid(ROOT / sweep.grid_path(sweep.parser().parse_args(argv))))  # every cell loads
-    elif program == "train.extrapolate":
-        from train.extrapolate import parser
-        assert parser().parse_args(argv).run_dir.startswith("runs/")
+    elif program in ("train.extrapolate", "train.needle"):  # a finished run's folder
+        assert importlib.import_module(program).parser().parse_args(argv).run_dir.startswith("runs/")
     else:
         assert program.startswith("benchmarks."), program
         assert (ROOT / (program.replace(".", os.sep) + ".py")).exists(), program

@@ -192,10 +192,97 @@ def _memory(V: int, seed: int):
     return keys[:m], values[:m]
 
 
+NEEDLE, QUERY = 0, 1  # the needle and query markers of the retrieval tasks; the digits 0-9 are tokens 2-11
+
+
+def _words(c: T.NeedleTask, rng) -> list[int]:
+    """The word tokens [12, 12 + words) in a random order: keys and variables are taken from the front."""
+    return [int(w) for w in rng.permutation(np.arange(12, 12 + c.words()))]
+
+
+def _values(c: T.NeedleTask, rng, n: int, words: list[int]) -> list[list[int]]:
+    """n distinct values of value_len tokens: digits (passkey) or tokens of `words` (word)."""
+    pool, out = np.arange(2, 12) if c.value == "passkey" else np.asarray(words), []
+    while len(out) < n:  # check() makes sure n distinct values exist
+        v = [int(t) for t in rng.choice(pool, c.value_len)]
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _haystack(c: T.NeedleTask, rng, L: int, chains: list, asks: list):
+    """Chains of needles (token lists) in a haystack of F filler tokens (F: what the needles and asks
+    leave of L + 1): the first chain's first needle after round(depth * F) of them, its later needles
+    in order after it, other chains' needles in order anywhere; then the asks, (query, answer) token
+    lists, each answer token scored (after the token before it, as a next-token target)."""
+    tail = [t for q, a in asks for t in q + a]
+    F = L + 1 - len(tail) - sum(len(n) for chain in chains for n in chain)
+    first = round((rng.random() if c.depth is None else c.depth) * F)
+    at = []
+    for g, chain in enumerate(chains):
+        offsets = np.sort(rng.integers(first if g == 0 else 0, F + 1, len(chain)))
+        if g == 0:
+            offsets[0] = first
+        at += [(int(o), g, j) for j, o in enumerate(offsets)]
+    filler = rng.integers(12 + c.words(), c.vocab_size, F)
+    tokens, done = [], 0
+    for o, g, j in sorted(at):  # ties: the asked chain first, so exactly `first` filler tokens precede it
+        tokens += [*filler[done:o], *chains[g][j]]
+        done = o
+    tokens += list(filler[done:])
+    scored = [None] * len(tokens)
+    for q, a in asks:
+        tokens, scored = tokens + q + a, scored + [None] * len(q) + a
+    return _shifted(tokens, scored, L, training=False)
+
+
+def needle(c: T.NeedleConfig, rng, L: int, training: bool):
+    """RULER's single needle: `NEEDLE key value` in the haystack, `QUERY key` at the end, the value scored."""
+    key, *rest = _words(c, rng)
+    value = _values(c, rng, 1, rest)[0]
+    return _haystack(c, rng, L, [[[NEEDLE, key, *value]]], [([QUERY, key], value)])
+
+
+def needle_multikey(c: T.NeedleMultiKeyConfig, rng, L: int, training: bool):
+    """The single needle among num_distractors needles of other keys and values."""
+    words, n = _words(c, rng), 1 + c.num_distractors
+    keys, values = words[:n], _values(c, rng, n, words[n:])
+    return _haystack(c, rng, L, [[[NEEDLE, k, *v]] for k, v in zip(keys, values)], [([QUERY, keys[0]], values[0])])
+
+
+def needle_multivalue(c: T.NeedleMultiValueConfig, rng, L: int, training: bool):
+    """num_values needles of one key, in order; the key asked, its values scored in that order."""
+    key, *rest = _words(c, rng)
+    values = _values(c, rng, c.num_values, rest)
+    return _haystack(c, rng, L, [[[NEEDLE, key, *v] for v in values]], [([QUERY, key], sum(values, []))])
+
+
+def needle_multiquery(c: T.NeedleMultiQueryConfig, rng, L: int, training: bool):
+    """num_queries needles of distinct keys, every key asked and each value scored: first the key of the
+    needle at the depth, then the others' (at random places, so in no order of place)."""
+    words, n = _words(c, rng), c.num_queries
+    keys, values = words[:n], _values(c, rng, n, words[n:])
+    return _haystack(c, rng, L, [[[NEEDLE, k, *v]] for k, v in zip(keys, values)],
+                     [([QUERY, k], v) for k, v in zip(keys, values)])
+
+
+def variable_tracking(c: T.VariableTrackingConfig, rng, L: int, training: bool):
+    """RULER's variable tracking: chains `NEEDLE X1 value`, `NEEDLE X2 X1`, ..., `NEEDLE X(h+1) Xh`;
+    `QUERY value` of the first chain asked, its variables X1..X(h+1) scored in order."""
+    words, h = _words(c, rng), c.num_hops
+    n = c.num_chains * (h + 1)
+    names = [words[i:i + h + 1] for i in range(0, n, h + 1)]
+    values = _values(c, rng, c.num_chains, words[n:])
+    chains = [[[NEEDLE, x[0], *v]] + [[NEEDLE, x[i + 1], x[i]] for i in range(h)] for x, v in zip(names, values)]
+    return _haystack(c, rng, L, chains, [([QUERY, *values[0]], names[0])])
+
+
 GENERATORS = {T.MQARConfig: mqar, T.SelectiveCopyingConfig: selective_copying,
               T.InductionHeadsConfig: induction_heads, T.InContextRecallConfig: in_context_recall,
               T.NoisyRecallConfig: in_context_recall, T.FuzzyRecallConfig: fuzzy_recall,
-              T.MemorizationConfig: memorization, T.CompressionConfig: compression}
+              T.MemorizationConfig: memorization, T.CompressionConfig: compression, T.NeedleConfig: needle,
+              T.NeedleMultiKeyConfig: needle_multikey, T.NeedleMultiValueConfig: needle_multivalue,
+              T.NeedleMultiQueryConfig: needle_multiquery, T.VariableTrackingConfig: variable_tracking}
 
 
 def example(cfg: T.Task, split: str, i: int, L: int, attempt: int = 0):

@@ -108,7 +108,8 @@ class DataConfig:
     shard_dtype (auto: the smallest of uint8, uint16, uint32 that holds the vocabulary); shard_mb (corpus
     megabytes per shard); task (a synthetic task instead of the corpus, picked by `kind`: mqar,
     selective_copying, induction_heads, in_context_recall, noisy_recall, fuzzy_recall, memorization,
-    compression (with model.head: pooled_decoder); zoo/tasks.py; its examples have train.seq_len tokens
+    compression (with model.head: pooled_decoder), the retrieval tasks needle, needle_multikey,
+    needle_multivalue, needle_multiquery, variable_tracking; zoo/tasks.py; its examples have train.seq_len tokens
     and its held-out accuracy is `val_accuracy` in metrics.jsonl). The corpus is tokenised once by
     `python -m train.prepare` (or the first run) into shards under $ZOO_CACHE (train/prepare.py)."""
     corpus: str = "shakespeare"

@@ -9,9 +9,9 @@ set is reported as `val_accuracy` in metrics.jsonl.
 """
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
-from layers.options import NonNegInt, PosFloat, PosInt, UnitFloat
+from layers.options import NonNegInt, OneOf, PosFloat, PosInt, UnitFloat
 
 TASKS: dict[str, type] = {}  # kind -> config dataclass
 
@@ -173,3 +173,109 @@ class CompressionConfig(Task):
     def check(self, seq_len: int, path: str):
         self._need(seq_len >= 2 and self.vocab_size >= 2, "vocab_size", path,
                    f"compression needs train.seq_len >= 2 and vocab_size >= 2, got {seq_len} and {self.vocab_size}")
+
+
+@dataclass(frozen=True)
+class NeedleTask(Task):
+    """RULER-style retrieval (Hsieh et al. 2024), token-level: a haystack of filler tokens holds
+    needles `NEEDLE key value...`; the first needle's key is asked at the end (`QUERY key`) and the
+    answer tokens after it are scored. value: passkey (value_len digits) or word (value_len word
+    tokens); depth: the fraction of the filler before the asked needle (null: uniform per example).
+    Vocabulary: 0 NEEDLE, 1 QUERY, 2-11 the digits, then words (keys, word values, variables) and
+    filler, half each of the rest. train/tasks.py draws the examples; docs/experiments.md lists the
+    departures from RULER."""
+    vocab_size: PosInt = 64
+    num_train_examples: PosInt | None = None
+    num_test_examples: PosInt = 512
+    value: Annotated[str, OneOf("passkey", "word")] = "passkey"
+    value_len: PosInt = 4
+    depth: UnitFloat | None = None
+
+    def words(self) -> int:
+        return (self.vocab_size - 12) // 2
+
+    def sizes(self) -> tuple[int, int, int]:
+        """(tokens of the needles, tokens of the queries and answers, distinct words) of one example."""
+        return 2 + self.value_len, 2 + self.value_len, 1
+
+    def values(self) -> int:
+        """How many distinct values an example can draw from."""
+        return (10 if self.value == "passkey" else self.words()) ** self.value_len
+
+    def check(self, seq_len: int, path: str):
+        needles, asks, words = self.sizes()
+        words += self.value == "word"  # keys and variables, and a word to draw values from
+        self._need(self.words() >= words, "vocab_size", path,
+                   f"{self.KIND} needs {words} words (and as many filler tokens): vocab_size >= {12 + 2 * words}, "
+                   f"got {self.vocab_size}")
+        self._need(seq_len + 1 >= needles + asks, "kind", path,
+                   f"{self.KIND} needs train.seq_len >= {needles + asks - 1} for its needles and query, got {seq_len}")
+
+
+@task
+@dataclass(frozen=True)
+class NeedleConfig(NeedleTask):
+    """Single needle (RULER's niah_single): one key and its value in the haystack, the key asked."""
+    KIND: ClassVar[str] = "needle"
+
+
+@task
+@dataclass(frozen=True)
+class NeedleMultiKeyConfig(NeedleTask):
+    """RULER's niah_multikey: num_distractors more needles with other keys (and values); one key asked."""
+    KIND: ClassVar[str] = "needle_multikey"
+    num_distractors: PosInt = 3
+
+    def sizes(self):
+        return (1 + self.num_distractors) * (2 + self.value_len), 2 + self.value_len, 1 + self.num_distractors
+
+
+@task
+@dataclass(frozen=True)
+class NeedleMultiValueConfig(NeedleTask):
+    """RULER's niah_multivalue: num_values needles with the same key and distinct values (in the order
+    they are to be produced, the first at the depth); the key asked, every value scored."""
+    KIND: ClassVar[str] = "needle_multivalue"
+    num_values: PosInt = 4
+
+    def sizes(self):
+        return self.num_values * (2 + self.value_len), 2 + self.num_values * self.value_len, 1
+
+    def check(self, seq_len: int, path: str):
+        super().check(seq_len, path)
+        self._need(self.values() >= self.num_values, "num_values", path,
+                   f"{self.num_values} distinct values do not fit in {self.values()} possible ones")
+
+
+@task
+@dataclass(frozen=True)
+class NeedleMultiQueryConfig(NeedleTask):
+    """RULER's niah_multiquery: num_queries needles with distinct keys, every key asked (the one at the
+    depth first), each followed by its value."""
+    KIND: ClassVar[str] = "needle_multiquery"
+    num_queries: PosInt = 4
+
+    def sizes(self):
+        n = self.num_queries
+        return n * (2 + self.value_len), n * (2 + self.value_len), n
+
+
+@task
+@dataclass(frozen=True)
+class VariableTrackingConfig(NeedleTask):
+    """RULER's variable tracking: num_chains chains of assignments `NEEDLE X1 value`, `NEEDLE X2 X1`,
+    ... (num_hops after the first, in order, the first at the depth), with distinct values; the first
+    chain's value is asked (`QUERY value`) and its num_hops + 1 variables are the answer, in order."""
+    KIND: ClassVar[str] = "variable_tracking"
+    num_chains: PosInt = 1
+    num_hops: PosInt = 4
+
+    def sizes(self):
+        links = self.num_chains * (self.num_hops + 1)
+        return self.num_chains * (2 + self.value_len) + self.num_chains * self.num_hops * 3, \
+            1 + self.value_len + self.num_hops + 1, links
+
+    def check(self, seq_len: int, path: str):
+        super().check(seq_len, path)
+        self._need(self.values() >= self.num_chains, "num_chains", path,
+                   f"{self.num_chains} distinct values do not fit in {self.values()} possible ones")
