@@ -12,8 +12,9 @@ folder (zoo.hf.load); the tokenizer is the model's own (bytes, the run's trained
 The three request types:
 - loglikelihood: each request's context + continuation, less its last token, is one document of a packed row
   (segment_ids: documents never see each other, as levanter packs its evaluation); rows are filled
-  longest-first and padded to a power-of-two length (a bucket), `batch_size` rows a call, so each bucket
-  compiles one function; a row is the trained length (model.max_seq_len) at most. The continuation's
+  longest-first, hold model.max_seq_len tokens (the power of two above a longer request, where the model
+  takes one) and are padded to a power-of-two length (a bucket), `batch_size` rows a call, so each bucket
+  compiles one function. The continuation's
   log-probability is read from one float32 log-softmax; is_greedy when every continuation token is the argmax.
 - loglikelihood_rolling: the disjoint-window perplexity of lm-eval's Hugging Face backend: the document in
   windows of max_seq_len predicted tokens, stride max_seq_len, each conditioned on the one token before it
@@ -29,6 +30,7 @@ model is read into its shards and each batch's rows are split over the batch axe
 
 import math
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +47,8 @@ from zoo import tokenizer as tokenizer_lib
 from zoo.sharding import batch_sharding
 
 MIN_ROW = 32  # the shortest bucket: rows are MIN_ROW * 2**k tokens
-MODEL_ARGS = ("path", "batch_size", "dtype", "max_batch_size", "device")
+MODEL_ARGS = ("path", "batch_size", "dtype")
+IGNORED = ("max_batch_size", "device")  # lm-eval's command line passes them to every model
 
 
 @jax.jit
@@ -65,17 +68,16 @@ class ZooLM(TemplateLM):
     def __init__(self, path=None, *, model=None, tokenizer=None, batch_size=8, dtype="float32", mesh=None,
                  **unknown):
         super().__init__()
-        unknown.pop("max_batch_size", None), unknown.pop("device", None)  # lm-eval's command line always sends them
+        unknown = sorted(k for k in unknown if k not in IGNORED)
         if unknown:
-            raise ValueError(f"zoo lm-eval backend: unknown model_args {sorted(unknown)}; expected "
-                             f"{', '.join(MODEL_ARGS[:3])}")
+            raise ValueError(f"zoo lm-eval backend: unknown model_args {unknown}; expected {', '.join(MODEL_ARGS)}")
         if (path is None) == (model is None):
             raise ValueError("zoo lm-eval backend: give path= (a run folder or a Hugging Face folder) or model=")
         if path is not None:
             model, tokenizer = _load(str(path), dtype, mesh)
         self.model, self.tok = model, tokenizer or tokenizer_lib.Bytes
         self.model.eval()
-        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        self.batch_size = 8 if str(batch_size).startswith("auto") else int(batch_size)  # lm-eval's "auto": ours
         self.mesh, self.max_length = mesh, model.cfg.max_seq_len
         split = 1 if mesh is None else math.prod(mesh.shape[a] for a in LOGICAL_TO_MESH["batch"])
         if self.batch_size % split:
@@ -124,7 +126,7 @@ class ZooLM(TemplateLM):
         if too_long and not self.longer_ok:
             raise _TooLong(too_long[0], lengths[too_long[0]])
         by_length = {}
-        for row in _pack(lengths, self.max_length):
+        for row in _pack(lengths, lambda n: max(self.max_length, self._bucket(n))):
             by_length.setdefault(self._bucket(sum(lengths[i] for i in row)), []).append(row)
         out = [None] * len(pairs)
         for T, group in sorted(by_length.items()):
@@ -148,7 +150,8 @@ class ZooLM(TemplateLM):
 
     def _bucket(self, n: int) -> int:
         """A row's length for n tokens: a power of two from MIN_ROW on, at most max_seq_len unless n is longer."""
-        return n if n > self.max_length else min(max(MIN_ROW, 1 << (n - 1).bit_length()), self.max_length)
+        T = max(MIN_ROW, 1 << (n - 1).bit_length())
+        return T if n > self.max_length else min(T, self.max_length)
 
     def _place(self, a: np.ndarray):
         return jnp.asarray(a) if self.mesh is None else jax.device_put(a, batch_sharding(self.mesh, 2))
@@ -195,8 +198,6 @@ class _TooLong(Exception):
 
 def _load(path: str, dtype: str, mesh):
     """(model, tokenizer) from a Hugging Face folder (config.json) or a run folder."""
-    from pathlib import Path
-
     if (Path(path) / "config.json").is_file():
         from zoo.hf import load
 
@@ -218,15 +219,15 @@ def _takes_longer(cfg) -> bool:
                or getattr(m, "long_context", None) == "window" for m in cfg.mixers())
 
 
-def _pack(lengths: list[int], row: int) -> list[list[int]]:
-    """Indices of `lengths` in rows of at most `row` tokens (a longer one alone in its row), longest first,
-    each into the first row it fits (first-fit decreasing)."""
+def _pack(lengths: list[int], capacity) -> list[list[int]]:
+    """Indices of `lengths` in rows, longest first, each into the first row with room for it (first-fit
+    decreasing); a row holds capacity(n) tokens for n those of its first (longest) request."""
     rows, room = [], []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         j = next((j for j, r in enumerate(room) if lengths[i] <= r), None)
         if j is None:
             rows.append([i])
-            room.append(row - lengths[i])
+            room.append(capacity(lengths[i]) - lengths[i])
         else:
             rows[j].append(i)
             room[j] -= lengths[i]
