@@ -63,7 +63,9 @@ def _scores(graphdef, params, tokens, segment_ids, targets):
 @register_model("zoo")
 class ZooLM(TemplateLM):
     """A zoo model for lm-eval: from `path` (a run folder or a Hugging Face folder, read in `dtype`) or a
-    `model` and its `tokenizer` (default bytes); `batch_size` rows or prompts a call; `mesh` places both."""
+    `model` and its `tokenizer` (default bytes); `batch_size` rows or prompts a call. With a `mesh`, a folder's
+    parameters are read into their shards there (a `model` given must be placed already) and each batch's rows
+    are split over its batch axes."""
 
     def __init__(self, path=None, *, model=None, tokenizer=None, batch_size=8, dtype="float32", mesh=None,
                  **unknown):
@@ -172,10 +174,10 @@ class ZooLM(TemplateLM):
         groups = {}  # one generate call per batch of requests with the same generation arguments
         for k, r in enumerate(requests):
             context, kwargs = r.args
-            kwargs = dict(kwargs)
-            until = kwargs.pop("until", None) or []
-            max_gen = int(kwargs.pop("max_gen_toks", 256))
-            sampling = Sampling(float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0)
+            until = kwargs.get("until") or []
+            max_gen = int(kwargs.get("max_gen_toks", 256))
+            sampling = Sampling(float(kwargs.get("temperature", 1.0)), kwargs.get("top_k"), kwargs.get("top_p")) \
+                if kwargs.get("do_sample") else Sampling()  # transformers' defaults, as lm-eval's HF backend
             self._check_length(len(self.tok_encode(context)) + max_gen, r, "prompt and max_gen_toks")
             key = (tuple([until] if isinstance(until, str) else until), max_gen, sampling)
             groups.setdefault(key, []).append(k)
