@@ -1,7 +1,10 @@
 """The lm-eval backend (train/harness.py) against the model's own forward pass, infer.generate, lm-eval's
-Hugging Face backend (a committed fixture) and the local tasks."""
+Hugging Face backend (a committed fixture), the local tasks and a mesh of two simulated devices."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -126,3 +129,40 @@ def test_bad_input_is_named(model, tmp_path):
         hyena.generate_until([request("generate_until", ("a" * (L - 4), {"max_gen_toks": 8}), task="long_task")])
     (lp, _), = ZooLM(model=model).loglikelihood([long])  # attention, long_context: window takes any length
     assert lp == pytest.approx(direct(model, tokenizer_lib.encode("a" * (L + 10)), [ord("b")])[0], rel=1e-4)
+
+
+MESH_CHECK = """
+import os
+os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
+from flax import nnx
+from lm_eval.api.instance import Instance
+from tests.util import tiny_config
+from train.harness import ZooLM
+from zoo import LanguageModel
+from zoo.config import MeshConfig
+from zoo.sharding import init_on_mesh, make_mesh
+
+cfg = tiny_config(max_seq_len=128)
+build = lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))
+reqs = [Instance("loglikelihood", {}, ("ab" * k, "cd" * k), k, ("t", k, 1)) for k in range(1, 6)]
+want = ZooLM(model=build(), batch_size=2).loglikelihood(reqs, disable_tqdm=True)
+for mesh in (MeshConfig(data=2), MeshConfig(data=1, fsdp=2)):
+    mesh = make_mesh(mesh)
+    graphdef, params, rest, _ = init_on_mesh(build, mesh)
+    lm = ZooLM(model=nnx.merge(graphdef, params, rest), batch_size=2, mesh=mesh)
+    got = lm.loglikelihood(reqs, disable_tqdm=True)
+    assert all(abs(g[0] - w[0]) < 1e-4 * abs(w[0]) and g[1] == w[1] for g, w in zip(got, want)), (got, want)
+try:
+    ZooLM(model=build(), batch_size=3, mesh=mesh)
+    raise AssertionError("batch_size=3 on 2 devices was accepted")
+except ValueError as e:
+    assert "multiple of 2" in str(e), e
+print("ok")
+"""
+
+
+def test_mesh_places_batches_and_gives_one_devices_scores():
+    """On 2 simulated CPU devices (a subprocess, so this one keeps one device), over data and over fsdp."""
+    out = subprocess.run([sys.executable, "-c", MESH_CHECK], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
