@@ -14,8 +14,8 @@ The three request types:
   (segment_ids: documents never see each other, as levanter packs its evaluation); rows are filled
   longest-first, hold model.max_seq_len tokens (the power of two above a longer request, where the model
   takes one) and are padded to a power-of-two length (a bucket), `batch_size` rows a call, so each bucket
-  compiles one function. The continuation's
-  log-probability is read from one float32 log-softmax; is_greedy when every continuation token is the argmax.
+  compiles one function. The continuation's log-probability is read from one float32 log-softmax; is_greedy
+  when every continuation token is the argmax.
 - loglikelihood_rolling: the disjoint-window perplexity of lm-eval's Hugging Face backend: the document in
   windows of max_seq_len predicted tokens, stride max_seq_len, each conditioned on the one token before it
   (the first on the prefix token), summed; the windows go through loglikelihood's packing.
@@ -24,8 +24,9 @@ The three request types:
 
 A sequence longer than max_seq_len is refused, naming its task, unless every layer can take it: a mixer
 whose state stays fixed (recurrent) or whose attention is windowed past the trained context
-(long_context: window); a Hyena cache or attention with long_context: full cannot. With a `mesh`, the
-model is read into its shards and each batch's rows are split over the batch axes, as in training.
+(long_context: window); a Hyena cache or attention with long_context: full cannot. With a `mesh`, a
+folder's parameters are read into their shards and each batch's rows are split over the batch axes, as in
+training.
 """
 
 import math
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import lm_eval.models  # noqa: F401  (lm-eval's own models, registered before ours: see get_model)
+import lm_eval.models  # noqa: F401  (its models first: get_model loads them only into an empty registry)
 import numpy as np
 from flax import nnx
 from lm_eval.api.model import TemplateLM
