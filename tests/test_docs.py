@@ -133,6 +133,12 @@ def parse_command(words):
         sweep.cells(sweep.load_grid(ROOT / sweep.grid_path(sweep.parser().parse_args(argv))))  # every cell loads
     elif program in ("train.extrapolate", "train.needle"):  # a finished run's folder
         assert importlib.import_module(program).parser().parse_args(argv).run_dir.startswith("runs/")
+    elif program == "train.harness":  # lm-eval's own command line (docs/evaluation.md)
+        from unittest import mock
+
+        from lm_eval._cli import HarnessCLI
+        with mock.patch.object(sys, "argv", ["lm_eval", *argv]):
+            assert HarnessCLI().parse_args().model == "zoo"
     else:
         assert program.startswith("benchmarks."), program
         assert (ROOT / (program.replace(".", os.sep) + ".py")).exists(), program
