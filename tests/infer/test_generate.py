@@ -19,6 +19,16 @@ def test_batched_greedy_equals_each_prompt_alone(model):
     assert all(len(r) == 8 for r in batched)
 
 
+def test_left_padding_stays_out_of_a_recurrent_state():
+    """The 2-token prompt is shorter than the short convolutions' window: decoding starts with its
+    padding (segment 0) in the window, where it must count as zeros (every shipped config decodes in
+    this layout in tests/zoo/test_kinds.py)."""
+    recurrent = tiny_model({"kind": "gated_deltanet", "num_heads": 2, "conv_size": 4}, num_layers=1)
+    prompts = [[5, 6, 7, 8, 9, 10], [42, 43]]
+    batched = infer.generate(recurrent, prompts, max_new_tokens=6)
+    assert batched == [infer.generate(recurrent, [p], max_new_tokens=6)[0] for p in prompts]
+
+
 def test_greedy_is_the_argmax_of_the_full_pass(model):
     prompt = [3, 1, 4, 1, 5]
     new = infer.generate(model, [prompt], max_new_tokens=5)[0]

@@ -4,14 +4,21 @@ tests/layers/test_conformance.py, and a kind's own variants in its test file):
 - every mode computes the function of impl="reference" (the token-by-token truth), and the layer's
   training mode its gradients w.r.t. the input and every parameter (every form's gradients are
   compared with the reference's op by op in tests/kernels);
-- prefill (with a document start inside it) + token-by-token decode equals the full pass;
+- prefill (with a document start inside it) + token-by-token decode equals the full pass, and so
+  does a prefill in chunks of 3 tokens (which do not divide T) and of each short convolution's
+  width - 1, each chunk continuing the state the last one left, documents starting inside some,
+  + token-by-token decode;
 - speculative rollback: decode(steps=True) of a chunk gives decode's outputs, and `rollback` gives
   each row the state of decoding only the tokens it keeps (rows keeping different numbers), from
   which decoding goes on as from that state;
-- a packed row equals its documents run alone;
+- a packed row equals its documents run alone, a row packed with padding too (segment 0, as
+  infer.generate pads: before, between and after documents, some back to back, one starting just
+  before the prefill ends, so a convolution's window leaves the prefill holding padding, as zeros);
 - gradients are finite and reach every parameter;
 - the decode state has fixed shapes: it does not grow with max_len (unless the layer says
-  `grows_with_context`, a KV cache), and a jitted decode step traces once for many steps;
+  `grows_with_context`, a KV cache), and a jitted decode step traces once for many steps, a state
+  saved to the host (numpy, as a checkpoint holds it) and restored included, which continues as the
+  state it was saved from;
 - bfloat16 compute keeps float32 parameters and returns bfloat16 activations;
 - shape annotations are checked (the suite runs under jaxtyping's import hook): a wrong input shape
   fails at the layer's edge; and without the checker (as users run) the layer's own ValueError names
@@ -36,7 +43,12 @@ from tests.util import assert_close, assert_tree_close
 
 B, T, P, CUT = 2, 20, 12, 5  # batch, length, prefill length, document start inside row 0's prefill
 K, DROP = 5, (0, 3)  # a speculative chunk after the prefill, and the tokens of it each row drops
-SEG = jnp.zeros((B, T), jnp.int32).at[0, CUT:].set(1)
+# (segment id, length) runs of each row. Row 1 is packed with padding (segment 0): a pad token, documents
+# A and B back to back, four pad tokens, document C from one token before the prefill ends. No document
+# starts at a multiple of 2 or 3, where a chunk of `chunked_prefill` starts (a call continues its state).
+ROWS = (((0, CUT), (1, T - CUT)), ((0, 1), (1, 4), (2, 2), (0, 4), (3, 9)))
+SEG = jnp.asarray([np.repeat(*np.asarray(runs).T) for runs in ROWS], jnp.int32)
+DOCS = ((0, 0, CUT), (0, CUT, T), (1, 1, 5), (1, 5, 7), (1, 11, T))  # (row, start, end) of each document
 
 
 def randn(seed, shape, scale=1.0):
@@ -84,13 +96,34 @@ def rollback_outputs(m, x, vf, state):
 
 
 def _alone(a):
-    """Row 0's two documents as two rows; the first padded at the end with other values (causality
-    keeps trailing padding out of earlier outputs)."""
+    """Each of DOCS first in a row of its own, followed by the rest of its row (causality keeps what
+    follows a document out of its outputs)."""
     a = np.asarray(a)
-    return np.stack([np.concatenate([a[0, :CUT], a[1, :T - 2 * CUT]]), a[0, CUT:]])
+    return np.stack([np.roll(a[row], -start, axis=0) for row, start, _ in DOCS])
 
 
-def protocol_outputs(layer, modes, x, vf, grad_mode):
+def chunked_prefill(m, x, vf, c):
+    """The first P tokens of x decoded from a fresh state in chunks of c tokens, each with its segment ids:
+    (outputs (B, P, D), state)."""
+    chunks = lambda a: None if a is None else jnp.swapaxes(a[:, :P].reshape(B, P // c, c, *a.shape[2:]), 0, 1)
+
+    def piece(state, inputs):
+        y, state = _decode(m, inputs[0], state, *inputs[1:])
+        return state, y
+
+    state, y = jax.lax.scan(piece, m.init_state(B, 64), (chunks(x), chunks(SEG), chunks(vf)))  # (P / c, B, c, D)
+    return jnp.swapaxes(y, 0, 1).reshape(B, P, -1), state
+
+
+def chunk_sizes(layer) -> tuple:
+    """3, and each short convolution's width - 1 (but 1: token-by-token decoding, as after every prefill)."""
+    from layers.conv import ShortConvolution
+
+    widths = {m.kernel_size for _, m in nnx.iter_graph(layer) if isinstance(m, ShortConvolution)}
+    return tuple(sorted({3} | {w - 1 for w in widths} - {1}))
+
+
+def protocol_outputs(layer, modes, x, vf, grad_mode, chunks):
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     weight = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
     alone = [None if a is None else jnp.asarray(_alone(a)) for a in (x, vf)]
@@ -113,15 +146,22 @@ def protocol_outputs(layer, modes, x, vf, grad_mode):
                 grads[name] = jax.grad(functools.partial(loss, **attrs), argnums=(0, 1))(params, x)
         m = model()
         y_prefill, state = _decode(m, x[:, :P], m.init_state(B, 64), SEG[:, :P], None if vf is None else vf[:, :P])
+        chunked = [chunked_prefill(m, x, vf, c) for c in chunks]
+        # token by token on from every prefill's state at once, one batch of rows per prefill
+        states = jax.tree.map(lambda *a: jnp.concatenate(a), state, *(s for _, s in chunked))
+        n = 1 + len(chunks)
 
-        def step(state, inputs):
+        def step(states, inputs):
             x_t, vf_t = inputs
-            y_t, state = _decode(m, x_t[:, None], state, None, None if vf_t is None else vf_t[:, None])
-            return state, y_t[:, 0]
+            y_t, states = _decode(m, x_t[:, None], states, None, None if vf_t is None else vf_t[:, None])
+            return states, y_t[:, 0]
 
-        tail = lambda a: None if a is None else jnp.swapaxes(a[:, P:], 0, 1)
-        _, y_steps = jax.lax.scan(step, state, (tail(x), tail(vf)))
-        out["decode"] = jnp.concatenate([y_prefill, jnp.swapaxes(y_steps, 0, 1)], axis=1)
+        tail = lambda a: None if a is None else jnp.swapaxes(jnp.tile(a[:, P:], (n, 1, 1)), 0, 1)
+        _, y_steps = jax.lax.scan(step, states, (tail(x), tail(vf)))
+        y_steps = jnp.swapaxes(y_steps, 0, 1).reshape(n, B, T - P, -1)
+        out["decode"] = jnp.concatenate([y_prefill, y_steps[0]], axis=1)
+        out["chunked"] = {c: jnp.concatenate([y, y_steps[1 + i]], axis=1) for i, (c, (y, _)) in
+                          enumerate(zip(chunks, chunked))}
         out["alone"] = _call(m, alone[0], None, alone[1])
         out["unpacked"] = _call(m, x, None, vf)
         out["rollback"] = rollback_outputs(m, x, vf, state)
@@ -139,7 +179,11 @@ def check_mixer(make, D, modes=(), *, tol=1e-4, grad_tol=1e-4):
     grad_mode = getattr(layer, "mode", None)
     if grad_mode is not None and grad_mode not in modes:  # e.g. Mamba's "auto"
         modes = (*modes, grad_mode)
-    out, grads = protocol_outputs(layer, modes, x, vf, grad_mode)
+    chunks = chunk_sizes(layer)
+    starts = np.flatnonzero(np.diff(np.asarray(SEG), axis=1).any(0)) + 1
+    assert not any(P % c or s % c == 0 for s in starts for c in chunks), \
+        f"chunks of {chunks} tokens must divide the prefill and miss every document start"
+    out, grads = protocol_outputs(layer, modes, x, vf, grad_mode, chunks)
     ref = out["reference"]
     assert np.abs(np.asarray(ref)).max() > 1e-3, "the output is ~0: a vacuous check"
     for mode in modes:
@@ -148,8 +192,10 @@ def check_mixer(make, D, modes=(), *, tol=1e-4, grad_tol=1e-4):
         assert_tree_close(grads[grad_mode], grads["reference"], grad_tol, f"gradient, mode={grad_mode} vs reference")
     decode_err = np.abs(np.asarray(out["decode"]) - np.asarray(ref)).max()
     assert decode_err <= tol, f"prefill + token-by-token decode vs full pass: max abs diff {decode_err:.3g}"
-    assert_close(ref[0, :CUT], out["alone"][0, :CUT], tol, "packed: document 1 alone")
-    assert_close(ref[0, CUT:], out["alone"][1], tol, "packed: document 2 alone")
+    for c, y in out["chunked"].items():
+        assert_close(y, ref, tol, f"prefill in chunks of {c} + token-by-token decode vs full pass")
+    for i, (row, start, end) in enumerate(DOCS):
+        assert_close(ref[row, start:end], out["alone"][i, :end - start], tol, f"packed: row {row}, document at {start}")
     assert not np.allclose(ref[0, CUT:], out["unpacked"][0, CUT:], atol=1e-3), "the document reset is not real"
     for path, g in jax.tree_util.tree_leaves_with_path(grads["reference"][0]):
         g = np.asarray(g)
@@ -205,7 +251,11 @@ def check_state(layer, D):
     state = layer.init_state(B, 8)
     for t in range(3):  # a state of fixed shapes: one trace for every step
         _, state = step(params, jnp.asarray(randn(t, (B, 1, D))), state)
-    assert len(traces) == 1, f"the decode step traced {len(traces)} times for 3 steps"
+    saved = jax.device_get(state)  # numpy on the host, as a checkpoint holds it
+    x = jnp.asarray(randn(3, (B, 1, D)))
+    assert_tree_close(step(params, x, jax.tree.map(jnp.asarray, saved)), step(params, x, state), 1e-6,
+                      "decoding on from a state saved and restored")
+    assert len(traces) == 1, f"the decode step traced {len(traces)} times for 3 steps and a restored state"
 
 
 def check_bfloat16(make, D):

@@ -2,7 +2,10 @@
 layer; two for RWKV-7, whose value residual crosses layers; a layer_pattern's length; the early-exit
 config keeps its four, one per exit), built fresh (flax modules start in training mode): prefill +
 token-by-token decode equals the full pass of an evaluation view, whatever the mode (decoding is
-inference), and a packed row equals its documents alone. MoE configs included: outside training their
+inference), in infer.generate's layout, prompts of different lengths left-padded with segment 0 and
+each row compared with its prompt alone (the shorter prompt is shorter than a convolution's window,
+which so starts decoding over padding), decoding on from the prefill's state saved to the host and
+restored; and a packed row equals its documents alone. MoE configs included: outside training their
 FFN is dropless, one function of each token whatever the batch (layers/moe.py). Every kind's own
 protocol runs in tests/layers/test_conformance.py; this is the model around them. Zero-initialised
 weights (RWKV's output projections) get noise, so no check is vacuous."""
@@ -20,28 +23,34 @@ from tests.util import assert_close
 from zoo import LanguageModel, load_config
 
 CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
-T, PREFILL, DOCS = 13, 7, (5, 1, 7)  # a packed row of three documents, one of a single token
+T, PREFILL, PAD = 13, 7, 5  # row 1's prompt: the PREFILL - PAD tokens after PAD tokens of padding
+DOCS = (5, 1, 7)  # a packed row of three documents, one of a single token
+SEG = jnp.asarray([[1] * PREFILL, [0] * PAD + [1] * (PREFILL - PAD)], jnp.int32)  # generate's left padding
 
 
 def outputs(model, tokens, packed, alone):
-    """(full pass, prefill + steps, packed row, documents alone), from one jit; the passes in evaluation
-    mode, the decoding in the model's own."""
+    """(each row's full pass alone, prefill + steps, packed row, documents alone); the passes in evaluation
+    mode, the decoding in the model's own, on from the prefill's state saved to the host and restored."""
     @nnx.jit
-    def run(model, tokens, packed, alone):
+    def prefill_and_passes(model, tokens, packed, alone):
         evaluated = nnx.view(model, deterministic=True)
-        full = evaluated(tokens)
-        logits, state = model.decode(tokens[:, :PREFILL], model.init_state(tokens.shape[0], T))
+        rows_alone = jnp.stack([tokens[0], jnp.roll(tokens[1], -PAD)])  # row 1 after its padding, then that padding
+        seg = jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in enumerate(DOCS)])[None]
+        prefill = model.decode(tokens[:, :PREFILL], model.init_state(tokens.shape[0], T), segment_ids=SEG)
+        return evaluated(rows_alone), prefill, evaluated(packed, segment_ids=seg), evaluated(alone)
 
+    @nnx.jit
+    def decode_steps(model, state, tokens):
         def step(state, tok):
             out, state = model.decode(tok[:, None], state)
             return state, out[:, 0]
 
-        _, steps = jax.lax.scan(step, state, tokens[:, PREFILL:].T)
-        decoded = jnp.concatenate([logits, jnp.swapaxes(steps, 0, 1)], axis=1)
-        seg = jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in enumerate(DOCS)])[None]
-        return full, decoded, evaluated(packed, segment_ids=seg), evaluated(alone)
+        return jnp.swapaxes(jax.lax.scan(step, state, tokens.T)[1], 0, 1)
 
-    return run(model, tokens, packed, alone)
+    full, (logits, state), packed_out, alone_out = prefill_and_passes(model, tokens, packed, alone)
+    restored = jax.tree.map(jnp.asarray, jax.device_get(state))  # numpy on the host, as a checkpoint holds it
+    steps = decode_steps(model, restored, tokens[:, PREFILL:])
+    return full, jnp.concatenate([logits, steps], axis=1), packed_out, alone_out
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -58,6 +67,7 @@ def test_shipped_config_decodes_and_packs_like_its_full_pass(path):
     alone = jnp.stack([jnp.pad(packed[0, s:s + n], (0, max(DOCS) - n), constant_values=1)
                        for s, n in zip(starts, DOCS, strict=True)])
     full, decoded, packed_out, alone_out = outputs(model, tokens, packed, alone)
-    assert float(jnp.abs(decoded - full).max()) <= 1e-4, f"{path.stem}: prefill + decode vs full pass"
+    err = max(float(jnp.abs(decoded[0] - full[0]).max()), float(jnp.abs(decoded[1, PAD:] - full[1, :T - PAD]).max()))
+    assert err <= 1e-4, f"{path.stem}: left-padded prefill + decode vs each prompt's full pass alone"
     alone_out = jnp.concatenate([alone_out[i, :n] for i, n in enumerate(DOCS)])[None]
     assert_close(packed_out, alone_out, 1e-4, f"{path.stem}: packed vs alone")
