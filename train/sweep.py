@@ -11,9 +11,11 @@ its parameter count, or its decode-state bytes per sequence, is closest to the r
 each width of the grid: the field's two conventions for a fair comparison).
 
 Every cell is an ordinary run in `<out>/cells/<cell>/`, so a killed sweep resumes: finished cells
-are skipped and an interrupted one resumes from its checkpoint, bitwise. Cells run in `--workers`
-processes. Every cell's config is checked before any runs. A cell whose base sets
-train.stop_at_accuracy ends at the first evaluation that reaches it (its row says at which step).
+are skipped (reused) and an interrupted one resumes from its checkpoint, bitwise. Every cell's config
+is checked before any runs. Cells run in `--workers` processes; a line is printed as each finishes
+and, on a terminal or in a Jupyter notebook, a bar over every step of the grid shows each running
+cell's step. A cell whose base sets train.stop_at_accuracy ends at the first evaluation that reaches
+it (its row says at which step).
 The best learning rate of each (kind, width, length) is kept, as Zoology does (the mean over seeds
 decides), and the sweep writes `results.jsonl` (every cell), `table.md` and `accuracy.png` (accuracy
 against width per kind, one panel per sequence length, as Zoology's Figure 2).
@@ -31,6 +33,7 @@ from pathlib import Path
 import jax
 import yaml
 from flax import nnx
+from tqdm import tqdm
 
 from zoo.config import apply_overrides, from_dict
 from zoo.model import LanguageModel
@@ -238,22 +241,75 @@ def plot(best: list[dict], path: Path):
     plt.close(fig)
 
 
+def _logged_step(run_dir: Path) -> int:
+    """The last step a cell's metrics.jsonl holds (0 before its first row); a line being written is skipped."""
+    path = run_dir / "metrics.jsonl"
+    for line in reversed(path.read_text().splitlines() if path.exists() else []):
+        try:
+            return json.loads(line)["step"]
+        except json.JSONDecodeError:
+            continue
+    return 0
+
+
+class _Progress:
+    """What a sweep shows while it runs: a line per finished cell (through `log`) and, when `log` is print
+    and stdout redraws in place (a terminal, or a Jupyter notebook's stream), a bar over every step of the
+    grid with each running cell's step beside it. A finished cell counts all its train.steps, even if it
+    stopped early. Made before any cell runs: the cells already finished then are the reused ones."""
+
+    def __init__(self, todo: list[Cell], out: Path, log):
+        self.todo, self.out = todo, out
+        self.steps = [from_dict(c.config).train.steps for c in todo]
+        self.reused = [_finished(out / "cells" / c.name, n) is not None for c, n in zip(todo, self.steps)]
+        live = sys.stdout.isatty() or type(sys.stdout).__module__.startswith("ipykernel")
+        self.bar = tqdm(total=sum(self.steps), desc=f"0/{len(todo)} cells", unit="step", file=sys.stdout) \
+            if log is print and live else None
+        self.log = tqdm.write if self.bar else log
+
+    def watch(self, futures: list[concurrent.futures.Future]):
+        """Until every cell is done (or one fails): a line as each finishes, the bar redrawn every second."""
+        pending = set(range(len(futures)))
+        try:
+            while pending:
+                concurrent.futures.wait([futures[i] for i in pending], timeout=1,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                for i in sorted(i for i in pending if futures[i].done()):
+                    pending.remove(i)
+                    r = futures[i].result()
+                    self.log(f"  [{len(futures) - len(pending)}/{len(futures)}] {self.todo[i].name}: accuracy "
+                             f"{r['val_accuracy']}, loss {r['val_loss']:.4f} at step {r['steps']}"
+                             + (" (reused)" if self.reused[i] else ""))
+                if self.bar:
+                    self._draw(futures, pending)
+        finally:
+            if self.bar:
+                self.bar.close()
+
+    def _draw(self, futures: list[concurrent.futures.Future], pending: set[int]):
+        running = sorted(i for i in pending if futures[i].running())
+        at = {i: _logged_step(self.out / "cells" / self.todo[i].name) for i in running}
+        self.bar.set_description_str(f"{len(futures) - len(pending)}/{len(futures)} cells", refresh=False)
+        self.bar.set_postfix_str("; ".join(f"{self.todo[i].name} step {at[i]}/{self.steps[i]}" for i in running),
+                                 refresh=False)
+        self.bar.update(sum(n for i, n in enumerate(self.steps) if i not in pending) + sum(at.values()) - self.bar.n)
+
+
 def sweep(grid: dict, out: Path, workers: int = 1, log=print) -> list[dict]:
-    """Run (or resume) every cell, then write results.jsonl, table.md and accuracy.png in `out`."""
+    """Run (or resume) every cell, showing progress (`_Progress`), then write results.jsonl, table.md and
+    accuracy.png in `out`; every cell's row, in the grid's order."""
     todo = cells(grid)
     out.mkdir(parents=True, exist_ok=True)
     log(f"sweep: {len(todo)} cells in {out}/cells ({workers} at a time)")
+    progress = _Progress(todo, out, log)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # each cell trains in its own process
         futures = [pool.submit(run_cell, c, out) for c in todo]
-        rows = []
-        for c, f in zip(todo, futures):
-            rows.append(f.result())
-            log(f"  {c.name}: accuracy {rows[-1]['val_accuracy']}, loss {rows[-1]['val_loss']:.4f}")
+        progress.watch(futures)
+    rows = [f.result() for f in futures]
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     best = best_lr(rows)
     (out / "table.md").write_text(table(best))
     plot(best, out / "accuracy.png")
-    log(table(best))
     return rows
 
 
@@ -275,7 +331,7 @@ def main(argv=None):
     path = grid_path(args)
     try:
         grid = load_grid(path)
-        sweep(grid, Path(args.out or f"runs/sweep-{path.stem}"), args.workers)
+        print(table(best_lr(sweep(grid, Path(args.out or f"runs/sweep-{path.stem}"), args.workers))))
     except ValueError as e:
         sys.exit(f"error: {e}")
 

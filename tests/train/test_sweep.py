@@ -1,5 +1,6 @@
-"""The sweep runner (train/sweep.py): a killed sweep resumed gives the table of an uninterrupted one,
-best learning rate per cell, width matching, and bad grids refused before anything runs."""
+"""The sweep runner (train/sweep.py): a killed sweep resumed gives the table of an uninterrupted one
+(and one run again reuses its finished cells, saying so), best learning rate per cell, width matching,
+and bad grids refused before anything runs."""
 
 import json
 import os
@@ -56,8 +57,10 @@ def test_a_killed_sweep_resumes_to_the_same_table(tmp_path, monkeypatch):
     assert (tmp_path / "whole" / "accuracy.png").exists()
     log = first.parent / "train.log"
     before = log.stat().st_mtime_ns
-    sweep.sweep(sweep.load_grid(path), tmp_path / "killed", log=lambda *a: None)  # finished: nothing runs
+    said = []
+    sweep.sweep(sweep.load_grid(path), tmp_path / "killed", log=said.append)  # finished: nothing runs
     assert log.stat().st_mtime_ns == before and _results(tmp_path / "killed") == _results(tmp_path / "whole")
+    assert said[1].startswith("  [1/1] attention-d16-L16-lr0.003-s0: accuracy") and said[1].endswith("(reused)")
 
 
 def test_best_learning_rate_per_cell_and_the_table():
