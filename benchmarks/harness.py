@@ -10,14 +10,13 @@ backend (packed rows, --batch-size rows a call) and by a loop of one request per
 import argparse
 import json
 import time
-from pathlib import Path
 
 from flax import nnx
 from lm_eval.api.instance import Instance
 
-from train.harness import ZooLM
+from train.harness import TASKS, ZooLM
 
-TASK = Path(__file__).parents[1] / "train" / "lm_eval_tasks" / "shakespeare_mc.jsonl"
+TASK = TASKS / "shakespeare_mc.jsonl"
 
 
 def main(argv=None):

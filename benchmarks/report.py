@@ -17,7 +17,9 @@ Per kind, on this machine:
 - needle accuracy at 1x, 4x and 16x the trained length (train/needle.py: exact match, the mean over
   depths 0, 0.25, 0.5, 0.75, 1) of the kind trained on the single needle (`needle`: a one-token word
   value, vocabulary 32) at 64 tokens: 2 layers of width 128, untied embeddings, up to 400 steps of 32
-  examples at lr 3e-3, stopped at 0.99 held-out accuracy, in runs/report/needle-<kind>.
+  examples at lr 3e-3, stopped at 0.99 held-out accuracy, in runs/report/needle-<kind>;
+- the equal-budget run scored by lm-eval (train/harness.py) on the local tasks (train/lm_eval_tasks):
+  multiple-choice accuracy (24 questions on The Tempest) and bits per byte of its rolling perplexity.
 Written to runs/report/report_card.md and .json; the report card table in docs/experiments.md is this output.
 """
 
@@ -65,7 +67,22 @@ def text_row(kind: str, steps: int, out: Path) -> dict:
     rows = extrapolate(model, cfg, (1, 16), batches=2)
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return {"config": path.stem, "params": params, "val_loss": round(last["val_loss"], 4),
-            "train_tok_per_s": last.get("tokens_per_s"), "extrapolation_16x": rows[-1]["ratio"]}
+            "train_tok_per_s": last.get("tokens_per_s"), "extrapolation_16x": rows[-1]["ratio"],
+            **harness_row(run_dir)}
+
+
+def harness_row(run_dir: Path) -> dict:
+    """A run scored by lm-eval on the local tasks: multiple-choice accuracy, rolling bits per byte."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from train.harness import TASKS, ZooLM
+
+    tasks = TaskManager(include_path=str(TASKS), include_defaults=False)
+    out = lm_eval.simple_evaluate(model=ZooLM(path=str(run_dir), batch_size=16), task_manager=tasks,
+                                  tasks=["zoo_shakespeare_mc", "zoo_shakespeare_ppl"])["results"]
+    return {"lm_eval_mc_acc": round(out["zoo_shakespeare_mc"]["acc,none"], 3),
+            "lm_eval_ppl_bpb": round(out["zoo_shakespeare_ppl"]["bits_per_byte,none"], 4)}
 
 
 def retrieval_row(kind: str, out: Path) -> dict:

@@ -47,6 +47,7 @@ from layers.sharding import LOGICAL_TO_MESH
 from zoo import tokenizer as tokenizer_lib
 from zoo.sharding import batch_sharding
 
+TASKS = Path(__file__).parent / "lm_eval_tasks"  # the local tasks: lm-eval's include_path
 MIN_ROW = 32  # the shortest bucket: rows are MIN_ROW * 2**k tokens
 MODEL_ARGS = ("path", "batch_size", "dtype")
 IGNORED = ("max_batch_size", "device")  # lm-eval's command line passes them to every model

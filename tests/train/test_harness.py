@@ -11,18 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lm_eval.api.instance import Instance
 
-pytest.importorskip("lm_eval")
-
-from lm_eval.api.instance import Instance  # noqa: E402
-
-from infer import generate, generate_text  # noqa: E402
-from tests.util import tiny_model  # noqa: E402
-from train.harness import ZooLM  # noqa: E402
-from zoo import tokenizer as tokenizer_lib  # noqa: E402
+from infer import generate, generate_text
+from tests.util import tiny_model
+from train.harness import TASKS, ZooLM
+from zoo import tokenizer as tokenizer_lib
 
 ROOT = Path(__file__).parents[2]
-TASKS = ROOT / "train" / "lm_eval_tasks"
 L = 128  # the tiny model's max_seq_len
 
 
