@@ -79,8 +79,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = parser().parse_args(argv)
     try:
-        if not Path(args.run_dir).is_dir():
-            raise ValueError(f"{args.run_dir}: not a run folder")
         if any(f < 1 for f in args.factors):
             raise ValueError(f"--factors: expected positive integers, got {args.factors}")
         cfg, model, step = load_model(args.run_dir)

@@ -108,8 +108,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = parser().parse_args(argv)
     try:
-        if not Path(args.run_dir).is_dir():
-            raise ValueError(f"{args.run_dir}: not a run folder")
         if args.lengths is not None and any(n < 1 for n in args.lengths):
             raise ValueError(f"--lengths: expected positive integers, got {args.lengths}")
         cfg, model, step = load_model(args.run_dir)

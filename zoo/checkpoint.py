@@ -172,9 +172,9 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, confi
     (a YAML path), a model with the same parameters built otherwise: per-head attention masks from
     train/calibrate.py; a config whose parameters differ is refused, naming the first difference."""
     run_dir = Path(run_dir)
-    mngr = manager(run_dir / "checkpoints", create=False)
-    if not (run_dir / "checkpoints").is_dir() or not mngr.all_steps():
-        raise ValueError(f"{run_dir} is not a run folder with checkpoints (no {run_dir / 'checkpoints'}/<step>)")
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir() or not (mngr := manager(folder, create=False)).all_steps():
+        raise ValueError(f"{run_dir} is not a run folder with checkpoints (no {folder}/<step>)")
     saved = newest_meta(mngr).get("config")
     if saved is None:
         try:
