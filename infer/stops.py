@@ -47,9 +47,7 @@ def build(strings: str | list[str], token_bytes: list[bytes]) -> StopStrings:
     """Compile stop strings (one or a list of non-empty strings) for a vocabulary given as each token id's
     bytes in decoded text (`tokenizer.token_bytes()`, zoo/tokenizer.py; b"" for a token that is never
     text, such as a special token)."""
-    strings = [strings] if isinstance(strings, str) else strings
-    if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
-        raise ValueError(f"stop={strings!r}: expected a non-empty string or a list of them")
+    strings = checked(strings)
     delta, hit = _automaton([s.encode("utf-8") for s in strings])
     V = len(token_bytes)
     lengths = np.fromiter(map(len, token_bytes), np.int64, V)
@@ -64,7 +62,15 @@ def build(strings: str | list[str], token_bytes: list[bytes]) -> StopStrings:
         ended[:, ids] |= hit[nxt]
     S = 1 << (len(hit) - 1).bit_length()  # padded with rows of 0, never reached
     table = np.pad(np.where(ended, -1, state), ((0, S - len(hit)), (0, 0)))
-    return StopStrings(tuple(strings), table.astype(np.int16 if S <= np.iinfo(np.int16).max else np.int32))
+    return StopStrings(strings, table.astype(np.int16 if S <= np.iinfo(np.int16).max else np.int32))
+
+
+def checked(strings) -> tuple[str, ...]:
+    """Stop strings as a tuple (one string or a list of them), or a ValueError saying what was expected."""
+    strings = [strings] if isinstance(strings, str) else strings
+    if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(f"stop={strings!r}: expected a non-empty string or a list of them")
+    return tuple(strings)
 
 
 def _automaton(patterns: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
