@@ -1,6 +1,7 @@
 """The report card: every registered mixer kind on cost, loss, recall and extrapolation, one table.
 
     python -m benchmarks.report [--kinds attention gla ...] [--steps 250] [--contexts 256 16384]
+                                [--parts text lm_eval decode mqar needle]
 
 Per kind, on this machine:
 - parameters and training tokens/s of the equal-budget run: the kind's config in configs/
@@ -42,6 +43,7 @@ from zoo.config import from_dict
 from zoo.registry import MIXERS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PARTS = ["text", "lm_eval", "decode", "mqar", "needle"]  # the column groups, each measurable alone
 
 
 def kind_config(kind: str) -> tuple[Path, list[str]]:
@@ -55,7 +57,7 @@ def kind_config(kind: str) -> tuple[Path, list[str]]:
     return CONFIGS / "transformer.yaml", [f"model.mixer={json.dumps({'kind': kind})}"]
 
 
-def text_row(kind: str, steps: int, out: Path) -> dict:
+def text_row(kind: str, steps: int, out: Path, lm_eval: bool = True) -> dict:
     path, over = kind_config(kind)
     cfg = load_config(path, over + [f"train.steps={steps}", f"train.eval_every={steps}", "train.sample_tokens=0",
                                     f"train.checkpoint_every={steps}", "train.log_every=50"])
@@ -68,7 +70,7 @@ def text_row(kind: str, steps: int, out: Path) -> dict:
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return {"config": path.stem, "params": params, "val_loss": round(last["val_loss"], 4),
             "train_tok_per_s": last.get("tokens_per_s"), "extrapolation_16x": rows[-1]["ratio"],
-            **harness_row(run_dir)}
+            **(harness_row(run_dir) if lm_eval else {})}
 
 
 def harness_row(run_dir: Path) -> dict:
@@ -113,22 +115,30 @@ def main():
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 16384])
     p.add_argument("--workers", type=int, default=1, help="sweep cells at once")
+    p.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS,
+                   help="the columns to measure (lm_eval scores the text run, so it needs text)")
     args = p.parse_args()
+    if "lm_eval" in args.parts and "text" not in args.parts:
+        p.error("--parts lm_eval scores the equal-budget text run: add text")
     out = Path("runs/report")
-    mqar = mqar_rows(args.kinds, args.workers)
+    mqar = mqar_rows(args.kinds, args.workers) if "mqar" in args.parts else {}
     widths = sorted({d for _, d in mqar})
     rows = []
     for kind in args.kinds:
-        row = {"kind": kind, **text_row(kind, args.steps, out)}
-        name = "mha" if kind == "attention" else kind  # configs/transformer.yaml is MHA
-        decode.KINDS.setdefault(name, {"kind": kind})  # a kind the decode benchmark does not list: defaults
-        timed = decode.measure(name, args.contexts, repeats=5)
-        for r in timed:
-            row[f"decode_ms_{r['context']}"] = r["ms_per_token"]
-        row[f"state_MiB_{args.contexts[-1]}"] = timed[-1]["state_MiB"]
+        row = {"kind": kind}
+        if "text" in args.parts:
+            row.update(text_row(kind, args.steps, out, lm_eval="lm_eval" in args.parts))
+        if "decode" in args.parts:
+            name = "mha" if kind == "attention" else kind  # configs/transformer.yaml is MHA
+            decode.KINDS.setdefault(name, {"kind": kind})  # a kind the decode benchmark does not list: defaults
+            timed = decode.measure(name, args.contexts, repeats=5)
+            for r in timed:
+                row[f"decode_ms_{r['context']}"] = r["ms_per_token"]
+            row[f"state_MiB_{args.contexts[-1]}"] = timed[-1]["state_MiB"]
         for d in widths:
             row[f"mqar_d{d}"] = mqar.get((kind, d))
-        row.update(retrieval_row(kind, out))
+        if "needle" in args.parts:
+            row.update(retrieval_row(kind, out))
         rows.append(row)
         print(json.dumps(row), flush=True)
     cols = list(rows[0])

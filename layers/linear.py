@@ -6,21 +6,24 @@ its backward is much slower: B=8, T=256, D=128, H=4, K=32, an attention block's 
 took 28.7 ms with 3-D operands and 18.8 ms with these, a SwiGLU MLP's 12.1 and 7.4 ms
 (benchmarks/peers.py measures the whole model).
 
-A weight may also be a `Quantized` (layers/quant.py, made by infer/quantize.py): the product is then
-its quantized matmul.
+A weight may also be a `Quantized` (layers/quant.py, made by infer/quantize.py) or a `LowRank` adapter
+(layers/lora.py, made by train/lora.py): the product is then its own matmul.
 """
 
 import jax
 from flax import nnx
 
+from layers.lora import LowRank
 from layers.quant import Quantized
 
+HELD = (Quantized, LowRank)  # weights that multiply by their own matmul
 
-def project(x: jax.Array, w: jax.Array | Quantized, **dot_kwargs) -> jax.Array:
+
+def project(x: jax.Array, w: jax.Array | Quantized | LowRank, **dot_kwargs) -> jax.Array:
     """x (..., D) @ w (D, *out) -> (..., *out), as one (N, D) @ (D, prod(out)) product."""
     lead, out = x.shape[:-1], w.shape[1:]
     x2, w2 = x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1)
-    y = w2.matmul(x2, **dot_kwargs) if isinstance(w2, Quantized) else jax.lax.dot(x2, w2, **dot_kwargs)
+    y = w2.matmul(x2, **dot_kwargs) if isinstance(w2, HELD) else jax.lax.dot(x2, w2, **dot_kwargs)
     return y.reshape(*lead, *out)
 
 
@@ -30,7 +33,7 @@ class Linear(nnx.Linear):
     def __call__(self, x: jax.Array) -> jax.Array:
         x2 = x.reshape(-1, x.shape[-1])
         kernel = self.kernel[...]
-        if isinstance(kernel, Quantized):  # a quantized model's kernel: its own matmul (nnx.Linear's is float)
+        if isinstance(kernel, HELD):  # a quantized or adapted kernel: its own matmul (nnx.Linear's is float)
             dtype = self.dtype or x.dtype
             y = project(x2.astype(dtype), kernel.astype(dtype))
             y = y if self.bias is None else y + self.bias[...].astype(dtype)

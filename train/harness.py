@@ -202,17 +202,12 @@ class _TooLong(Exception):
 
 def _load(path: str, dtype: str, mesh):
     """(model, tokenizer) from a Hugging Face folder (config.json) or a run folder."""
-    if (Path(path) / "config.json").is_file():
-        from zoo.hf import load
+    from zoo.checkpoint import load_any
 
-        model, tok = load(path, dtype=dtype, mesh=mesh)
-        if tok is None:
-            raise ValueError(f"zoo lm-eval backend: {path} has no tokenizer.json; lm-eval needs the model's tokenizer")
-        return model, tok
-    from zoo.checkpoint import load_model
-
-    cfg, model, _ = load_model(path, mesh=mesh)  # ValueError naming the folder if it has no checkpoint
-    return model, tokenizer_lib.for_run(path, cfg.data.tokenizer)
+    model, tok = load_any(path, dtype=dtype, mesh=mesh)
+    if tok is None:
+        raise ValueError(f"zoo lm-eval backend: {path} has no tokenizer.json; lm-eval needs the model's tokenizer")
+    return model, tok
 
 
 def _takes_longer(cfg) -> bool:

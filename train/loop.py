@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import infer
 from train import optim
 from train.data import cache_dir
+from train.distill import load_teacher
 from train.exits import fit_exit_classifiers
 from train.prepare import Prepared, bits_per_byte, prepare
 from train.report import Report
@@ -177,12 +178,13 @@ def run(cfg: Config, run_dir, *, log=print, mesh: Mesh | None = None, allow_conf
     report = Report(cfg, run_dir, log, primary, started)
     with jax.set_mesh(mesh):
         data = _set_up(cfg, run_dir, mesh, report.log, allow_config_change, primary)
+        teacher = load_teacher(cfg, mesh, data.tokenizer) if cfg.train.distill else None  # checked before work
         state, checkpoints, start = _init_or_restore(cfg, run_dir, mesh, report.log)
         end = report.resume(start)
         if _finished(cfg, run_dir, start, end, report.log):
             checkpoints.close()
             return end
-        return _train(cfg, mesh, data, state, checkpoints, report, start)
+        return _train(cfg, mesh, data, state, checkpoints, report, start, teacher)
 
 
 def _set_up(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bool, primary: bool) -> Data:
@@ -231,11 +233,12 @@ def _finished(cfg: Config, run_dir: Path, start: int, end: dict, log) -> bool:
 
 
 def _train(cfg: Config, mesh: Mesh, data: Data, state: State, checkpoints: Checkpoints, report: Report,
-           start: int) -> dict:
-    """Steps start + 1 .. train.steps (or until train.stop_at_accuracy); the last metrics row."""
+           start: int, teacher: tuple | None) -> dict:
+    """Steps start + 1 .. train.steps (or until train.stop_at_accuracy); the last metrics row. A
+    `teacher` (graphdef, params, rest) is distilled (train.distill)."""
     t, last = cfg.train, {}
     replicated = NamedSharding(mesh, PartitionSpec())
-    step_fn = make_train_step(state.graphdef, state.tx, (*state.shardings, replicated))
+    step_fn = make_train_step(state.graphdef, state.tx, (*state.shardings, replicated), teacher, t.distill)
     eval_fn = make_eval_step(state.graphdef, replicated)
     with report, _Signals() as signals:
         for step in range(start + 1, t.steps + 1):

@@ -8,10 +8,14 @@ and z losses, loads, drops); `aux_loss` entries are added to the loss. Non-param
 layer updates in training (MoE's balancing bias) comes back as the new `rest`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from train.distill import kl_per_token, teacher_logits
 
 
 def _sown_metrics(model) -> dict:
@@ -24,15 +28,20 @@ def _sown_metrics(model) -> dict:
     return {k: jnp.stack(v) for k, v in out.items()}
 
 
-def forward(graphdef, params, rest, batch, train: bool):
+def forward(graphdef, params, rest, batch, train: bool, teacher=None, distill=None):
     """One batch: (sum of token losses, counted tokens, correctly predicted tokens (argmax), aux loss,
     layer metrics, new rest). Early exits add their weighted mean losses to `aux` and report them as
-    `exit<l>_loss`."""
+    `exit<l>_loss`. With `teacher` logits and a `distill` config (train/distill.py) each token's loss is
+    lm_weight * CE + (1 - lm_weight) * t^2 * KL, and the KL is reported as `distill_kl`."""
     model = nnx.merge(graphdef, params, rest, copy=True)  # copy: layers may write state under grad
     model.train() if train else model.eval()
     logits, hidden = model(batch["x"], segment_ids=batch.get("segment_ids"), return_exits=True)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     layer_metrics = _sown_metrics(model)
+    if teacher is not None:
+        kl = kl_per_token(logits, teacher, distill.temperature)
+        layer_metrics["distill_kl"] = jnp.sum(kl * batch["mask"]) / jnp.sum(batch["mask"])
+        ce = distill.lm_weight * ce + (1 - distill.lm_weight) * distill.temperature ** 2 * kl
     aux = sum((jnp.sum(v) for k, v in layer_metrics.items() if k.endswith("_aux_loss")), jnp.float32(0))
     for j, (h, w) in enumerate(zip(hidden, model.cfg.exits.weights if hidden else ())):  # early exits
         exit_ce = optax.softmax_cross_entropy_with_integer_labels(model.exit_logits(j, h), batch["y"])
@@ -43,26 +52,31 @@ def forward(graphdef, params, rest, batch, train: bool):
     return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), correct, aux, layer_metrics, new_rest
 
 
-def make_train_step(graphdef, tx, out_shardings=None):
+def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None):
     """step(params, rest, opt_state, batch) with batch leaves shaped (micro_batches, b, T).
-    `out_shardings` (params, rest, opt_state, metrics) keeps a sharded state where it was.
+    `out_shardings` (params, rest, opt_state, metrics) keeps a sharded state where it was. `teacher`
+    (graphdef, params, rest) with a `distill` config (train/distill.py) trains on the teacher's
+    logits, computed per micro-batch; its parameters are arguments of the compiled step, not constants.
 
     Gradients of the summed token loss (plus each micro-batch's aux loss weighted by its tokens) are
     accumulated over micro-batches and divided by the total token count once, so k micro-batches
     give the gradient of one batch k times larger. `rest` (e.g. MoE biases) updates per micro-batch."""
-    def step(params, rest, opt_state, batch):
-        def objective(p, r, b):
-            loss_sum, count, _, aux, layer_metrics, r = forward(graphdef, p, r, b, train=True)
+    def step(params, rest, opt_state, batch, teacher_state):
+        def objective(p, r, b, t):
+            loss_sum, count, _, aux, layer_metrics, r = forward(graphdef, p, r, b, True, t, distill)
             return loss_sum + aux * count, (loss_sum, count, layer_metrics, r)
 
         def micro(acc, b):
             loss_sum, count, layer_metrics, grads, r = acc
-            (_, (ls, n, lm, r)), g = jax.value_and_grad(objective, has_aux=True)(params, r, b)
+            t = None if teacher is None else teacher_logits(teacher[0], *teacher_state, b)
+            (_, (ls, n, lm, r)), g = jax.value_and_grad(objective, has_aux=True)(params, r, b, t)
             lm = jax.tree.map(jnp.add, layer_metrics, lm)
             return (loss_sum + ls, count + n, lm, jax.tree.map(jnp.add, grads, g), r), None
 
         k = jax.tree.leaves(batch)[0].shape[0]
-        shapes = jax.eval_shape(lambda: forward(graphdef, params, rest, jax.tree.map(lambda x: x[0], batch), True))
+        first = jax.tree.map(lambda x: x[0], batch)
+        shapes = jax.eval_shape(lambda: forward(graphdef, params, rest, first, True, None if teacher is None else
+                                                teacher_logits(teacher[0], *teacher_state, first), distill))
         zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[4]),
                  jax.tree.map(jnp.zeros_like, params), rest)
         (loss_sum, count, layer_metrics, grads, rest), _ = jax.lax.scan(micro, zeros, batch)
@@ -73,7 +87,8 @@ def make_train_step(graphdef, tx, out_shardings=None):
                    "layers": jax.tree.map(lambda x: x / k, layer_metrics)}
         return optax.apply_updates(params, updates), rest, opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 2), out_shardings=out_shardings)
+    jitted = jax.jit(step, donate_argnums=(0, 2), out_shardings=out_shardings)
+    return functools.partial(jitted, teacher_state=None if teacher is None else teacher[1:])
 
 
 def make_eval_step(graphdef, out_shardings=None):

@@ -204,6 +204,25 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, confi
     return cfg, nnx.merge(graphdef, params, rest), step
 
 
+def load_any(path, *, dtype: str = "float32", mesh: Mesh | None = None):
+    """(model, tokenizer) from a run folder of this zoo (its latest checkpoint; the run's tokenizer) or a
+    Hugging Face model folder (config.json; zoo.hf.load, its tokenizer.json or None), in evaluation mode;
+    a ValueError naming the folder when it is neither."""
+    from zoo import tokenizer as tokenizer_lib
+
+    folder = Path(path)
+    if (folder / "config.json").is_file():
+        from zoo.hf import load
+
+        return load(folder, dtype=dtype, mesh=mesh)
+    if not (folder / "checkpoints").is_dir():
+        raise ValueError(f"{folder} is not a run folder with checkpoints (no {folder}/checkpoints) nor a Hugging Face "
+                         "model folder (no config.json)")
+    cfg, model, _ = load_model(folder, mesh=mesh)
+    model.eval()
+    return model, tokenizer_lib.for_run(folder, cfg.data.tokenizer)
+
+
 def _same_parameters(saved, cfg, where):
     """cfg, after checking that its model has the parameter names and shapes of the saved config's."""
     shapes = lambda c: {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(

@@ -139,6 +139,19 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """train.distill: train the model on a teacher's next-token distributions (train/distill.py).
+    teacher (a run folder of this zoo or a Hugging Face model folder, with the model's vocabulary and
+    tokenizer; read once, in evaluation mode, and never trained); temperature (both distributions
+    softened by it, the KL scaled by its square, as Hinton et al. 2015); lm_weight (the share of the
+    next-token cross-entropy in the loss, the KL's is 1 - lm_weight). The training loss is this mix;
+    the validation loss stays the model's own cross-entropy."""
+    teacher: str | None = None
+    temperature: PosFloat = 1.0
+    lm_weight: UnitFloat = 0.0
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """train: steps; batch_size; seq_len; seed (weights, data order and sampling); lr (peak),
     min_lr_ratio, warmup_steps, schedule (cosine|linear|constant after warmup); weight_decay (not
@@ -149,7 +162,8 @@ class TrainConfig:
     runs/<config stem>); on_nonfinite (stop: end the run naming the step, keeping the last good
     checkpoint; skip: drop the update and count it); stop_at_accuracy (a task run ends after the first
     evaluation whose held-out accuracy reaches it, as Zoology's early_stopping_threshold; null =
-    never); mesh (devices per mesh axis, see train.mesh)."""
+    never); mesh (devices per mesh axis, see train.mesh); distill (a teacher to distil, see
+    train.distill; null = plain next-token training)."""
     steps: PosInt = 1000
     batch_size: PosInt = 32
     seq_len: PosInt = 128
@@ -174,6 +188,7 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     stop_at_accuracy: UnitFloat | None = None
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    distill: DistillConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -277,6 +292,9 @@ def from_dict(data: dict) -> Config:
         raise ValueError(f"model.head: {cfg.model.head!r} with data.task.kind="
                          f"{task.KIND if task else None!r}; MAD's compression task and model.head=pooled_decoder "
                          "go together (every other source is next-token prediction, for model.head=lm)")
+    if train.distill is not None and not train.distill.teacher:
+        raise ValueError("train.distill.teacher: expected a run folder or a Hugging Face model folder, got "
+                         f"{train.distill.teacher!r}")
     if task is None and train.stop_at_accuracy is not None:
         raise ValueError(f"train.stop_at_accuracy: {train.stop_at_accuracy} needs data.task (a text run reports no "
                          "accuracy); remove it or train on a task")

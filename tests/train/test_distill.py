@@ -1,0 +1,101 @@
+"""Distillation through the loop (train/distill.py, `train.distill`): the KL and the mixed loss equal
+direct computations; a student of another kind distilled from a trained teacher moves toward it
+(its KL falls) and the teacher is untouched; a killed distillation resumes bitwise, a changed teacher
+is refused by name on resume; bad teachers are refused before any work."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from tests.util import tiny_model
+from train.distill import kl_per_token
+from train.loop import run
+from train.step import forward
+from zoo.checkpoint import load_model
+from zoo.config import DistillConfig, from_dict
+
+
+def test_kl_and_the_mixed_loss_equal_direct_computations():
+    rng = np.random.default_rng(0)
+    s, t = rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7))
+    for temp in (1.0, 2.5):
+        ps, pt = (np.exp(a / temp) / np.exp(a / temp).sum(-1, keepdims=True) for a in (s, t))
+        direct = (pt * (np.log(pt) - np.log(ps))).sum(-1)
+        np.testing.assert_allclose(kl_per_token(jnp.asarray(s), jnp.asarray(t), temp), direct, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kl_per_token(jnp.asarray(t), jnp.asarray(t)), 0, atol=1e-6)
+
+    model = tiny_model({"kind": "gla", "num_heads": 2}, num_layers=1)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = jnp.asarray(rng.integers(0, 256, (2, 9)), jnp.int32)
+    batch = {"x": x[:, :-1], "y": x[:, 1:], "mask": jnp.asarray(rng.random((2, 8)) < 0.8, jnp.float32)}
+    teacher = jnp.asarray(rng.standard_normal((2, 8, 256)), jnp.float32)
+    d = DistillConfig(teacher="t", temperature=2.0, lm_weight=0.3)
+    loss_sum, count, *_, metrics, _ = forward(graphdef, params, rest, batch, False, teacher, d)
+    logits = model(batch["x"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    kl = kl_per_token(logits, teacher, 2.0)
+    want = jnp.sum((0.3 * ce + 0.7 * 4.0 * kl) * batch["mask"])
+    np.testing.assert_allclose(float(loss_sum), float(want), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["distill_kl"]), float(jnp.sum(kl * batch["mask"]) / count), rtol=1e-5)
+
+
+def _config(run_dir, mixer, steps, distill=None, **train):
+    return from_dict({"model": {"d_model": 32, "num_layers": 1, "mixer": mixer},
+                      "train": {"steps": steps, "batch_size": 4, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2,
+                                "log_every": 1, "eval_every": steps, "eval_batches": 1, "checkpoint_every": 4,
+                                "sample_tokens": 0, "run_dir": str(run_dir), "distill": distill, **train}})
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("teacher") / "run"
+    run(_config(folder, {"kind": "attention", "num_heads": 2}, 40, lr=1e-2), folder, log=lambda _: None)
+    return folder
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_student_of_another_kind_moves_toward_its_teacher_and_resumes_bitwise(teacher, tmp_path):
+    before = jax.tree.map(np.asarray, nnx.state(load_model(teacher)[1], nnx.Param))
+    distill = {"teacher": str(teacher), "temperature": 2.0}
+    cfg = _config(tmp_path / "student", {"kind": "gla", "num_heads": 2}, 12, distill)
+    run(cfg, tmp_path / "student", log=lambda _: None)
+    kl = [r["distill_kl"] for r in _rows(tmp_path / "student")]
+    assert len(kl) == 12 and np.mean(kl[-3:]) < np.mean(kl[:3]) * 0.8, kl
+    after = jax.tree.map(np.asarray, nnx.state(load_model(teacher)[1], nnx.Param))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
+
+    # killed after its step-8 checkpoint (the step-12 one gone), resumed: the run that was never stopped
+    shutil.copytree(tmp_path / "student", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "12")
+    run(cfg, tmp_path / "resumed", log=lambda _: None)
+    straight, resumed = (load_model(tmp_path / d)[1] for d in ("student", "resumed"))
+    for a, b in zip(*(jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (straight, resumed)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    other = _config(tmp_path / "student", {"kind": "gla", "num_heads": 2}, 12,
+                    {**distill, "teacher": str(tmp_path / "resumed")})
+    with pytest.raises(ValueError, match=r"train\.distill\.teacher"):
+        run(other, tmp_path / "student", log=lambda _: None)
+
+
+def test_bad_teachers_are_refused_before_any_work(teacher, tmp_path):
+    gla = {"kind": "gla", "num_heads": 2}
+    with pytest.raises(ValueError, match=r"train\.distill\.teacher: expected a run folder"):
+        _config(tmp_path / "a", gla, 2, {"temperature": 2.0})
+    with pytest.raises(ValueError, match="is not a run folder with checkpoints .* nor a Hugging Face model folder"):
+        run(_config(tmp_path / "b", gla, 2, {"teacher": str(tmp_path)}), tmp_path / "b", log=lambda _: None)
+    small = from_dict({"model": {"d_model": 32, "num_layers": 1, "mixer": gla, "vocab_size": 32},
+                       "data": {"task": {"kind": "mqar", "vocab_size": 32, "num_kv_pairs": 2}},
+                       "train": {"steps": 2, "batch_size": 4, "seq_len": 16, "distill": {"teacher": str(teacher)}}})
+    with pytest.raises(ValueError, match="vocabulary of 256 tokens and the model 32"):
+        run(small, tmp_path / "c", log=lambda _: None)
+    assert not (tmp_path / "c" / "checkpoints").exists()
