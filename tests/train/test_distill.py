@@ -36,8 +36,9 @@ def test_kl_and_the_mixed_loss_equal_direct_computations():
     batch = {"x": x[:, :-1], "y": x[:, 1:], "mask": jnp.asarray(rng.random((2, 8)) < 0.8, jnp.float32)}
     teacher = jnp.asarray(rng.standard_normal((2, 8, 256)), jnp.float32)
     d = DistillConfig(teacher="t", temperature=2.0, lm_weight=0.3)
-    loss_sum, count, *_, metrics, _ = forward(graphdef, params, rest, batch, False, teacher, d)
-    logits = model(batch["x"])
+    loss_sum, count, *_, metrics, _ = jax.jit(lambda p, r, b, t: forward(graphdef, p, r, b, False, t, d))(
+        params, rest, batch, teacher)
+    logits = jax.jit(lambda m, x: m(x))(model, batch["x"])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     kl = kl_per_token(logits, teacher, 2.0)
     want = jnp.sum((0.3 * ce + 0.7 * 4.0 * kl) * batch["mask"])
