@@ -12,8 +12,8 @@ training step runs it on the batch and trains the model on
 per token (Hinton et al. 2015), p^(t) = softmax(logits / t); `distill_kl` in the step's metrics is
 the KL at that temperature, and the validation loss stays the model's cross-entropy, so a distilled
 run and a run trained from scratch compare directly. The student is any config of the teacher's
-vocabulary and tokenizer (a smaller model of the same or another kind); a student that starts from the
-teacher's own weights with some mixers converted is the next part of issue 37, not built yet.
+vocabulary and tokenizer (a smaller model of the same or another kind), or the teacher itself with some
+layers converted to another kind and started from its weights (train.distill.convert, train/convert.py).
 """
 
 import jax
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from zoo.config import Config
+from zoo.config import Config, student_model
 
 
 def kl_per_token(student: Float[Array, "*B V"], teacher: Float[Array, "*B V"], temperature: float = 1.0
@@ -48,6 +48,10 @@ def load_teacher(cfg: Config, mesh, tokenizer) -> tuple:
     if tok is not None and tokenizer is not None and tok.token_bytes() != tokenizer.token_bytes():
         raise ValueError(f"train.distill.teacher: {path}'s tokenizer is not the run's (data.tokenizer): the same "
                          "ids must mean the same text")
+    convert = cfg.train.distill.convert
+    if convert is not None and cfg.model != student_model(model.cfg, convert.mixer, convert.layers):
+        raise ValueError("train.distill.convert: the model section is not the teacher's with the converted layers; "
+                         "read the config with zoo.load_config, which derives it")
     return nnx.split(model, nnx.Param, ...)
 
 

@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import infer
 from train import optim
+from train.convert import initialise
 from train.data import cache_dir
 from train.distill import load_teacher
 from train.exits import fit_exit_classifiers
@@ -179,7 +180,7 @@ def run(cfg: Config, run_dir, *, log=print, mesh: Mesh | None = None, allow_conf
     with jax.set_mesh(mesh):
         data = _set_up(cfg, run_dir, mesh, report.log, allow_config_change, primary)
         teacher = load_teacher(cfg, mesh, data.tokenizer) if cfg.train.distill else None  # checked before work
-        state, checkpoints, start = _init_or_restore(cfg, run_dir, mesh, report.log)
+        state, checkpoints, start = _init_or_restore(cfg, run_dir, mesh, report.log, teacher)
         end = report.resume(start)
         if _finished(cfg, run_dir, start, end, report.log):
             checkpoints.close()
@@ -203,9 +204,11 @@ def _set_up(cfg: Config, run_dir: Path, mesh: Mesh, log, allow_config_change: bo
     return data
 
 
-def _init_or_restore(cfg: Config, run_dir: Path, mesh: Mesh, log) -> tuple[State, Checkpoints, int]:
+def _init_or_restore(cfg: Config, run_dir: Path, mesh: Mesh, log, teacher: tuple | None
+                     ) -> tuple[State, Checkpoints, int]:
     """(state, checkpoints, step): the State of the run's newest intact checkpoint and its step, or
-    a new State (from model.init_from's weights where given) and step 0."""
+    a new State (from model.init_from's weights where given, or the `teacher`'s for a student that
+    train.distill.convert makes) and step 0."""
     tx = optim.optimizer(cfg.train)
     graphdef, params, rest, opt_state, shardings = init_state(cfg, tx, mesh)
     state = State(graphdef, tx, params, rest, opt_state, shardings)
@@ -215,6 +218,10 @@ def _init_or_restore(cfg: Config, run_dir: Path, mesh: Mesh, log) -> tuple[State
         from zoo.hf import read_params
         state.params = read_params(cfg.model.init_from, cfg.model, state.params, shardings[0])
         log(f"starting from the weights of {cfg.model.init_from}")
+    if not start and cfg.train.distill is not None and cfg.train.distill.convert is not None:
+        state.params, mapped = initialise(state.params, teacher[1], shardings[0])
+        log(f"starting from {cfg.train.distill.teacher}: {len(mapped)} of {len(jax.tree.leaves(state.params))} "
+            "parameters taken from the teacher (train/convert.py)")
     return state, checkpoints, start
 
 

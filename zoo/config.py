@@ -139,16 +139,27 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class ConvertConfig:
+    """train.distill.convert: the model is the teacher's with the mixers of `layers` (indices, null:
+    every layer) replaced by `mixer` (a mixer config with its kind), started from the teacher's weights
+    (train/convert.py); the config's model section is then derived from the teacher and must be absent."""
+    mixer: Any = None
+    layers: tuple[NonNegInt, ...] | None = None
+
+
+@dataclass(frozen=True)
 class DistillConfig:
     """train.distill: train the model on a teacher's next-token distributions (train/distill.py).
     teacher (a run folder of this zoo or a Hugging Face model folder, with the model's vocabulary and
     tokenizer; read once, in evaluation mode, and never trained); temperature (both distributions
     softened by it, the KL scaled by its square, as Hinton et al. 2015); lm_weight (the share of the
-    next-token cross-entropy in the loss, the KL's is 1 - lm_weight). The training loss is this mix;
-    the validation loss stays the model's own cross-entropy."""
+    next-token cross-entropy in the loss, the KL's is 1 - lm_weight); convert (the student made from the
+    teacher, train.distill.convert below; null: the model section's own model, freshly initialised).
+    The training loss is this mix; the validation loss stays the model's own cross-entropy."""
     teacher: str | None = None
     temperature: PosFloat = 1.0
     lm_weight: UnitFloat = 0.0
+    convert: ConvertConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -233,6 +244,21 @@ def check_model(cfg: ModelConfig, path: str = "model"):
         _check_exits(cfg.exits, cfg.num_layers, f"{path}.exits")
         if cfg.head != "lm":
             raise ValueError(f"{path}.exits: early exits need model.head=lm, got {cfg.head!r}")
+
+
+def student_model(teacher: ModelConfig, mixer, layers=None, path: str = "train.distill.convert") -> ModelConfig:
+    """The teacher's model config with the mixers of `layers` (indices; None: every layer) replaced by
+    `mixer` (a mixer config as in YAML, with its kind); a ValueError naming a bad index or key."""
+    n = teacher.num_layers
+    chosen = range(n) if layers is None else layers
+    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+    if bad or not chosen:
+        raise ValueError(f"{path}.layers: {list(chosen)!r}; expected indices of the teacher's layers, 0 to {n - 1}")
+    mixers = [to_dict(m) for m in teacher.mixers()]
+    for i in chosen:
+        mixers[i] = mixer
+    return build_model({**to_dict(teacher), "mixer": None, "layer_pattern": mixers, "init_from": None},
+                       f"{path}.mixer")
 
 
 def _check_exits(e: ExitsConfig, num_layers: int, path: str):

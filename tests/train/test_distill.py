@@ -100,3 +100,37 @@ def test_bad_teachers_are_refused_before_any_work(teacher, tmp_path):
     with pytest.raises(ValueError, match="vocabulary of 256 tokens and the model 32"):
         run(small, tmp_path / "c", log=lambda _: None)
     assert not (tmp_path / "c" / "checkpoints").exists()
+
+
+def test_a_converted_student_starts_from_its_teacher(teacher, tmp_path):
+    """train.distill.convert: the model is the teacher's with layer 0 a DeltaNet, started from the teacher's
+    weights (its attention's projections in the DeltaNet's), then distilled."""
+    import yaml
+
+    from zoo import load_config
+
+    section = {"teacher": str(teacher), "convert": {"mixer": {"kind": "deltanet", "num_heads": 2}, "layers": [0]}}
+    path = tmp_path / "student.yaml"
+    path.write_text(yaml.safe_dump({"train": {"steps": 2, "batch_size": 4, "seq_len": 32, "lr": 1e-12,
+                                              "warmup_steps": 0, "eval_every": 2, "eval_batches": 1,
+                                              "sample_tokens": 0, "distill": section}}))
+    cfg = load_config(path)
+    assert cfg.model.mixers()[0].KIND == "deltanet" and cfg.model.d_model == 32
+    logged = []
+    run(cfg, tmp_path / "run", log=logged.append)
+    assert any("parameters taken from the teacher" in str(line) for line in logged), logged
+    t, s = load_model(teacher)[1], load_model(tmp_path / "run")[1]
+    near = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-8)  # lr 1e-12: barely moved
+    near(s.embed.embedding.get_value(), t.embed.embedding.get_value())
+    near(s.blocks[0].ffn.w_up.get_value(), t.blocks[0].ffn.w_up.get_value())
+    near(s.blocks[0].mixer.q_proj.kernel.get_value(), t.blocks[0].mixer.wq.get_value().reshape(32, -1))
+
+    raw = from_dict({"train": {"steps": 2, "batch_size": 4, "seq_len": 32, "distill": section}})  # not derived
+    with pytest.raises(ValueError, match="the model section is not the teacher's with the converted layers"):
+        run(raw, tmp_path / "raw", log=lambda _: None)
+    path.write_text(yaml.safe_dump({"model": {"d_model": 64}, "train": {"distill": section}}))
+    with pytest.raises(ValueError, match="model: with train.distill.convert the model is the teacher's"):
+        load_config(path)
+    path.write_text(yaml.safe_dump({"train": {"distill": {**section, "teacher": str(tmp_path)}}}))
+    with pytest.raises(ValueError, match=r"train\.distill\.teacher: .* is not a run folder \(no config\.yaml\)"):
+        load_config(path)
