@@ -209,7 +209,7 @@ def _init_or_restore(cfg: Config, run_dir: Path, mesh: Mesh, log, teacher: tuple
     """(state, checkpoints, step): the State of the run's newest intact checkpoint and its step, or
     a new State (from model.init_from's weights where given, or the `teacher`'s for a student that
     train.distill.convert makes) and step 0."""
-    tx = optim.optimizer(cfg.train)
+    tx = optim.optimizer(cfg.train, cfg.model.num_layers)
     graphdef, params, rest, opt_state, shardings = init_state(cfg, tx, mesh)
     state = State(graphdef, tx, params, rest, opt_state, shardings)
     checkpoints = Checkpoints(cfg, run_dir, state)

@@ -32,7 +32,16 @@ def decays(params):
     return jax.tree_util.tree_map_with_path(rule, params)
 
 
-def optimizer(t: TrainConfig) -> optax.GradientTransformation:
+def optimizer(t: TrainConfig, num_layers: int | None = None) -> optax.GradientTransformation:
+    """AdamW as the module docstring says; with train.distill.trainable=converted (a model of
+    `num_layers` layers) only the converted layers' mixers are updated, every other parameter's update
+    is zero."""
     adamw = optax.adamw(schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decays)
     tx = optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
+    if t.distill is not None and t.distill.trainable == "converted":
+        layers = range(num_layers) if t.distill.convert.layers is None else t.distill.convert.layers
+        prefixes = tuple(f"['blocks'][{i}]['mixer']" for i in layers)
+        label = lambda path, _: "train" if jax.tree_util.keystr(path).startswith(prefixes) else "frozen"
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
+                                   lambda params: jax.tree_util.tree_map_with_path(label, params))
     return optax.apply_if_finite(tx, max_consecutive_errors=2 ** 30)

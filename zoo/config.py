@@ -154,12 +154,15 @@ class DistillConfig:
     tokenizer; read once, in evaluation mode, and never trained); temperature (both distributions
     softened by it, the KL scaled by its square, as Hinton et al. 2015); lm_weight (the share of the
     next-token cross-entropy in the loss, the KL's is 1 - lm_weight); convert (the student made from the
-    teacher, train.distill.convert below; null: the model section's own model, freshly initialised).
-    The training loss is this mix; the validation loss stays the model's own cross-entropy."""
+    teacher, train.distill.convert below; null: the model section's own model, freshly initialised);
+    trainable (all: every parameter; converted: only the converted layers' mixers, everything else
+    frozen, bitwise, needs convert). The training loss is this mix; the validation loss stays the model's
+    own cross-entropy."""
     teacher: str | None = None
     temperature: PosFloat = 1.0
     lm_weight: UnitFloat = 0.0
     convert: ConvertConfig | None = None
+    trainable: Literal["all", "converted"] = "all"
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,9 @@ def from_dict(data: dict) -> Config:
     if train.distill is not None and not train.distill.teacher:
         raise ValueError("train.distill.teacher: expected a run folder or a Hugging Face model folder, got "
                          f"{train.distill.teacher!r}")
+    if train.distill is not None and train.distill.trainable == "converted" and train.distill.convert is None:
+        raise ValueError("train.distill.trainable: 'converted' trains the layers train.distill.convert replaces; "
+                         "there is no convert section")
     if task is None and train.stop_at_accuracy is not None:
         raise ValueError(f"train.stop_at_accuracy: {train.stop_at_accuracy} needs data.task (a text run reports no "
                          "accuracy); remove it or train on a task")

@@ -92,6 +92,8 @@ def test_bad_teachers_are_refused_before_any_work(teacher, tmp_path):
     gla = {"kind": "gla", "num_heads": 2}
     with pytest.raises(ValueError, match=r"train\.distill\.teacher: expected a run folder"):
         _config(tmp_path / "a", gla, 2, {"temperature": 2.0})
+    with pytest.raises(ValueError, match=r"train\.distill\.trainable: 'converted' trains the layers"):
+        _config(tmp_path / "a", gla, 2, {"teacher": str(teacher), "trainable": "converted"})
     with pytest.raises(ValueError, match="is not a run folder with checkpoints .* nor a Hugging Face model folder"):
         run(_config(tmp_path / "b", gla, 2, {"teacher": str(tmp_path)}), tmp_path / "b", log=lambda _: None)
     small = from_dict({"model": {"d_model": 32, "num_layers": 1, "mixer": gla, "vocab_size": 32},
@@ -124,6 +126,20 @@ def test_a_converted_student_starts_from_its_teacher(teacher, tmp_path):
     near(s.embed.embedding.get_value(), t.embed.embedding.get_value())
     near(s.blocks[0].ffn.w_up.get_value(), t.blocks[0].ffn.w_up.get_value())
     near(s.blocks[0].mixer.q_proj.kernel.get_value(), t.blocks[0].mixer.wq.get_value().reshape(32, -1))
+
+    # trainable: converted: the DeltaNet moves, everything else stays the teacher's, bit for bit
+    frozen = yaml.safe_load(path.read_text())
+    frozen["train"].update(lr=1e-2, distill={**section, "trainable": "converted"})
+    path.write_text(yaml.safe_dump(frozen))
+    run(load_config(path), tmp_path / "frozen", log=lambda _: None)
+    s = load_model(tmp_path / "frozen")[1]
+    flat = lambda m: {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+    student, source = flat(s), flat(t)
+    for key, value in student.items():
+        if key[:3] != ("blocks", 0, "mixer"):
+            np.testing.assert_array_equal(value, source[key], err_msg=str(key))
+    assert not np.allclose(student[("blocks", 0, "mixer", "q_proj", "kernel")], source[("blocks", 0, "mixer", "wq")
+                                                                                        ].reshape(32, -1))
 
     raw = from_dict({"train": {"steps": 2, "batch_size": 4, "seq_len": 32, "distill": section}})  # not derived
     with pytest.raises(ValueError, match="the model section is not the teacher's with the converted layers"):
