@@ -10,8 +10,11 @@ training step runs it on the batch and trains the model on
     loss = lm_weight * CE(y, p_s) + (1 - lm_weight) * t^2 * KL(p_t^(t) || p_s^(t))
 
 per token (Hinton et al. 2015), p^(t) = softmax(logits / t); `distill_kl` in the step's metrics is
-the KL at that temperature, and the validation loss stays the model's cross-entropy, so a distilled
-run and a run trained from scratch compare directly. The student is any config of the teacher's
+the KL at that temperature. Stage `layers` (attention transfer, LoLCATs' first step) trains each
+converted mixer alone to give its teacher layer's mixer output from the teacher's residual stream
+(`distill_mse`, the rest frozen); stage `logits` then distils the whole student end to end. The
+validation loss stays the model's cross-entropy, so a distilled run and a run trained from scratch
+compare directly. The student is any config of the teacher's
 vocabulary and tokenizer (a smaller model of the same or another kind), or the teacher itself with some
 layers converted to another kind and started from its weights (train.distill.convert, train/convert.py).
 """
@@ -55,7 +58,39 @@ def load_teacher(cfg: Config, mesh, tokenizer) -> tuple:
     return nnx.split(model, nnx.Param, ...)
 
 
-def teacher_logits(graphdef, params, rest, batch: dict) -> jax.Array:
-    """The teacher's logits on a batch, in evaluation mode, outside any gradient."""
+def teacher_targets(graphdef, params, rest, batch: dict, distill):
+    """What the student is trained to match on a batch, outside any gradient, the teacher in evaluation
+    mode: its logits (stage logits), or for each converted layer (stage layers) the residual stream
+    entering it and its mixer's output, as (inputs, outputs), each a tuple over the layers of (B, T, D)."""
     model = nnx.merge(graphdef, params, rest, copy=True)
-    return jax.lax.stop_gradient(model(batch["x"], segment_ids=batch.get("segment_ids")))
+    seg = batch.get("segment_ids")
+    if distill.stage == "logits":
+        return jax.lax.stop_gradient(model(batch["x"], segment_ids=seg))
+    layers = converted_layers(distill, len(model.blocks))
+
+    def step(i, run, x, rest, carry):
+        if i in layers:
+            block = model.blocks[i]
+            carry = (*carry, (x, block.mixer(block.mixer_norm(x), segment_ids=seg)))
+        y, rest = run(x, rest)
+        return y, rest, carry
+
+    pairs = model.walk(model.embed_tokens(batch["x"]), segment_ids=seg, step=step, carry=())[2]
+    return jax.lax.stop_gradient(tuple(zip(*pairs)))
+
+
+def converted_layers(distill, num_layers: int) -> tuple[int, ...]:
+    layers = distill.convert.layers
+    return tuple(range(num_layers)) if layers is None else tuple(layers)
+
+
+def alignment_loss(model, targets, batch: dict, distill) -> tuple[jax.Array, jax.Array]:
+    """(the sum over tokens of each converted layer's mean squared error over the width, summed over the
+    layers; its mean per token and layer): each student mixer run on the teacher's residual stream."""
+    seg, mask = batch.get("segment_ids"), batch["mask"]
+    total = jnp.float32(0)
+    for i, x, y in zip(converted_layers(distill, len(model.blocks)), *targets, strict=True):
+        block = model.blocks[i]
+        err = jnp.mean(jnp.square(block.mixer(block.mixer_norm(x), segment_ids=seg).astype(jnp.float32) - y), axis=-1)
+        total = total + jnp.sum(err * mask)
+    return total, total / (jnp.sum(mask) * len(targets[0]))

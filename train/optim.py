@@ -5,6 +5,7 @@ are dropped (optax.apply_if_finite); the loop decides whether to stop or go on."
 import jax
 import optax
 
+from train.distill import converted_layers
 from zoo.config import TrainConfig
 
 
@@ -39,8 +40,7 @@ def optimizer(t: TrainConfig, num_layers: int | None = None) -> optax.GradientTr
     adamw = optax.adamw(schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decays)
     tx = optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
     if t.distill is not None and t.distill.trainable == "converted":
-        layers = range(num_layers) if t.distill.convert.layers is None else t.distill.convert.layers
-        prefixes = tuple(f"['blocks'][{i}]['mixer']" for i in layers)
+        prefixes = tuple(f"['blocks'][{i}]['mixer']" for i in converted_layers(t.distill, num_layers))
         label = lambda path, _: "train" if jax.tree_util.keystr(path).startswith(prefixes) else "frozen"
         tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
                                    lambda params: jax.tree_util.tree_map_with_path(label, params))

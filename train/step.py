@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from train.distill import kl_per_token, teacher_logits
+from train.distill import alignment_loss, kl_per_token, teacher_targets
 
 
 def _sown_metrics(model) -> dict:
@@ -31,10 +31,15 @@ def _sown_metrics(model) -> dict:
 def forward(graphdef, params, rest, batch, train: bool, teacher=None, distill=None):
     """One batch: (sum of token losses, counted tokens, correctly predicted tokens (argmax), aux loss,
     layer metrics, new rest). Early exits add their weighted mean losses to `aux` and report them as
-    `exit<l>_loss`. With `teacher` logits and a `distill` config (train/distill.py) each token's loss is
-    lm_weight * CE + (1 - lm_weight) * t^2 * KL, and the KL is reported as `distill_kl`."""
+    `exit<l>_loss`. With a `distill` config (train/distill.py) and the `teacher`'s targets: at stage
+    logits each token's loss is lm_weight * CE + (1 - lm_weight) * t^2 * KL, the KL reported as
+    `distill_kl`; at stage layers the loss is the converted mixers' alignment error, `distill_mse`."""
     model = nnx.merge(graphdef, params, rest, copy=True)  # copy: layers may write state under grad
     model.train() if train else model.eval()
+    if teacher is not None and distill.stage == "layers":
+        loss_sum, mse = alignment_loss(model, teacher, batch, distill)
+        new_rest = nnx.state(model, nnx.Not(nnx.Param))
+        return loss_sum, jnp.sum(batch["mask"]), jnp.float32(0), jnp.float32(0), {"distill_mse": mse}, new_rest
     logits, hidden = model(batch["x"], segment_ids=batch.get("segment_ids"), return_exits=True)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     layer_metrics = _sown_metrics(model)
@@ -56,7 +61,7 @@ def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None
     """step(params, rest, opt_state, batch) with batch leaves shaped (micro_batches, b, T).
     `out_shardings` (params, rest, opt_state, metrics) keeps a sharded state where it was. `teacher`
     (graphdef, params, rest) with a `distill` config (train/distill.py) trains on the teacher's
-    logits, computed per micro-batch; its parameters are arguments of the compiled step, not constants.
+    targets, computed per micro-batch; its parameters are arguments of the compiled step, not constants.
 
     Gradients of the summed token loss (plus each micro-batch's aux loss weighted by its tokens) are
     accumulated over micro-batches and divided by the total token count once, so k micro-batches
@@ -68,7 +73,7 @@ def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None
 
         def micro(acc, b):
             loss_sum, count, layer_metrics, grads, r = acc
-            t = None if teacher is None else teacher_logits(teacher[0], *teacher_state, b)
+            t = None if teacher is None else teacher_targets(teacher[0], *teacher_state, b, distill)
             (_, (ls, n, lm, r)), g = jax.value_and_grad(objective, has_aux=True)(params, r, b, t)
             lm = jax.tree.map(jnp.add, layer_metrics, lm)
             return (loss_sum + ls, count + n, lm, jax.tree.map(jnp.add, grads, g), r), None
@@ -76,7 +81,7 @@ def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None
         k = jax.tree.leaves(batch)[0].shape[0]
         first = jax.tree.map(lambda x: x[0], batch)
         shapes = jax.eval_shape(lambda: forward(graphdef, params, rest, first, True, None if teacher is None else
-                                                teacher_logits(teacher[0], *teacher_state, first), distill))
+                                                teacher_targets(teacher[0], *teacher_state, first, distill), distill))
         zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[4]),
                  jax.tree.map(jnp.zeros_like, params), rest)
         (loss_sum, count, layer_metrics, grads, rest), _ = jax.lax.scan(micro, zeros, batch)

@@ -156,13 +156,17 @@ class DistillConfig:
     next-token cross-entropy in the loss, the KL's is 1 - lm_weight); convert (the student made from the
     teacher, train.distill.convert below; null: the model section's own model, freshly initialised);
     trainable (all: every parameter; converted: only the converted layers' mixers, everything else
-    frozen, bitwise, needs convert). The training loss is this mix; the validation loss stays the model's
-    own cross-entropy."""
+    frozen, bitwise, needs convert); stage (logits: the loss above, end to end; layers: attention
+    transfer, each converted mixer trained to give its teacher layer's output from the teacher's own
+    residual stream, the mean squared error over the width summed over those layers, needs convert and
+    trainable: converted; temperature and lm_weight unused). The validation loss stays the model's own
+    cross-entropy."""
     teacher: str | None = None
     temperature: PosFloat = 1.0
     lm_weight: UnitFloat = 0.0
     convert: ConvertConfig | None = None
     trainable: Literal["all", "converted"] = "all"
+    stage: Literal["logits", "layers"] = "logits"
 
 
 @dataclass(frozen=True)
@@ -327,6 +331,9 @@ def from_dict(data: dict) -> Config:
     if train.distill is not None and train.distill.trainable == "converted" and train.distill.convert is None:
         raise ValueError("train.distill.trainable: 'converted' trains the layers train.distill.convert replaces; "
                          "there is no convert section")
+    if train.distill is not None and train.distill.stage == "layers" and train.distill.trainable != "converted":
+        raise ValueError("train.distill.stage: 'layers' trains the converted mixers alone; set train.distill.trainable"
+                         ": converted (and a convert section)")
     if task is None and train.stop_at_accuracy is not None:
         raise ValueError(f"train.stop_at_accuracy: {train.stop_at_accuracy} needs data.task (a text run reports no "
                          "accuracy); remove it or train on a task")

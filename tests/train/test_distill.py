@@ -18,7 +18,7 @@ from train.distill import kl_per_token
 from train.loop import run
 from train.step import forward
 from zoo.checkpoint import load_model
-from zoo.config import DistillConfig, from_dict
+from zoo.config import ConvertConfig, DistillConfig, from_dict
 
 
 def test_kl_and_the_mixed_loss_equal_direct_computations():
@@ -44,6 +44,36 @@ def test_kl_and_the_mixed_loss_equal_direct_computations():
     want = jnp.sum((0.3 * ce + 0.7 * 4.0 * kl) * batch["mask"])
     np.testing.assert_allclose(float(loss_sum), float(want), rtol=1e-5)
     np.testing.assert_allclose(float(metrics["distill_kl"]), float(jnp.sum(kl * batch["mask"]) / count), rtol=1e-5)
+
+
+def test_the_alignment_loss_is_each_converted_mixer_on_the_teachers_stream():
+    from train.convert import convert
+    from train.distill import teacher_targets
+
+    teacher = tiny_model({"kind": "attention", "num_heads": 2}, num_layers=2)
+    student, _ = convert(teacher, {"kind": "deltanet", "num_heads": 2})  # both layers: the student's own
+    # stream into layer 1 (through its DeltaNet) is not the teacher's, which the loss must use
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.integers(0, 256, (2, 9)), jnp.int32)
+    batch = {"x": x, "y": x, "mask": jnp.asarray(rng.random((2, 9)) < 0.8, jnp.float32)}
+    d = DistillConfig(teacher="t", convert=ConvertConfig(), trainable="converted", stage="layers")
+    graphdef, params, rest = nnx.split(student, nnx.Param, ...)
+
+    @jax.jit
+    def both(teacher, params):
+        targets = teacher_targets(*nnx.split(teacher, nnx.Param, ...), batch, d)
+        x0 = teacher.embed_tokens(batch["x"])
+        direct = jnp.float32(0)
+        for i, x in enumerate((x0, teacher.blocks[0](x0)[0])):  # the teacher's stream entering each layer
+            want = teacher.blocks[i].mixer(teacher.blocks[i].mixer_norm(x))
+            got = student.blocks[i].mixer(student.blocks[i].mixer_norm(x))
+            direct = direct + jnp.sum(jnp.mean(jnp.square(got - want), axis=-1) * batch["mask"])
+        return forward(graphdef, params, rest, batch, True, targets, d), direct
+
+    (loss_sum, count, _, _, metrics, _), direct = both(teacher, params)
+    np.testing.assert_allclose(float(loss_sum), float(direct), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["distill_mse"]), float(direct / (2 * count)), rtol=1e-5)
+    assert float(direct) > 0
 
 
 def _config(run_dir, mixer, steps, distill=None, **train):
@@ -94,6 +124,8 @@ def test_bad_teachers_are_refused_before_any_work(teacher, tmp_path):
         _config(tmp_path / "a", gla, 2, {"temperature": 2.0})
     with pytest.raises(ValueError, match=r"train\.distill\.trainable: 'converted' trains the layers"):
         _config(tmp_path / "a", gla, 2, {"teacher": str(teacher), "trainable": "converted"})
+    with pytest.raises(ValueError, match=r"train\.distill\.stage: 'layers' trains the converted mixers alone"):
+        _config(tmp_path / "a", gla, 2, {"teacher": str(teacher), "stage": "layers"})
     with pytest.raises(ValueError, match="is not a run folder with checkpoints .* nor a Hugging Face model folder"):
         run(_config(tmp_path / "b", gla, 2, {"teacher": str(tmp_path)}), tmp_path / "b", log=lambda _: None)
     small = from_dict({"model": {"d_model": 32, "num_layers": 1, "mixer": gla, "vocab_size": 32},
@@ -140,6 +172,14 @@ def test_a_converted_student_starts_from_its_teacher(teacher, tmp_path):
             np.testing.assert_array_equal(value, source[key], err_msg=str(key))
     assert not np.allclose(student[("blocks", 0, "mixer", "q_proj", "kernel")], source[("blocks", 0, "mixer", "wq")
                                                                                         ].reshape(32, -1))
+
+    # stage layers (attention transfer): the DeltaNet alone learns the attention's outputs
+    frozen["train"].update(steps=8, log_every=1, eval_every=8, distill={**section, "trainable": "converted",
+                                                                          "stage": "layers"})
+    path.write_text(yaml.safe_dump(frozen))
+    run(load_config(path), tmp_path / "layers", log=lambda _: None)
+    mse = [r["distill_mse"] for r in _rows(tmp_path / "layers")]
+    assert len(mse) == 8 and mse[-1] < 0.7 * mse[0], mse
 
     raw = from_dict({"train": {"steps": 2, "batch_size": 4, "seq_len": 32, "distill": section}})  # not derived
     with pytest.raises(ValueError, match="the model section is not the teacher's with the converted layers"):
