@@ -58,6 +58,19 @@ def load_teacher(cfg: Config, mesh, tokenizer) -> tuple:
     return nnx.split(model, nnx.Param, ...)
 
 
+def start_from(path: str, cfg: Config, mesh, shardings):
+    """The latest parameters of run folder `path` (train.distill.start_from), placed with `shardings`,
+    after checking that its model is this run's: a ValueError naming the folder otherwise."""
+    from zoo.checkpoint import load_model
+
+    saved, model, step = load_model(path, mesh=mesh)
+    if saved.model != cfg.model:
+        raise ValueError(f"train.distill.start_from: {path} holds another model than this run's (its model section "
+                         "differs); start from a run of the same model, e.g. the layers stage of this conversion")
+    params = nnx.state(model, nnx.Param)
+    return jax.tree.map(lambda x, s: jax.device_put(jnp.array(x, copy=True), s), params, shardings)
+
+
 def teacher_targets(graphdef, params, rest, batch: dict, distill):
     """What the student is trained to match on a batch, outside any gradient, the teacher in evaluation
     mode: its logits (stage logits), or for each converted layer (stage layers) the residual stream

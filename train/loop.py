@@ -41,7 +41,7 @@ import infer
 from train import optim
 from train.convert import initialise
 from train.data import cache_dir
-from train.distill import load_teacher
+from train.distill import load_teacher, start_from
 from train.exits import fit_exit_classifiers
 from train.prepare import Prepared, bits_per_byte, prepare
 from train.report import Report
@@ -218,9 +218,13 @@ def _init_or_restore(cfg: Config, run_dir: Path, mesh: Mesh, log, teacher: tuple
         from zoo.hf import read_params
         state.params = read_params(cfg.model.init_from, cfg.model, state.params, shardings[0])
         log(f"starting from the weights of {cfg.model.init_from}")
-    if not start and cfg.train.distill is not None and cfg.train.distill.convert is not None:
+    distill = cfg.train.distill
+    if not start and distill is not None and distill.start_from is not None:
+        state.params = start_from(distill.start_from, cfg, mesh, shardings[0])
+        log(f"starting from the weights of {distill.start_from}")
+    elif not start and distill is not None and distill.convert is not None:
         state.params, mapped = initialise(state.params, teacher[1], shardings[0])
-        log(f"starting from {cfg.train.distill.teacher}: {len(mapped)} of {len(jax.tree.leaves(state.params))} "
+        log(f"starting from {distill.teacher}: {len(mapped)} of {len(jax.tree.leaves(state.params))} "
             "parameters taken from the teacher (train/convert.py)")
     return state, checkpoints, start
 

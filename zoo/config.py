@@ -159,14 +159,16 @@ class DistillConfig:
     frozen, bitwise, needs convert); stage (logits: the loss above, end to end; layers: attention
     transfer, each converted mixer trained to give its teacher layer's output from the teacher's own
     residual stream, the mean squared error over the width summed over those layers, needs convert and
-    trainable: converted; temperature and lm_weight unused). The validation loss stays the model's own
-    cross-entropy."""
+    trainable: converted; temperature and lm_weight unused); start_from (a run folder of the same
+    model, e.g. a layers stage: the new run starts from its latest weights instead of the teacher's or
+    a fresh initialisation). The validation loss stays the model's own cross-entropy."""
     teacher: str | None = None
     temperature: PosFloat = 1.0
     lm_weight: UnitFloat = 0.0
     convert: ConvertConfig | None = None
     trainable: Literal["all", "converted"] = "all"
     stage: Literal["logits", "layers"] = "logits"
+    start_from: str | None = None
 
 
 @dataclass(frozen=True)

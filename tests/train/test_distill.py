@@ -181,6 +181,17 @@ def test_a_converted_student_starts_from_its_teacher(teacher, tmp_path):
     mse = [r["distill_mse"] for r in _rows(tmp_path / "layers")]
     assert len(mse) == 8 and mse[-1] < 0.7 * mse[0], mse
 
+    # then stage logits from those weights (start_from), not the teacher's; another model is refused
+    frozen["train"].update(steps=2, lr=1e-12, distill={**section, "start_from": str(tmp_path / "layers")})
+    path.write_text(yaml.safe_dump(frozen))
+    run(load_config(path), tmp_path / "logits", log=lambda _: None)
+    near(load_model(tmp_path / "logits")[1].blocks[0].mixer.q_proj.kernel.get_value(),
+         load_model(tmp_path / "layers")[1].blocks[0].mixer.q_proj.kernel.get_value())
+    frozen["train"]["distill"]["start_from"] = str(teacher)
+    path.write_text(yaml.safe_dump(frozen))
+    with pytest.raises(ValueError, match=r"train\.distill\.start_from: .* holds another model than this run's"):
+        run(load_config(path), tmp_path / "wrong", log=lambda _: None)
+
     raw = from_dict({"train": {"steps": 2, "batch_size": 4, "seq_len": 32, "distill": section}})  # not derived
     with pytest.raises(ValueError, match="the model section is not the teacher's with the converted layers"):
         run(raw, tmp_path / "raw", log=lambda _: None)
