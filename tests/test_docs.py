@@ -131,7 +131,7 @@ def parse_command(words):
     elif program == "train.sweep":
         from train import sweep
         sweep.cells(sweep.load_grid(ROOT / sweep.grid_path(sweep.parser().parse_args(argv))))  # every cell loads
-    elif program in ("train.extrapolate", "train.needle"):  # a finished run's folder
+    elif program in ("train.extrapolate", "train.needle", "train.hybrid"):  # a finished run's folder
         assert importlib.import_module(program).parser().parse_args(argv).run_dir.startswith("runs/")
     elif program == "train.harness":  # lm-eval's own command line (docs/evaluation.md)
         from unittest import mock

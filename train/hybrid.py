@@ -61,19 +61,23 @@ def held_out(cfg, n: int, batch_size: int) -> list[dict]:
     return [source.val_batch(i, batch_size) for i in range(n)]
 
 
-def main(argv=None):
-    from zoo.checkpoint import load_any, load_model
-
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("run", help="a run folder of train.distill.convert")
+    p.add_argument("run_dir", help="a run folder of train.distill.convert")
     p.add_argument("--keep", type=int, required=True, help="layers the hybrid keeps as attention")
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)
-    args = p.parse_args(argv)
-    cfg, student, _ = load_model(args.run)
+    return p
+
+
+def main(argv=None):
+    from zoo.checkpoint import load_any, load_model
+
+    args = parser().parse_args(argv)
+    cfg, student, _ = load_model(args.run_dir)
     distill = cfg.train.distill
     if distill is None or distill.convert is None:
-        raise SystemExit(f"{args.run}: not a run of train.distill.convert (its config has no convert section)")
+        raise SystemExit(f"{args.run_dir}: not a run of train.distill.convert (its config has no convert section)")
     layers = converted_layers(distill, cfg.model.num_layers)
     if not 0 < args.keep < len(layers):
         raise SystemExit(f"--keep {args.keep}: expected 1 to {len(layers) - 1} of the {len(layers)} converted layers")
@@ -85,7 +89,7 @@ def main(argv=None):
     for row in table:
         print(f"{'none' if row['restored'] is None else 'layer ' + str(row['restored']):>10}  KL {row['kl']}")
     convert = [i for i in layers if i not in kept]
-    (Path(args.run) / "hybrid.json").write_text(json.dumps({"kl": table, "keep": kept, "convert_layers": convert}))
+    (Path(args.run_dir) / "hybrid.json").write_text(json.dumps({"kl": table, "keep": kept, "convert_layers": convert}))
     print(f"keep as attention: {kept}; convert.layers: {convert}")
 
 
