@@ -133,6 +133,8 @@ def parse_command(words):
         sweep.cells(sweep.load_grid(ROOT / sweep.grid_path(sweep.parser().parse_args(argv))))  # every cell loads
     elif program in ("train.extrapolate", "train.needle", "train.hybrid"):  # a finished run's folder
         assert importlib.import_module(program).parser().parse_args(argv).run_dir.startswith("runs/")
+    elif program == "train.distill":  # a teacher's folder
+        assert importlib.import_module(program).parser().parse_args(argv).teacher.startswith("runs/")
     elif program == "train.harness":  # lm-eval's own command line (docs/evaluation.md)
         from unittest import mock
 

@@ -17,7 +17,15 @@ validation loss stays the model's cross-entropy, so a distilled run and a run tr
 compare directly. The student is any config of the teacher's
 vocabulary and tokenizer (a smaller model of the same or another kind), or the teacher itself with some
 layers converted to another kind and started from its weights (train.distill.convert, train/convert.py).
+
+Sequence-level (black-box) distillation, for a teacher known by its outputs: write a corpus of its
+generations, then train any model on it as on any corpus (data.corpus: the folder):
+
+    python -m train.distill runs/transformer --out corpora/teacher --docs 512 --tokens 256 --temperature 1
 """
+
+import argparse
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +115,54 @@ def alignment_loss(model, targets, batch: dict, distill) -> tuple[jax.Array, jax
         err = jnp.mean(jnp.square(block.mixer(block.mixer_norm(x), segment_ids=seg).astype(jnp.float32) - y), axis=-1)
         total = total + jnp.sum(err * mask)
     return total, total / (jnp.sum(mask) * len(targets[0]))
+
+
+def write_corpus(model, tokenizer, out, *, docs: int, tokens: int, prompts=("\n",), batch_size: int = 16,
+                 temperature: float = 1.0, top_k: int | None = None, seed: int = 0) -> list[Path]:
+    """`docs` generations of `model` (each a prompt, cycled through `prompts`, and up to `tokens` new tokens,
+    sampled at `temperature` with `top_k`, seed + batch index) written as out/doc<i>.txt: a corpus folder
+    the data pipeline reads (data.corpus). Returns the files."""
+    import infer
+
+    if docs < 1 or tokens < 1 or batch_size < 1:
+        raise ValueError(f"write_corpus: docs={docs}, tokens={tokens}, batch_size={batch_size}; expected positive "
+                         "counts")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for b, start in enumerate(range(0, docs, batch_size)):
+        rows = [prompts[i % len(prompts)] for i in range(start, min(start + batch_size, docs))]
+        texts = infer.generate_text(model, rows, max_new_tokens=tokens, tokenizer=tokenizer, seed=seed + b,
+                                    sampling=infer.Sampling(temperature, top_k=top_k))
+        for i, (prompt, text) in enumerate(zip(rows, texts, strict=True)):
+            files.append(out / f"doc{start + i:06d}.txt")
+            files[-1].write_text(prompt + text)
+    return files
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Write a corpus of a teacher's generations (sequence-level distillation).")
+    p.add_argument("teacher", help="a run folder or a Hugging Face model folder")
+    p.add_argument("--out", required=True, help="the corpus folder to write (one .txt per document)")
+    p.add_argument("--docs", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=256, help="new tokens per document")
+    p.add_argument("--prompt", action="append", help="a document's start, cycled (repeatable; default a newline)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv=None):
+    from zoo.checkpoint import load_any
+
+    args = parser().parse_args(argv)
+    model, tok = load_any(args.teacher)
+    files = write_corpus(model, tok, args.out, docs=args.docs, tokens=args.tokens, prompts=args.prompt or ["\n"],
+                         batch_size=args.batch_size, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(f"wrote {len(files)} documents to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

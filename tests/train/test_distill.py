@@ -201,3 +201,29 @@ def test_a_converted_student_starts_from_its_teacher(teacher, tmp_path):
     path.write_text(yaml.safe_dump({"train": {"distill": {**section, "teacher": str(tmp_path)}}}))
     with pytest.raises(ValueError, match=r"train\.distill\.teacher: .* is not a run folder \(no config\.yaml\)"):
         load_config(path)
+
+
+def test_a_teachers_generations_make_a_corpus_the_pipeline_reads(teacher, tmp_path, monkeypatch):
+    """Sequence-level distillation: write_corpus's documents are the prompt and generate_text's sample, and
+    a run's data section reads the folder as a corpus."""
+    import infer
+    from train.distill import main
+    from train.prepare import prepare
+    from zoo import tokenizer
+
+    monkeypatch.setenv("ZOO_CACHE", str(tmp_path / "cache"))
+    main([str(teacher), "--out", str(tmp_path / "corpus"), "--docs", "3", "--tokens", "12", "--batch-size", "2",
+          "--prompt", "AB", "--prompt", "C", "--top-k", "20"])
+    files = sorted((tmp_path / "corpus").glob("*.txt"))
+    assert [f.name for f in files] == ["doc000000.txt", "doc000001.txt", "doc000002.txt"]
+    model = load_model(teacher)[1]
+    want = infer.generate_text(model, ["AB", "C"], max_new_tokens=12, tokenizer=tokenizer.Bytes, seed=0,
+                               sampling=infer.Sampling(1.0, top_k=20))
+    assert [f.read_text() for f in files[:2]] == ["AB" + want[0], "C" + want[1]]
+    assert files[2].read_text().startswith("AB")
+    cfg = from_dict({"data": {"corpus": str(tmp_path / "corpus"), "val_docs": ["doc000002"]}})
+    prepared = prepare(cfg.data, lambda _: None)
+    assert prepared.meta["splits"]["train"]["docs"] == 2
+    assert len(prepared.stream("val")) == len(files[2].read_bytes()) + 1  # its bytes and the end token
+    with pytest.raises(ValueError, match="write_corpus: docs=0"):
+        main([str(teacher), "--out", str(tmp_path / "none"), "--docs", "0"])
