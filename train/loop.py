@@ -223,7 +223,7 @@ def _init_or_restore(cfg: Config, run_dir: Path, mesh: Mesh, log, teacher: tuple
         state.params = start_from(distill.start_from, cfg, mesh, shardings[0])
         log(f"starting from the weights of {distill.start_from}")
     elif not start and distill is not None and distill.convert is not None:
-        state.params, mapped = initialise(state.params, teacher[1], shardings[0])
+        state.params, mapped = initialise(state.params, teacher[1], cfg.model, shardings[0])
         log(f"starting from {distill.teacher}: {len(mapped)} of {len(jax.tree.leaves(state.params))} "
             "parameters taken from the teacher (train/convert.py)")
     return state, checkpoints, start

@@ -48,6 +48,25 @@ def test_shared_tensors_are_copied_and_projections_mapped():
     assert_close(pieces, logits, 1e-4, "converted hybrid: prefill + decode vs full pass")
 
 
+def test_mamba2_takes_x_b_c_from_v_k_q_as_mamba_in_the_llama():
+    """An MHA teacher (4 heads of 8) into a Mamba-2 of expand 1, heads of 8, 4 groups of state 8: in_proj's
+    x, B and C columns are wv, wk and wq, z and dt stay fresh, out_proj is wo."""
+    teacher = tiny_model({"kind": "attention", "num_heads": 4}, num_layers=1)
+    mixer = {"kind": "mamba2", "expand": 1, "head_dim": 8, "num_groups": 4, "state_size": 8}
+    fresh = tiny_model(mixer, num_layers=1).blocks[0].mixer.in_proj.kernel.get_value()
+    student, mapped = convert(teacher, mixer)
+    t, m = teacher.blocks[0].mixer, student.blocks[0].mixer
+    w = np.asarray(m.in_proj.kernel.get_value())  # (32, [z 32, x 32, B 32, C 32, dt 4])
+    as2d = lambda p: np.asarray(p.get_value()).reshape(32, -1)
+    np.testing.assert_array_equal(w[:, 32:64], as2d(t.wv))
+    np.testing.assert_array_equal(w[:, 64:96], as2d(t.wk))
+    np.testing.assert_array_equal(w[:, 96:128], as2d(t.wq))
+    np.testing.assert_array_equal(w[:, :32], np.asarray(fresh)[:, :32])  # z: the student's own init
+    np.testing.assert_array_equal(m.out_proj.kernel.get_value(), t.wo.get_value().reshape(-1, 32))
+    assert mapped["blocks.0.mixer.in_proj.kernel"] == "blocks.0.mixer.wv+wk+wq"
+    assert mapped["blocks.0.mixer.out_proj.kernel"] == "blocks.0.mixer.wo"
+
+
 def test_bad_input_names_it():
     teacher = tiny_model(GQA, num_layers=2)
     for layers in ([2], [-1], []):
