@@ -129,6 +129,13 @@ def part_a(root: Path, one, corpus) -> dict:
         _, model, _ = load_model(root / "one", mesh=mesh)
         out["tokens"][where] = generate(model, prompts, max_new_tokens=12, sampling=Sampling(1.0), seed=3)
     out["tp_wq_spec"] = str(model.blocks[0].mixer.wq[...].sharding.spec)
+    # distillation: a GLA student of the run in root/one (its teacher placed on the mesh by its own shardings)
+    distill = {"teacher": str(root / "one"), "temperature": 2.0}
+    out["losses"]["distilled"] = {}
+    for where, mesh_cfg, mesh in (("one", MeshConfig(), one),
+                                  ("tensor=2 fsdp=2 data=2", MESHES["tensor=2 fsdp=2 data=2"], None)):
+        run(config("gla", mesh_cfg, distill=distill), root / f"distilled {where}", log=quiet, mesh=mesh)
+        out["losses"]["distilled"][where] = [r["loss"] for r in logged(root / f"distilled {where}")]
     out["techniques"] = {where: techniques(mesh) for where, mesh in (
         ("one", None), ("tensor=4 data=2", make_mesh(MeshConfig(tensor=4, data=2))))}
 

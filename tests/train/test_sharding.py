@@ -74,11 +74,13 @@ def _rel(a, b):
     ("transformer", ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]),
     ("gla", ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]),
     ("mamba", ["data=8", "fsdp=4 data=2", "tensor=2 fsdp=2 data=2"]),
-    ("moe", ["expert=4 data=2"]), ("toy", ["tensor=2 fsdp=2 data=2"])])
+    ("moe", ["expert=4 data=2"]), ("toy", ["tensor=2 fsdp=2 data=2"]),
+    ("distilled", ["tensor=2 fsdp=2 data=2"])])  # a GLA student of a Transformer run (train.distill)
 def test_meshes_train_like_one_device(results, arch, meshes):
     losses = results["losses"][arch]
     one = losses["one"]
-    assert len(one) == 10 and one[-1] < one[0] - 0.1  # it trains
+    falls = one[0] / 2 if arch == "distilled" else one[0] - 0.1  # the KL to a 10-step teacher starts small
+    assert len(one) == 10 and one[-1] < falls  # it trains
     for mesh in meshes:
         assert _rel(losses[mesh], one) < TOL, (arch, mesh, losses[mesh], one)
 
