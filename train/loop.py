@@ -43,6 +43,7 @@ from train.convert import initialise
 from train.data import cache_dir
 from train.distill import load_teacher, start_from
 from train.exits import fit_exit_classifiers
+from train.lora import adapt
 from train.prepare import Prepared, bits_per_byte, prepare
 from train.report import Report
 from train.resume import check_run_dir, differences
@@ -50,7 +51,7 @@ from train.step import make_eval_step, make_train_step, redraw_features
 from train.tasks import TaskBatches
 from zoo import checkpoint
 from zoo.config import Config, to_dict
-from zoo.sharding import as_numpy, batch_placer, init_state, make_mesh
+from zoo.sharding import as_numpy, batch_placer, init_optimizer, init_state, make_mesh
 
 
 @dataclasses.dataclass
@@ -99,11 +100,15 @@ class Checkpoints:
         self.mngr = checkpoint.manager(run_dir / "checkpoints")
         self.has_rest = bool(jax.tree.leaves(nnx.to_pure_dict(state.rest)))  # orbax refuses empty items
 
-    def _items(self, state: State) -> dict:
-        items = {"params": nnx.to_pure_dict(state.params), "opt_state": state.opt_state}
+    def _items(self, state: State) -> tuple[dict, list[dict]]:
+        """(the items to save, where train.lora's adapters go: zoo.checkpoint.split_adapters)."""
+        params, adapters, where = checkpoint.split_adapters(nnx.to_pure_dict(state.params))
+        items = {"params": params, "opt_state": state.opt_state}
         if self.has_rest:
             items["rest"] = nnx.to_pure_dict(state.rest)
-        return items
+        if adapters:
+            items["adapters"] = adapters
+        return items, where
 
     def _mismatch(self, meta: dict, error: Exception):
         changed = differences(meta.get("config") or {}, to_dict(self.cfg))
@@ -113,9 +118,12 @@ class Checkpoints:
 
     def restore(self, state: State, log) -> int:
         """Restore the newest intact step into `state`; its step (0 when there is none)."""
-        step, restored = checkpoint.restore_latest(self.mngr, self._items(state) | {"meta": {}}, self._mismatch)
+        items, where = self._items(state)
+        step, restored = checkpoint.restore_latest(self.mngr, items | {"meta": {}}, self._mismatch)
         if step is None:
             return 0
+        if where:
+            checkpoint.join_adapters(restored["params"], restored["adapters"], where, self.cfg.train.lora.scale)
         nnx.replace_by_pure_dict(state.params, restored["params"])
         if self.has_rest:
             nnx.replace_by_pure_dict(state.rest, restored["rest"])
@@ -125,8 +133,11 @@ class Checkpoints:
         return step
 
     def save(self, step: int, state: State):
+        items, where = self._items(state)
         meta = {"step": step, "skipped": state.skipped, "config": to_dict(self.cfg)}
-        checkpoint.save(self.mngr, step, self._items(state), meta)
+        if where:
+            meta["adapters"] = where
+        checkpoint.save(self.mngr, step, items, meta)
         checkpoint.prune(self.mngr, self.cfg.train.keep_checkpoints)
 
     def latest(self) -> int | None:
@@ -208,25 +219,42 @@ def _init_or_restore(cfg: Config, run_dir: Path, mesh: Mesh, log, teacher: tuple
                      ) -> tuple[State, Checkpoints, int]:
     """(state, checkpoints, step): the State of the run's newest intact checkpoint and its step, or
     a new State (from model.init_from's weights where given, or the `teacher`'s for a student that
-    train.distill.convert makes) and step 0."""
+    train.distill.convert makes) and step 0. With train.lora the adapters go onto the starting
+    weights before the checkpoint is read, since it holds them (train/lora.py)."""
     tx = optim.optimizer(cfg.train, cfg.model.num_layers)
     graphdef, params, rest, opt_state, shardings = init_state(cfg, tx, mesh)
     state = State(graphdef, tx, params, rest, opt_state, shardings)
+    lora, said = cfg.train.lora, []
+    if lora is not None:
+        said = _start_weights(cfg, state, mesh, teacher)
+        state.graphdef, state.params, param_sh = adapt(graphdef, state.params, rest, lora, cfg.train.seed, mesh)
+        state.opt_state, opt_sh = init_optimizer(tx, state.params, param_sh, mesh)
+        state.shardings = (param_sh, shardings[1], opt_sh)
     checkpoints = Checkpoints(cfg, run_dir, state)
     start = checkpoints.restore(state, log)
-    if not start and cfg.model.init_from is not None:
-        from zoo.hf import read_params
-        state.params = read_params(cfg.model.init_from, cfg.model, state.params, shardings[0])
-        log(f"starting from the weights of {cfg.model.init_from}")
-    distill = cfg.train.distill
-    if not start and distill is not None and distill.start_from is not None:
-        state.params = start_from(distill.start_from, cfg, mesh, shardings[0])
-        log(f"starting from the weights of {distill.start_from}")
-    elif not start and distill is not None and distill.convert is not None:
-        state.params, mapped = initialise(state.params, teacher[1], cfg.model, shardings[0])
-        log(f"starting from {distill.teacher}: {len(mapped)} of {len(jax.tree.leaves(state.params))} "
-            "parameters taken from the teacher (train/convert.py)")
+    if not start and lora is None:
+        said = _start_weights(cfg, state, mesh, teacher)
+    for line in said if not start else []:
+        log(line)
     return state, checkpoints, start
+
+
+def _start_weights(cfg: Config, state: State, mesh: Mesh, teacher: tuple | None) -> list[str]:
+    """Put a new run's starting weights into `state`: model.init_from's, then train.distill.start_from's
+    or the teacher's through train.distill.convert; the lines that say which (none: fresh weights)."""
+    distill, shardings, said = cfg.train.distill, state.shardings[0], []
+    if cfg.model.init_from is not None:
+        from zoo.hf import read_params
+        state.params = read_params(cfg.model.init_from, cfg.model, state.params, shardings)
+        said.append(f"starting from the weights of {cfg.model.init_from}")
+    if distill is not None and distill.start_from is not None:
+        state.params = start_from(distill.start_from, cfg, mesh, shardings)
+        said.append(f"starting from the weights of {distill.start_from}")
+    elif distill is not None and distill.convert is not None:
+        state.params, mapped = initialise(state.params, teacher[1], cfg.model, shardings)
+        said.append(f"starting from {distill.teacher}: {len(mapped)} of {len(jax.tree.leaves(state.params))} "
+                    "parameters taken from the teacher (train/convert.py)")
+    return said
 
 
 def _finished(cfg: Config, run_dir: Path, start: int, end: dict, log) -> bool:

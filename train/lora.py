@@ -4,6 +4,10 @@
     ...fine-tune the adapters: trainable(adapted) marks which parameters move...
     plain = merge_lora(adapted)   # W + (alpha / r) A B folded in: an ordinary model to decode or export
 
+In a run, `train.lora` (zoo/config.py's LoraConfig) does this through the loop: `adapt` adds the
+adapters to the starting weights, train/optim.py trains only them, and zoo.checkpoint.load_model folds
+them in, so `python -m infer` and zoo.hf.save read the run as any other.
+
 The projections that can carry an adapter are the ones quantization reads through `project`
 (infer/quantize.RULES): attention's wq, wk, wv, wo, the MLP's three matrices and every `Linear`
 kernel of the other mixers; not the embeddings, the LM head, norms, MoE experts (stacked), or the
@@ -17,9 +21,11 @@ import re
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from infer.quantize import RULES
 from layers.lora import LowRank, low_rank
+from zoo.config import LoraConfig
 from zoo.model import LanguageModel
 
 
@@ -53,6 +59,16 @@ def add_lora(model: LanguageModel, rank: int, alpha: float | None = None, target
         setattr(m, name, nnx.Param(low_rank(base, rank, rank if alpha is None else alpha, jax.random.fold_in(key, i),
                                             in_ndim=in_ndim)))
     return model
+
+
+def adapt(graphdef, params, rest, lora: LoraConfig, seed: int, mesh: Mesh) -> tuple:
+    """(graphdef, params, their NamedShardings) of the model (graphdef, params, rest) with train.lora's
+    adapters (train/loop.py): each base keeps its sharding, the adapters are replicated on `mesh`."""
+    model = add_lora(nnx.merge(graphdef, params, rest), lora.rank, lora.alpha, lora.targets, seed=seed)
+    graphdef, params, _ = nnx.split(model, nnx.Param, ...)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = jax.tree.map(lambda x, new: jax.device_put(x, replicated) if new else x, params, trainable(params))
+    return graphdef, params, jax.tree.map(lambda x: x.sharding, params)
 
 
 def merge_lora(model: LanguageModel) -> LanguageModel:

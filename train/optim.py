@@ -6,6 +6,7 @@ import jax
 import optax
 
 from train.distill import converted_layers
+from train.lora import trainable
 from zoo.config import TrainConfig
 
 
@@ -34,14 +35,19 @@ def decays(params):
 
 
 def optimizer(t: TrainConfig, num_layers: int | None = None) -> optax.GradientTransformation:
-    """AdamW as the module docstring says; with train.distill.trainable=converted (a model of
-    `num_layers` layers) only the converted layers' mixers are updated, every other parameter's update
-    is zero."""
+    """AdamW as the module docstring says; with train.lora only the adapters are updated, with
+    train.distill.trainable=converted (a model of `num_layers` layers) only the converted layers'
+    mixers; every other parameter's update is zero."""
     adamw = optax.adamw(schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decays)
     tx = optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
-    if t.distill is not None and t.distill.trainable == "converted":
+    if t.lora is not None:  # the adapters' a and b
+        label = lambda params: jax.tree.map(lambda m: "train" if m else "frozen", trainable(params))
+    elif t.distill is not None and t.distill.trainable == "converted":
         prefixes = tuple(f"['blocks'][{i}]['mixer']" for i in converted_layers(t.distill, num_layers))
-        label = lambda path, _: "train" if jax.tree_util.keystr(path).startswith(prefixes) else "frozen"
-        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
-                                   lambda params: jax.tree_util.tree_map_with_path(label, params))
+        label = lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, _: "train" if jax.tree_util.keystr(path).startswith(prefixes) else "frozen", params)
+    else:
+        label = None
+    if label is not None:
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, label)
     return optax.apply_if_finite(tx, max_consecutive_errors=2 ** 30)

@@ -16,20 +16,27 @@ What makes a checkpoint trustworthy, and what happens when one is not:
   from the checkpoint's, and that is an error naming the difference, never a reason to skip or
   delete anything.
 - Old steps are deleted only by `prune`, which keeps the newest `keep` steps.
+
+A run with train.lora keeps each adapted weight's base in `params` and its adapters in `adapters` (a
+list of {a, b}; meta's `adapters` says where each belongs): `split_adapters` writes that layout,
+`load_model` folds it back into plain weights.
 """
 
 import hashlib
 import json
+import math
 import time
 import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from layers.lora import LowRank
 from zoo.config import from_dict
 from zoo.model import LanguageModel
 from zoo.run_file import load_config
@@ -164,6 +171,37 @@ def prune(mngr: ocp.CheckpointManager, keep: int):
     mngr.reload()
 
 
+def split_adapters(params: dict) -> tuple[dict, list[dict], list[dict]]:
+    """(params with each LowRank replaced by its base, the adapters [{a, b}], where they go [{path, in_ndim}])
+    of a pure parameter dict (nnx.to_pure_dict) of a model with adapters (train/lora.py)."""
+    adapters, where = [], []
+
+    def walk(tree, path):
+        if isinstance(tree, LowRank):
+            adapters.append({"a": tree.a, "b": tree.b})
+            where.append({"path": list(path), "in_ndim": tree.in_ndim})
+            return tree.base
+        if isinstance(tree, dict):
+            return {k: walk(v, (*path, k)) for k, v in tree.items()}
+        return tree
+
+    return walk(params, ()), adapters, where
+
+
+def _at(tree: dict, path: list):
+    for k in path[:-1]:
+        tree = tree[k]
+    return tree, path[-1]
+
+
+def join_adapters(params: dict, adapters: list[dict], where: list[dict], scale: float) -> dict:
+    """The inverse of split_adapters (in place): each base at `where` becomes a LowRank with its adapter."""
+    for adapter, w in zip(adapters, where, strict=True):
+        parent, key = _at(params, w["path"])
+        parent[key] = LowRank(base=parent[key], a=adapter["a"], b=adapter["b"], scale=scale, in_ndim=w["in_ndim"])
+    return params
+
+
 def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, config=None):
     """(config, model with the latest (or given) checkpoint's parameters, step) from a run folder.
     On a `mesh` each parameter is read straight into its shards there (by the logical axes its layer
@@ -175,7 +213,8 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, confi
     folder = run_dir / "checkpoints"
     if not folder.is_dir() or not (mngr := manager(folder, create=False)).all_steps():
         raise ValueError(f"{run_dir} is not a run folder with checkpoints (no {folder}/<step>)")
-    saved = newest_meta(mngr).get("config")
+    meta = newest_meta(mngr) if step is None else _read_meta(folder / str(step))
+    saved = meta.get("config")
     if saved is None:
         try:
             saved = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -192,13 +231,29 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, confi
     targets = {"params": nnx.to_pure_dict(params)}
     if jax.tree.leaves(nnx.to_pure_dict(rest)):
         targets["rest"] = nnx.to_pure_dict(rest)
+    where = meta.get("adapters") or []
+    if where:  # a train.lora run: its adapters, (In, rank) and (rank, Out) beside each base
+        rank = cfg.train.lora.rank
+        replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        targets["adapters"] = []
+        for w in where:
+            parent, key = _at(targets["params"], w["path"])
+            shape, dtype = parent[key].shape, parent[key].dtype
+            In, Out = math.prod(shape[:w["in_ndim"]]), math.prod(shape[w["in_ndim"]:])
+            targets["adapters"].append({"a": jax.device_put(jnp.zeros((In, rank), dtype), replicated),
+                                        "b": jax.device_put(jnp.zeros((rank, Out), dtype), replicated)})
     if step is None:
         step, restored = restore_latest(mngr, targets)
         if step is None:
             raise ValueError(f"{run_dir} holds no readable checkpoint")
     else:
         restored = mngr.restore(step, args=_restore_args(targets))
-    nnx.replace_by_pure_dict(params, restored["params"])
+    weights = restored["params"]
+    if where:  # folded: W + (alpha / rank) A B
+        weights = jax.tree.map(lambda x: x.merged() if isinstance(x, LowRank) else x,
+                               join_adapters(weights, restored["adapters"], where, cfg.train.lora.scale),
+                               is_leaf=lambda x: isinstance(x, LowRank))
+    nnx.replace_by_pure_dict(params, weights)
     if "rest" in targets:
         nnx.replace_by_pure_dict(rest, restored["rest"])
     return cfg, nnx.merge(graphdef, params, rest), step

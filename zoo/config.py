@@ -11,6 +11,7 @@ zoo/run_file.py reads a run file (`load_config`).
 """
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -172,6 +173,24 @@ class DistillConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """train.lora: fine-tune low-rank adapters instead of the weights (LoRA, Hu et al. 2022;
+    train/lora.py): each projection whose dotted path matches `targets` (a regular expression searched
+    in paths such as blocks.0.mixer.wq or blocks.1.ffn.w_up; null: every projection that can carry one)
+    is read as W + (alpha / rank) A B with W frozen, A and B trained, B starting at zero; every other
+    parameter is frozen. alpha null: rank. Checkpoints keep W, A and B apart (exact resume);
+    zoo.checkpoint.load_model folds them into W, so decoding and export see an ordinary model."""
+    rank: PosInt = 8
+    alpha: PosFloat | None = None
+    targets: str | None = None
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, the adapters' factor."""
+        return (self.rank if self.alpha is None else self.alpha) / self.rank
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """train: steps; batch_size; seq_len; seed (weights, data order and sampling); lr (peak),
     min_lr_ratio, warmup_steps, schedule (cosine|linear|constant after warmup); weight_decay (not
@@ -183,7 +202,8 @@ class TrainConfig:
     checkpoint; skip: drop the update and count it); stop_at_accuracy (a task run ends after the first
     evaluation whose held-out accuracy reaches it, as Zoology's early_stopping_threshold; null =
     never); mesh (devices per mesh axis, see train.mesh); distill (a teacher to distil, see
-    train.distill; null = plain next-token training)."""
+    train.distill; null = plain next-token training); lora (train low-rank adapters only, see
+    train.lora; null = train the weights)."""
     steps: PosInt = 1000
     batch_size: PosInt = 32
     seq_len: PosInt = 128
@@ -209,6 +229,7 @@ class TrainConfig:
     stop_at_accuracy: UnitFloat | None = None
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distill: DistillConfig | None = None
+    lora: LoraConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -336,6 +357,14 @@ def from_dict(data: dict) -> Config:
     if train.distill is not None and train.distill.stage == "layers" and train.distill.trainable != "converted":
         raise ValueError("train.distill.stage: 'layers' trains the converted mixers alone; set train.distill.trainable"
                          ": converted (and a convert section)")
+    if train.lora is not None and train.distill is not None and train.distill.trainable != "all":
+        raise ValueError(f"train.lora: adapters train in place of the weights; train.distill.trainable="
+                         f"{train.distill.trainable!r} picks weights to train as well: leave it at 'all'")
+    if train.lora is not None and train.lora.targets is not None:
+        try:
+            re.compile(train.lora.targets)
+        except re.error as e:
+            raise ValueError(f"train.lora.targets: {train.lora.targets!r} is not a regular expression ({e})") from None
     if task is None and train.stop_at_accuracy is not None:
         raise ValueError(f"train.stop_at_accuracy: {train.stop_at_accuracy} needs data.task (a text run reports no "
                          "accuracy); remove it or train on a task")

@@ -138,9 +138,14 @@ def init_state(cfg: Config, tx, mesh: Mesh):
     rest, opt_state)."""
     graphdef, params, rest, (param_sh, rest_sh) = init_on_mesh(
         lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), mesh)
-    opt_sh = shardings_like_params(jax.eval_shape(tx.init, params), param_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    opt_state, opt_sh = init_optimizer(tx, params, param_sh, mesh)
     return graphdef, params, rest, opt_state, (param_sh, rest_sh, opt_sh)
+
+
+def init_optimizer(tx, params, param_sh, mesh: Mesh) -> tuple:
+    """(opt_state, its NamedShardings): `tx`'s state for `params`, each copy of a parameter sharded as it is."""
+    opt_sh = shardings_like_params(jax.eval_shape(tx.init, params), param_sh, mesh)
+    return jax.jit(tx.init, out_shardings=opt_sh)(params), opt_sh
 
 
 def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0) -> NamedSharding:

@@ -227,3 +227,53 @@ def test_a_teachers_generations_make_a_corpus_the_pipeline_reads(teacher, tmp_pa
     assert len(prepared.stream("val")) == len(files[2].read_bytes()) + 1  # its bytes and the end token
     with pytest.raises(ValueError, match="write_corpus: docs=0"):
         main([str(teacher), "--out", str(tmp_path / "none"), "--docs", "0"])
+
+
+def test_lora_in_the_loop_trains_only_the_adapters_resumes_bitwise_and_loads_as_plain_weights(teacher, tmp_path):
+    """train.lora on a distillation that starts from the teacher's weights: every parameter but the
+    adapters stays the teacher's bit for bit (the adapted weights' bases too); load_model folds the
+    adapters in and gives the adapted model's logits; a killed run resumes bitwise; bad input is refused."""
+    from tests.util import assert_close
+    from tests.util import forward as full_pass
+    from train.loop import _init_or_restore
+    from zoo.sharding import make_mesh
+
+    attention = {"kind": "attention", "num_heads": 2}
+    distill = {"teacher": str(teacher), "start_from": str(teacher), "temperature": 2.0, "lm_weight": 0.5}
+    lora = {"rank": 2, "alpha": 4.0, "targets": r"mixer\.(wq|wv)$"}
+    cfg = _config(tmp_path / "lora", attention, 8, distill, lora=lora, lr=1e-2)
+    run(cfg, tmp_path / "lora", log=lambda _: None)
+    assert len(_rows(tmp_path / "lora")) == 8
+
+    flat = lambda model: {"/".join(map(str, p)): np.asarray(v) for p, v in
+                          nnx.to_flat_state(nnx.state(model, nnx.Param)) for v in [v.get_value()]}
+    before, (_, merged, _) = flat(load_model(teacher)[1]), load_model(tmp_path / "lora")
+    after = flat(merged)
+    moved = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert moved == {"blocks/0/mixer/wq", "blocks/0/mixer/wv"}, moved
+
+    mesh = make_mesh(cfg.train.mesh)
+    with jax.set_mesh(mesh):
+        state, checkpoints, step = _init_or_restore(cfg, tmp_path / "lora", mesh, lambda _: None, None)
+    checkpoints.close()
+    adapted = state.model()
+    assert step == 8
+    np.testing.assert_array_equal(np.asarray(adapted.blocks[0].mixer.wq.get_value().base),
+                                  before["blocks/0/mixer/wq"])  # the base is the teacher's, untouched
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 19)), jnp.int32)
+    assert_close(full_pass(merged, tokens), full_pass(adapted, tokens), 1e-5, "folded vs adapted")
+
+    shutil.copytree(tmp_path / "lora", tmp_path / "resumed")  # killed after its step-4 checkpoint
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "8")
+    run(cfg, tmp_path / "resumed", log=lambda _: None)
+    resumed = flat(load_model(tmp_path / "resumed")[1])
+    assert all(np.array_equal(after[k], resumed[k]) for k in after)
+
+    with pytest.raises(ValueError, match=r"train\.lora\.targets: '\(' is not a regular expression"):
+        _config(tmp_path / "a", attention, 2, distill, lora={"targets": "("})
+    with pytest.raises(ValueError, match=r"train\.lora: adapters train in place of the weights"):
+        _config(tmp_path / "a", attention, 2, {**distill, "convert": {"mixer": {"kind": "gla"}},
+                                               "trainable": "converted"}, lora={})
+    with pytest.raises(ValueError, match=r"add_lora: targets='nothing' matches no projection"):
+        run(_config(tmp_path / "b", attention, 2, distill, lora={"targets": "nothing"}), tmp_path / "b",
+            log=lambda _: None)
