@@ -28,9 +28,12 @@ parameters carry no sharding axes (one device).
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from layers.attention import Attention
+from layers.gptq import Recorded, gptq_quantize
 from layers.linear import Linear
 from layers.mlp import MLP
 from layers.moe import MoE
@@ -52,13 +55,20 @@ RULES = (
 
 
 def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str | None = None, *,
-             group_size: int = 32, activations: str = "int8") -> LanguageModel:
-    """A quantized copy of `model`: weights "int8", "int4" or None (float), kv_cache "int8" or None.
-    int4 groups `group_size` consecutive input rows per scale, and that must divide every quantized
-    weight's input width: the default 32 divides the SwiGLU width (`default_hidden_dim` rounds to a
-    multiple of 32: 1376 = 43 * 32 for d_model 512, which 64 and 128 do not divide)."""
-    if weights not in (None, *WEIGHTS):
-        raise ValueError(f"quantize: weights={weights!r}; expected one of {WEIGHTS} or None")
+             group_size: int = 32, activations: str = "int8", calibration=None, act_order: bool = False
+             ) -> LanguageModel:
+    """A quantized copy of `model`: weights "int8", "int4", "int3" or None (float), kv_cache "int8" or None.
+    int4 (and int3, stored as int4) groups `group_size` consecutive input rows per scale, and that must
+    divide every quantized weight's input width: the default 32 divides the SwiGLU width
+    (`default_hidden_dim` rounds to a multiple of 32: 1376 = 43 * 32 for d_model 512, which 64 and 128
+    do not divide). Rounded to nearest, or with `calibration` (token ids (B, T) the model reads) by GPTQ
+    (layers/gptq.py; `act_order` its order of rows): every weight read through `project` (attention's,
+    the MLP's and every Linear kernel) is corrected on the Hessian of its inputs, taken in one forward
+    pass of the float model; the head and MoE experts stay rounded to nearest (int4 for int3)."""
+    if weights not in (None, *WEIGHTS, "int3"):
+        raise ValueError(f"quantize: weights={weights!r}; expected one of {(*WEIGHTS, 'int3')} or None")
+    if weights == "int3" and calibration is None:
+        raise ValueError("quantize: weights='int3' is GPTQ's: pass calibration (token ids the model reads)")
     if kv_cache not in (None, *KV_CACHES):
         raise ValueError(f"quantize: kv_cache={kv_cache!r}; expected one of {KV_CACHES} or None")
     if activations not in ACTIVATIONS:
@@ -83,14 +93,38 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
                 (model.embed, "embedding", 1, 0, True, True))  # tied: (V, D), the head's (D, V) transposed
     if model.exit_layers and model.exit_heads is not None:
         todo.append((model, "exit_heads", 1, 1, True, False))
-    group = group_size if weights == "int4" else None
+    group = None if weights == "int8" else group_size
     if group:
         _check_groups(model, todo, group)
-    for m, name, in_ndim, lead, lazy, transposed in todo:
-        q = quantize_weight(getattr(m, name).get_value(), weights, in_ndim=in_ndim, lead=lead, group_size=group,
-                            transposed=transposed, lazy=lazy, dot=activations)
+    hessians = {} if calibration is None else _hessians(model, todo, calibration)
+    for i, (m, name, in_ndim, lead, lazy, transposed) in enumerate(todo):
+        w = getattr(m, name).get_value()
+        if i in hessians:
+            codes, scale = gptq_quantize(w.reshape(math.prod(w.shape[:in_ndim]), -1), jnp.asarray(hessians[i]),
+                                         weights, group_size=group, act_order=act_order)
+            q = Quantized(values=codes, scale=scale, shape=tuple(w.shape), dtype=w.dtype, lazy=lazy, dot=activations)
+        else:
+            q = quantize_weight(w, "int8" if weights == "int8" else "int4", in_ndim=in_ndim, lead=lead,
+                                group_size=group, transposed=transposed, lazy=lazy, dot=activations)
         setattr(m, name, nnx.Param(q))
     return model
+
+
+def _hessians(model: LanguageModel, todo: list, tokens) -> dict[int, np.ndarray]:
+    """X^T X of the inputs of each weight of `todo` read through `project` (a projection, not the head),
+    by its index, from one forward pass of the float model over `tokens` (B, T)."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"quantize: calibration is {tokens.dtype}{list(tokens.shape)}; expected token ids (B, T)")
+    hessians, kept = {}, []
+    for i, (m, name, in_ndim, lead, lazy, transposed) in enumerate(todo):
+        if lazy and not lead and not transposed and m is not model:
+            kept.append((m, name, getattr(m, name).get_value()))
+            setattr(m, name, nnx.Param(Recorded(kept[-1][2], i, hessians, in_ndim)))
+    nnx.view(model, deterministic=True)(tokens)
+    for m, name, w in kept:
+        setattr(m, name, nnx.Param(w))
+    return hessians
 
 
 def _check_groups(model, todo, group_size):

@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
+from layers.held import HeldWeight
+
 
 @dataclasses.dataclass(frozen=True)
-class LowRank:
+class LowRank(HeldWeight):
     """The frozen `base` (its logical shape: contraction axes, then output axes) and the update
     `scale` * a @ b, a (In, r) and b (r, Out) with In and Out the products of the contraction and
     output axes; `in_ndim` counts the contraction axes. scale and in_ndim are static."""
@@ -26,18 +28,6 @@ class LowRank:
     b: Float[Array, "R Out"]
     scale: float
     in_ndim: int = 1
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.base.shape
-
-    @property
-    def ndim(self) -> int:
-        return self.base.ndim
-
-    @property
-    def dtype(self):
-        return self.base.dtype
 
     def merged(self) -> jax.Array:
         """W + scale * a @ b, in the base's shape and dtype."""
