@@ -2,4 +2,5 @@
 decoding."""
 
 from infer.generate import Exits, Quantization, Sampling, Speculation, generate, generate_text, sample_logits
+from infer.prune import prune
 from infer.quantize import quantize

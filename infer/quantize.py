@@ -86,17 +86,11 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
             m.kv_cache = kv_cache
     if weights is None:
         return model
-    # (module, parameter name, contraction axes, lead axes, lazy, transposed)
-    todo = [(m, name, *rule[2:], False) for m in modules for rule in RULES if isinstance(m, rule[0])
-            for name in rule[1]]
-    todo.append((model, "head", 1, 0, True, False) if model.head is not None else
-                (model.embed, "embedding", 1, 0, True, True))  # tied: (V, D), the head's (D, V) transposed
-    if model.exit_layers and model.exit_heads is not None:
-        todo.append((model, "exit_heads", 1, 1, True, False))
+    todo = matrices(model)
     group = None if weights == "int8" else group_size
     if group:
         _check_groups(model, todo, group)
-    hessians = {} if calibration is None else _hessians(model, todo, calibration)
+    hessians = {} if calibration is None else input_hessians(model, todo, calibration)
     for i, (m, name, in_ndim, lead, lazy, transposed) in enumerate(todo):
         w = getattr(m, name).get_value()
         if i in hessians:
@@ -110,20 +104,40 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
     return model
 
 
-def _hessians(model: LanguageModel, todo: list, tokens) -> dict[int, np.ndarray]:
-    """X^T X of the inputs of each weight of `todo` read through `project` (a projection, not the head),
-    by its index, from one forward pass of the float model over `tokens` (B, T)."""
+def matrices(model: LanguageModel) -> list[tuple]:
+    """The weights that quantization reads, as (module, parameter name, contraction axes, stacked lead
+    axes, lazy, transposed): RULES' (lazy ones read through `project`), then the LM head (or the tied
+    embedding table, (V, D): the head's (D, V) transposed) and the exit heads."""
+    modules = [m for _, m in nnx.iter_modules(model)]
+    todo = [(m, name, *rule[2:], False) for m in modules for rule in RULES if isinstance(m, rule[0])
+            for name in rule[1]]
+    todo.append((model, "head", 1, 0, True, False) if model.head is not None else
+                (model.embed, "embedding", 1, 0, True, True))
+    if model.exit_layers and model.exit_heads is not None:
+        todo.append((model, "exit_heads", 1, 1, True, False))
+    return todo
+
+
+def is_projection(model: LanguageModel, entry: tuple) -> bool:
+    """Whether an entry of `matrices` is a projection read through `project` (not a head, not MoE experts)."""
+    m, _, _, lead, lazy, transposed = entry
+    return lazy and not lead and not transposed and m is not model
+
+
+def input_hessians(model: LanguageModel, todo: list, tokens, who: str = "quantize") -> dict[int, np.ndarray]:
+    """X^T X of the inputs of each projection of `todo` (entries of `matrices`), by its index, from one
+    forward pass of the float model over `tokens` (B, T); the weights are put back after it."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"quantize: calibration is {tokens.dtype}{list(tokens.shape)}; expected token ids (B, T)")
+        raise ValueError(f"{who}: calibration is {tokens.dtype}{list(tokens.shape)}; expected token ids (B, T)")
     hessians, kept = {}, []
-    for i, (m, name, in_ndim, lead, lazy, transposed) in enumerate(todo):
-        if lazy and not lead and not transposed and m is not model:
-            kept.append((m, name, getattr(m, name).get_value()))
-            setattr(m, name, nnx.Param(Recorded(kept[-1][2], i, hessians, in_ndim)))
+    for i, (m, name, in_ndim, *_) in enumerate(todo):
+        if is_projection(model, todo[i]):
+            kept.append((m, name, getattr(m, name)))  # the Param itself, with its metadata
+            setattr(m, name, nnx.Param(Recorded(kept[-1][2].get_value(), i, hessians, in_ndim)))
     nnx.view(model, deterministic=True)(tokens)
-    for m, name, w in kept:
-        setattr(m, name, nnx.Param(w))
+    for m, name, param in kept:
+        setattr(m, name, param)
     return hessians
 
 

@@ -46,6 +46,22 @@ def hessian(x: Float[Array, "N In"]) -> Float[Array, "In In"]:
     return x.T @ x
 
 
+def prepare(w: Float[Array, "In Out"], h: Float[Array, "In In"], damp: float
+            ) -> tuple[Float[Array, "In Out"], Float[Array, "In In"]]:
+    """(w, h) in float32 as GPTQ and SparseGPT start: an input that never fires (H_ii = 0) gets H_ii = 1
+    and its row of w zeroed; then `damp` x mean(diag H) is added to the diagonal."""
+    w, h = w.astype(jnp.float32), h.astype(jnp.float32)
+    dead = jnp.diag(h) == 0
+    h = h + jnp.diag(jnp.where(dead, 1.0, 0.0))
+    h = h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(h.shape[0])
+    return jnp.where(dead[:, None], 0.0, w), h
+
+
+def inverse_factor(h: Float[Array, "In In"]) -> Float[Array, "In In"]:
+    """U, upper triangular, with H^-1 = U^T U: row i holds the inverse Hessian of rows i.. (scaled)."""
+    return jnp.linalg.cholesky(jnp.linalg.inv(h)).T
+
+
 def _scales(w: Float[Array, "G Out"], bits: str) -> Float[Array, " Out"]:
     """absmax / QMAX per column of a group of rows, rounded to the layout's scale dtype (as
     layers/quant.absmax_quantize: codes divide by the stored scale)."""
@@ -68,18 +84,14 @@ def gptq_quantize(w: Float[Array, "In Out"], h: Float[Array, "In In"], bits: str
         raise ValueError(f"gptq_quantize: group_size={group_size} does not divide the input width {In}")
     if h.shape != (In, In):
         raise ValueError(f"gptq_quantize: the Hessian is {h.shape}; expected ({In}, {In}) for a weight {w.shape}")
-    w, h = w.astype(jnp.float32), h.astype(jnp.float32)
-    dead = jnp.diag(h) == 0
-    h = h + jnp.diag(jnp.where(dead, 1.0, 0.0))
-    w = jnp.where(dead[:, None], 0.0, w)
-    h = h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(In)
+    w, h = prepare(w, h, damp)
     group_of = jnp.arange(In) // g
     if act_order:
         perm = jnp.argsort(-jnp.diag(h), stable=True)
         static = jax.vmap(lambda rows: _scales(rows, bits))(w.reshape(In // g, g, Out))  # (In/g, Out)
     else:
         perm = jnp.arange(In)
-    u = jnp.linalg.cholesky(jnp.linalg.inv(h[perm][:, perm])).T  # upper: H^-1 = U^T U, in quantizing order
+    u = inverse_factor(h[perm][:, perm])  # in quantizing order
     qmax = QMAX[bits]
 
     def row(i, carry):

@@ -158,18 +158,16 @@ def test_gptq_on_calibration_tokens_beats_round_to_nearest_and_decodes_like_its_
     each projection's calibration error tr(dW^T H dW) is below round-to-nearest's (what GPTQ minimises;
     on this random-init model the logits' error on held-out random tokens is dominated by the head's and
     is not a test of it); int3 (GPTQ only) runs; the quantized model decodes like its full pass."""
-    from infer.quantize import RULES, _hessians
+    from infer.quantize import input_hessians, is_projection, matrices
 
     model = tiny_model(mixer, d_model=64, num_layers=2)
     cal, test = (jax.random.randint(k, (8, 48), 0, 256) for k in jax.random.split(jax.random.key(0)))
     rtn, gptq = (infer.quantize(model, "int4", group_size=16, activations="float", **kw)
                  for kw in ({}, {"calibration": cal}))
-    todo = [(m, n, *r[2:], False) for _, m in nnx.iter_modules(model) for r in RULES if isinstance(m, r[0])
-            for n in r[1]]
-    hessians = _hessians(model, todo, cal)  # puts the weights back
+    todo = [t for t in matrices(model) if is_projection(model, t)]
+    hessians = input_hessians(model, todo, cal)  # puts the weights back
     assert sorted(hessians) == list(range(len(todo))) and len(todo) > 4  # every projection
-    weights = lambda q: [getattr(m, n).get_value() for _, m in nnx.iter_modules(q) for r in RULES
-                         if isinstance(m, r[0]) for n in r[1]]
+    weights = lambda q: [getattr(m, n).get_value() for m, n, *_ in matrices(q)][:len(todo)]
     for i, ((_, name, in_ndim, *_), w, a, b) in enumerate(zip(todo, weights(model), weights(rtn), weights(gptq),
                                                              strict=True)):
         In = math.prod(w.shape[:in_ndim])
