@@ -13,14 +13,15 @@ A weight may also be a `Quantized` (layers/quant.py, made by infer/quantize.py) 
 import jax
 from flax import nnx
 
+from layers.factor import Factored
 from layers.gptq import Recorded
 from layers.lora import LowRank
 from layers.quant import Quantized
 
-HELD = (Quantized, LowRank, Recorded)  # weights that multiply by their own matmul
+HELD = (Quantized, LowRank, Recorded, Factored)  # weights that multiply by their own matmul
 
 
-def project(x: jax.Array, w: jax.Array | Quantized | LowRank | Recorded, **dot_kwargs) -> jax.Array:
+def project(x: jax.Array, w: jax.Array | Quantized | LowRank | Recorded | Factored, **dot_kwargs) -> jax.Array:
     """x (..., D) @ w (D, *out) -> (..., *out), as one (N, D) @ (D, prod(out)) product."""
     lead, out = x.shape[:-1], w.shape[1:]
     x2, w2 = x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1)

@@ -1,0 +1,79 @@
+"""Low-rank factorization of a projection: W (In, Out) replaced by A (In, r) B (r, Out) from a truncated
+SVD, plain (Eckart-Young: the best rank-r W in Frobenius norm) or activation-aware (SVD-LLM, Wang et al.
+2025: the SVD of S^T W with S S^T = X^T X the calibration inputs' Hessian, so A B is the best rank-r
+weight for the outputs X W, and the error ||X (W - A B)|| is exactly the discarded singular values' norm).
+
+`Factored` stands in for the array inside an `nnx.Param`, as `Quantized` does: `project` multiplies by
+x A then B, r (In + Out) multiply-adds a row instead of In Out; any other read gets A B.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+@dataclasses.dataclass(frozen=True)
+class Factored:
+    """A weight of logical `shape` (contraction axes, then output axes; `in_ndim` of them contracted)
+    held as a (In, r) and b (r, Out)."""
+    a: Float[Array, "In R"]
+    b: Float[Array, "R Out"]
+    shape: tuple[int, ...]
+    in_ndim: int = 1
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        return self.a.dtype
+
+    def product(self) -> jax.Array:
+        return (self.a @ self.b).reshape(self.shape)
+
+    def __jax_array__(self):
+        return self.product()
+
+    def __getitem__(self, key):
+        return self if key is Ellipsis else self.product()[key]
+
+    def astype(self, dtype) -> "Factored":
+        return dataclasses.replace(self, a=self.a.astype(dtype), b=self.b.astype(dtype))
+
+    def reshape(self, *shape) -> "Factored | jax.Array":
+        """The (In, Out) matrix view `project` asks for; any other shape is the product's."""
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        In, Out = self.a.shape[0], self.b.shape[1]
+        if tuple(shape) in ((In, Out), (In, -1)):
+            return dataclasses.replace(self, shape=(In, Out), in_ndim=1)
+        return self.product().reshape(shape)
+
+    def matmul(self, x: Float[Array, "M In"], **dot_kwargs) -> Float[Array, "M Out"]:
+        return jax.lax.dot(jax.lax.dot(x, self.a.astype(x.dtype), **dot_kwargs), self.b.astype(x.dtype), **dot_kwargs)
+
+
+jax.tree_util.register_dataclass(Factored, data_fields=["a", "b"], meta_fields=["shape", "in_ndim"])
+
+
+def factorize(w: Float[Array, "In Out"], rank: int, h: Float[Array, "In In"] | None = None, damp: float = 1e-6
+              ) -> tuple[Float[Array, "In R"], Float[Array, "R Out"]]:
+    """(A, B) of rank `rank` with A B ~ w: the truncated SVD of w, or with `h` = X^T X that of S^T w
+    (S = chol(h + damp mean(diag h) I)), mapped back by S^-T; singular values split evenly (sqrt to each)."""
+    In, Out = w.shape
+    if not 1 <= rank <= min(In, Out):
+        raise ValueError(f"factorize: rank={rank}; expected 1 to {min(In, Out)} for a weight {In} x {Out}")
+    w32 = w.astype(jnp.float32)
+    s = None
+    if h is not None:
+        h = h.astype(jnp.float32)
+        s = jnp.linalg.cholesky(h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(In))  # lower, h = S S^T
+        w32 = s.T @ w32
+    u, sigma, vt = jnp.linalg.svd(w32, full_matrices=False)
+    root = jnp.sqrt(sigma[:rank])
+    a, b = u[:, :rank] * root, root[:, None] * vt[:rank]
+    if s is not None:
+        a = jax.scipy.linalg.solve_triangular(s.T, a, lower=False)  # S^-T (U_r sqrt(Sigma_r))
+    return a.astype(w.dtype), b.astype(w.dtype)
