@@ -221,6 +221,7 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, confi
         except (OSError, yaml.YAMLError) as e:
             raise ValueError(f"{run_dir}: no readable config (checkpoints without one, config.yaml: {e})") from None
     cfg = from_dict(saved)
+    lora = cfg.train.lora  # the adapters the checkpoint holds, whatever `config` says
     if config is not None:
         cfg = _same_parameters(cfg, load_config(config), config)
     build = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))
@@ -233,7 +234,7 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, confi
         targets["rest"] = nnx.to_pure_dict(rest)
     where = meta.get("adapters") or []
     if where:  # a train.lora run: its adapters, (In, rank) and (rank, Out) beside each base
-        rank = cfg.train.lora.rank
+        rank = lora.rank
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         targets["adapters"] = []
         for w in where:
@@ -251,7 +252,7 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, confi
     weights = restored["params"]
     if where:  # folded: W + (alpha / rank) A B
         weights = jax.tree.map(lambda x: x.merged() if isinstance(x, LowRank) else x,
-                               join_adapters(weights, restored["adapters"], where, cfg.train.lora.scale),
+                               join_adapters(weights, restored["adapters"], where, lora.scale),
                                is_leaf=lambda x: isinstance(x, LowRank))
     nnx.replace_by_pure_dict(params, weights)
     if "rest" in targets:
