@@ -3,6 +3,7 @@ with scales (layers/quant.py), and whose attention layers keep an int8 KV cache.
 
     qmodel = infer.quantize(model, weights="int8", kv_cache="int8")   # model itself is untouched
     new_ids = infer.generate(qmodel, prompts, max_new_tokens=200)
+    qmodel = infer.quantize(model, "int4", calibration=tokens)         # GPTQ (layers/gptq.py) on token ids
 
 What is quantized, per output channel (int8) or per group of `group_size` input rows (int4):
 attention's wq, wk, wv, wo; the SwiGLU MLP's w_gate, w_up, w_down; every `layers.Linear` kernel (the
