@@ -4,6 +4,7 @@ with scales (layers/quant.py), and whose attention layers keep an int8 KV cache.
     qmodel = infer.quantize(model, weights="int8", kv_cache="int8")   # model itself is untouched
     new_ids = infer.generate(qmodel, prompts, max_new_tokens=200)
     qmodel = infer.quantize(model, "int4", calibration=tokens)         # GPTQ (layers/gptq.py) on token ids
+    qmodel = infer.quantize(model, "int4", calibration=tokens, method="awq")  # or "smoothquant" (W8A8)
 
 What is quantized, per output channel (int8) or per group of `group_size` input rows (int4):
 attention's wq, wk, wv, wo; the SwiGLU MLP's w_gate, w_up, w_down; every `layers.Linear` kernel (the
@@ -39,11 +40,13 @@ from layers.linear import Linear
 from layers.mlp import MLP
 from layers.moe import MoE
 from layers.quant import Quantized, quantize_weight
+from layers.smooth import awq_scales, scaled, smoothquant_scales
 from zoo.model import LanguageModel
 
 WEIGHTS = ("int8", "int4")
 KV_CACHES = ("int8",)
 ACTIVATIONS = ("int8", "float")
+METHODS = ("rtn", "gptq", "awq", "smoothquant")
 
 # module type, its parameters, contraction axes, stacked leading axes, read through `project` (lazy)
 RULES = (
@@ -56,20 +59,33 @@ RULES = (
 
 
 def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str | None = None, *,
-             group_size: int = 32, activations: str = "int8", calibration=None, act_order: bool = False
-             ) -> LanguageModel:
+             group_size: int = 32, activations: str = "int8", calibration=None, method: str | None = None,
+             act_order: bool = False) -> LanguageModel:
     """A quantized copy of `model`: weights "int8", "int4", "int3" or None (float), kv_cache "int8" or None.
     int4 (and int3, stored as int4) groups `group_size` consecutive input rows per scale, and that must
     divide every quantized weight's input width: the default 32 divides the SwiGLU width
     (`default_hidden_dim` rounds to a multiple of 32: 1376 = 43 * 32 for d_model 512, which 64 and 128
-    do not divide). Rounded to nearest, or with `calibration` (token ids (B, T) the model reads) by GPTQ
-    (layers/gptq.py; `act_order` its order of rows): every weight read through `project` (attention's,
-    the MLP's and every Linear kernel) is corrected on the Hessian of its inputs, taken in one forward
-    pass of the float model; the head and MoE experts stay rounded to nearest (int4 for int3)."""
+    do not divide). `method` (default "gptq" with calibration, else "rtn"): "rtn" rounds to nearest;
+    the others read `calibration` (token ids (B, T) the model reads, one forward pass of the float model)
+    and treat every weight read through `project` (attention's, the MLP's and every Linear kernel):
+    "gptq" corrects it on the Hessian of its inputs (layers/gptq.py; `act_order` its order of rows),
+    "awq" scales its input channels by the searched activation-aware s (layers/smooth.py) before
+    rounding, "smoothquant" (weights and activations int8) moves its inputs' outlier channels into it.
+    The head and MoE experts stay rounded to nearest (int4 for int3)."""
+    method = method or ("rtn" if calibration is None else "gptq")
+    if method not in METHODS:
+        raise ValueError(f"quantize: method={method!r}; expected one of {METHODS}")
     if weights not in (None, *WEIGHTS, "int3"):
         raise ValueError(f"quantize: weights={weights!r}; expected one of {(*WEIGHTS, 'int3')} or None")
-    if weights == "int3" and calibration is None:
-        raise ValueError("quantize: weights='int3' is GPTQ's: pass calibration (token ids the model reads)")
+    if weights == "int3" and method != "gptq":
+        raise ValueError("quantize: weights='int3' is GPTQ's: pass calibration (token ids the model reads) and "
+                         "method='gptq'")
+    if (method == "rtn") != (calibration is None):
+        raise ValueError(f"quantize: method={method!r} " + ("reads no calibration" if method == "rtn" else
+                                                            "reads calibration: pass token ids the model reads"))
+    if method == "smoothquant" and (weights, activations) != ("int8", "int8"):
+        raise ValueError(f"quantize: method='smoothquant' is W8A8: weights='int8' and activations='int8', not "
+                         f"{weights!r} and {activations!r}")
     if kv_cache not in (None, *KV_CACHES):
         raise ValueError(f"quantize: kv_cache={kv_cache!r}; expected one of {KV_CACHES} or None")
     if activations not in ACTIVATIONS:
@@ -91,16 +107,21 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
     group = None if weights == "int8" else group_size
     if group:
         _check_groups(model, todo, group)
-    hessians = {} if calibration is None else input_hessians(model, todo, calibration)
+    stats = {} if calibration is None else input_statistics(model, todo, calibration)
+    bits = "int8" if weights == "int8" else "int4"
     for i, (m, name, in_ndim, lead, lazy, transposed) in enumerate(todo):
         w = getattr(m, name).get_value()
-        if i in hessians:
-            codes, scale = gptq_quantize(w.reshape(math.prod(w.shape[:in_ndim]), -1), jnp.asarray(hessians[i]),
-                                         weights, group_size=group, act_order=act_order)
+        got, w2 = stats.get(i), w.reshape(math.prod(w.shape[:in_ndim]), -1)  # w2: a projection's (In, Out)
+        if got is None:
+            q = quantize_weight(w, bits, in_ndim=in_ndim, lead=lead, group_size=group, transposed=transposed,
+                                lazy=lazy, dot=activations)
+        elif method == "gptq":
+            codes, scale = gptq_quantize(w2, jnp.asarray(got["xtx"]), weights, group_size=group, act_order=act_order)
             q = Quantized(values=codes, scale=scale, shape=tuple(w.shape), dtype=w.dtype, lazy=lazy, dot=activations)
         else:
-            q = quantize_weight(w, "int8" if weights == "int8" else "int4", in_ndim=in_ndim, lead=lead,
-                                group_size=group, transposed=transposed, lazy=lazy, dot=activations)
+            s = (awq_scales(w2, jnp.asarray(got["xtx"]), jnp.asarray(got["abssum"] / got["rows"]), bits, group)
+                 if method == "awq" else smoothquant_scales(w2, jnp.asarray(got["absmax"])))
+            q = scaled(w, s, in_ndim, lambda base: quantize_weight(base, bits, group_size=group, dot=activations))
         setattr(m, name, nnx.Param(q))
     return model
 
@@ -125,21 +146,27 @@ def is_projection(model: LanguageModel, entry: tuple) -> bool:
     return lazy and not lead and not transposed and m is not model
 
 
-def input_hessians(model: LanguageModel, todo: list, tokens, who: str = "quantize") -> dict[int, np.ndarray]:
-    """X^T X of the inputs of each projection of `todo` (entries of `matrices`), by its index, from one
-    forward pass of the float model over `tokens` (B, T); the weights are put back after it."""
+def input_statistics(model: LanguageModel, todo: list, tokens, who: str = "quantize") -> dict[int, dict]:
+    """The statistics of the inputs of each projection of `todo` (entries of `matrices`), by its index,
+    from one forward pass of the float model over `tokens` (B, T): "xtx" (X^T X), "absmax" and "abssum"
+    per input channel, "rows" (layers/gptq.Recorded); the weights are put back after it."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"{who}: calibration is {tokens.dtype}{list(tokens.shape)}; expected token ids (B, T)")
-    hessians, kept = {}, []
+    stats, kept = {}, []
     for i, (m, name, in_ndim, *_) in enumerate(todo):
         if is_projection(model, todo[i]):
             kept.append((m, name, getattr(m, name)))  # the Param itself, with its metadata
-            setattr(m, name, nnx.Param(Recorded(kept[-1][2].get_value(), i, hessians, in_ndim)))
+            setattr(m, name, nnx.Param(Recorded(kept[-1][2].get_value(), i, stats, in_ndim)))
     nnx.view(model, deterministic=True)(tokens)
     for m, name, param in kept:
         setattr(m, name, param)
-    return hessians
+    return stats
+
+
+def input_hessians(model: LanguageModel, todo: list, tokens, who: str = "quantize") -> dict[int, np.ndarray]:
+    """X^T X of the inputs of each projection of `todo`, by its index (`input_statistics`)."""
+    return {i: got["xtx"] for i, got in input_statistics(model, todo, tokens, who).items()}
 
 
 def _check_groups(model, todo, group_size):

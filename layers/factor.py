@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from layers.held import HeldMatrix
+
 
 @dataclasses.dataclass(frozen=True)
-class Factored:
+class Factored(HeldMatrix):
     """A weight of logical `shape` (contraction axes, then output axes; `in_ndim` of them contracted)
     held as a (In, r) and b (r, Out)."""
     a: Float[Array, "In R"]
@@ -24,32 +26,14 @@ class Factored:
     in_ndim: int = 1
 
     @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
     def dtype(self):
         return self.a.dtype
 
-    def product(self) -> jax.Array:
-        return (self.a @ self.b).reshape(self.shape)
-
-    def __jax_array__(self):
-        return self.product()
-
-    def __getitem__(self, key):
-        return self if key is Ellipsis else self.product()[key]
+    def matrix(self) -> jax.Array:
+        return self.a @ self.b
 
     def astype(self, dtype) -> "Factored":
         return dataclasses.replace(self, a=self.a.astype(dtype), b=self.b.astype(dtype))
-
-    def reshape(self, *shape) -> "Factored | jax.Array":
-        """The (In, Out) matrix view `project` asks for; any other shape is the product's."""
-        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        In, Out = self.a.shape[0], self.b.shape[1]
-        if tuple(shape) in ((In, Out), (In, -1)):
-            return dataclasses.replace(self, shape=(In, Out), in_ndim=1)
-        return self.product().reshape(shape)
 
     def matmul(self, x: Float[Array, "M In"], **dot_kwargs) -> Float[Array, "M Out"]:
         return jax.lax.dot(jax.lax.dot(x, self.a.astype(x.dtype), **dot_kwargs), self.b.astype(x.dtype), **dot_kwargs)

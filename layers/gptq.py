@@ -20,9 +20,11 @@ contiguous ones of the layout, so their scales are taken from the weights before
 reference. Not here: the lazy batch updates (a speed device of the reference, same result).
 
 `Recorded` stands in for a weight while a model runs on calibration data (infer/quantize.py puts it
-in each projection read through `project`): it multiplies as the weight does and adds X^T X of its
-inputs to a dictionary, so one forward pass of the float model gives every projection's H (all from
-the float model's activations, not layer after layer from the quantized ones as the reference does).
+in each projection read through `project`): it multiplies as the weight does and adds the statistics
+of its inputs to a dictionary (X^T X, and per input channel the largest and the summed |x| that AWQ
+and SmoothQuant read, layers/smooth.py), so one forward pass of the float model gives every
+projection's H (all from the float model's activations, not layer after layer from the quantized ones
+as the reference does).
 """
 
 import dataclasses
@@ -114,11 +116,13 @@ def gptq_quantize(w: Float[Array, "In Out"], h: Float[Array, "In In"], bits: str
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Recorded(HeldWeight):
-    """A weight (its logical shape: contraction axes, then output axes) that adds X^T X of each input
-    it multiplies to `hessians[key]` (float64 NumPy, through jax.debug.callback, so under jit too)."""
+    """A weight (its logical shape: contraction axes, then output axes) that adds the statistics of each
+    input X (M, In) it multiplies to `stats[key]`, a dict of "xtx" (X^T X), "absmax" and "abssum" (max
+    and sum of |x| per input channel) and "rows" (float64 NumPy, through jax.debug.callback, so under
+    jit too)."""
     base: Shaped[Array, "..."]
-    key: object  # where the sum goes in `hessians`
-    hessians: dict
+    key: object  # where the sums go in `stats`
+    stats: dict
     in_ndim: int = 1
 
     def __getitem__(self, key):
@@ -137,7 +141,11 @@ class Recorded(HeldWeight):
 
     def _add(self, x2):
         x2 = np.asarray(x2, np.float64)
-        self.hessians[self.key] = self.hessians.get(self.key, 0.0) + x2.T @ x2
+        got = self.stats.setdefault(self.key, {"xtx": 0.0, "absmax": 0.0, "abssum": 0.0, "rows": 0})
+        got["xtx"] = got["xtx"] + x2.T @ x2
+        got["absmax"] = np.maximum(got["absmax"], np.abs(x2).max(0))
+        got["abssum"] = got["abssum"] + np.abs(x2).sum(0)
+        got["rows"] += x2.shape[0]
 
     def matmul(self, x: Shaped[Array, "M In"], **dot_kwargs) -> Shaped[Array, "M Out"]:
         jax.debug.callback(self._add, x)

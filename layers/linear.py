@@ -6,8 +6,9 @@ its backward is much slower: B=8, T=256, D=128, H=4, K=32, an attention block's 
 took 28.7 ms with 3-D operands and 18.8 ms with these, a SwiGLU MLP's 12.1 and 7.4 ms
 (benchmarks/peers.py measures the whole model).
 
-A weight may also be a `Quantized` (layers/quant.py, made by infer/quantize.py) or a `LowRank` adapter
-(layers/lora.py, made by train/lora.py): the product is then its own matmul.
+A weight may also be held in another form (`HELD`: quantized, layers/quant.py; an adapter, layers/lora.py;
+factored, layers/factor.py; input-scaled, layers/smooth.py; recording its inputs, layers/gptq.py): the
+product is then its own matmul.
 """
 
 import jax
@@ -17,11 +18,12 @@ from layers.factor import Factored
 from layers.gptq import Recorded
 from layers.lora import LowRank
 from layers.quant import Quantized
+from layers.smooth import Scaled
 
-HELD = (Quantized, LowRank, Recorded, Factored)  # weights that multiply by their own matmul
+HELD = (Quantized, LowRank, Recorded, Factored, Scaled)  # weights that multiply by their own matmul
 
 
-def project(x: jax.Array, w: jax.Array | Quantized | LowRank | Recorded | Factored, **dot_kwargs) -> jax.Array:
+def project(x: jax.Array, w: jax.Array | Quantized | LowRank | Recorded | Factored | Scaled, **dot_kwargs) -> jax.Array:
     """x (..., D) @ w (D, *out) -> (..., *out), as one (N, D) @ (D, prod(out)) product."""
     lead, out = x.shape[:-1], w.shape[1:]
     x2, w2 = x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1)

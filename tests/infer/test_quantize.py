@@ -186,3 +186,55 @@ def test_gptq_bad_input_names_it(model):
         infer.quantize(model, "int3")
     with pytest.raises(ValueError, match=r"calibration is float32\[2, 8\]; expected token ids \(B, T\)"):
         infer.quantize(model, "int4", calibration=jnp.zeros((2, 8)))
+
+
+@pytest.mark.parametrize("mixer", [{"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
+                                   {"kind": "mamba2", "state_size": 8, "head_dim": 16}], ids=lambda m: m["kind"])
+def test_awq_and_smoothquant_scale_every_projection_and_decode_like_their_full_pass(mixer):
+    """method="awq": every projection read through `project` holds its searched input scales, and its
+    calibration error tr(dW^T H dW) is at most round-to-nearest's; method="smoothquant": the migrated
+    float model computes the original's logits bit for bit (the scales are powers of two), and its W8A8
+    copy holds int8 weights behind the scales and errs about as plain W8A8 does (tests/layers/test_smooth.py
+    shows the gain on outlier channels, which this random-init model lacks); both decode like their own
+    full pass."""
+    from infer.quantize import input_statistics, is_projection, matrices
+    from layers.smooth import Scaled, scaled, smoothquant_scales
+
+    model = tiny_model(mixer, d_model=64, num_layers=2)
+    cal, test = (jax.random.randint(k, (8, 48), 0, 256) for k in jax.random.split(jax.random.key(1)))
+    rtn = infer.quantize(model, "int4", group_size=16, activations="float")
+    awq = infer.quantize(model, "int4", group_size=16, activations="float", calibration=cal, method="awq")
+    todo = [t for t in matrices(model) if is_projection(model, t)]
+    stats = input_statistics(model, todo, cal)
+    weights = lambda q: [getattr(m, n).get_value() for m, n, *_ in matrices(q)][:len(todo)]  # noqa: E731
+    migrated = nnx.clone(model)
+    for i, ((_, name, in_ndim, *_), w, a, b, (m, *_)) in enumerate(
+            zip(todo, weights(model), weights(rtn), weights(awq), matrices(migrated), strict=False)):
+        In = math.prod(w.shape[:in_ndim])
+        objective = lambda dense: float(jnp.sum((d := (dense - w).reshape(In, -1)) * (stats[i]["xtx"] @ d)))  # noqa: E731
+        assert isinstance(b, Scaled) and objective(jnp.asarray(b)) <= objective(a.dequantize()) * (1 + 1e-6), name
+        s = smoothquant_scales(w.reshape(In, -1), jnp.asarray(stats[i]["absmax"]))
+        setattr(m, name, nnx.Param(scaled(w, s, in_ndim)))
+    assert (forward(migrated, test) == forward(model, test)).all()
+    smooth = infer.quantize(model, "int8", calibration=cal, method="smoothquant")
+    held = weights(smooth)
+    assert all(isinstance(h, Scaled) and isinstance(h.base, Quantized) and h.base.dot == "int8" for h in held)
+    ref = forward(model, test)  # no outlier channels in a random-init model: smoothing must not cost much
+    assert rel_err(forward(smooth, test), ref) < 1.5 * rel_err(forward(infer.quantize(model, "int8"), test), ref)
+    # int8 activations are rounded per token in each program: the decode's and the full pass's programs may
+    # round a value lying at a half step differently (one code, one step of max|x| / 127: 0.031 here)
+    for q, tol in ((awq, 1e-4), (smooth, 0.05)):
+        pieces, _ = decode_in_pieces(q, test, cuts=[17, 30, 31])
+        assert rel_err(pieces, forward(q, test)) < tol
+
+
+def test_awq_and_smoothquant_bad_input_names_it(model):
+    cal = jnp.zeros((2, 8), jnp.int32)
+    for kw, error in (({"method": "gptqq", "calibration": cal}, r"method='gptqq'; expected one of \('rtn'"),
+                      ({"method": "awq"}, "method='awq' reads calibration: pass token ids"),
+                      ({"method": "rtn", "calibration": cal}, "method='rtn' reads no calibration"),
+                      ({"weights": "int4", "method": "smoothquant", "calibration": cal},
+                       "method='smoothquant' is W8A8: weights='int8' and activations='int8', not 'int4' and 'int8'"),
+                      ({"weights": "int3", "method": "awq", "calibration": cal}, "weights='int3' is GPTQ's")):
+        with pytest.raises(ValueError, match=error):
+            infer.quantize(model, **{"weights": "int8", **kw})
