@@ -6,7 +6,8 @@ float model over calibration token ids (infer/quantize.input_hessians).
     sparse = infer.prune(model, "wanda", n_of_m=(2, 4), calibration=tokens)
 
 What is pruned: every weight read through `project` (attention's wq, wk, wv, wo, the MLP's three matrices,
-every `Linear` kernel of the other kinds). What is not: the embeddings and heads, MoE experts, norms,
+every `Linear` kernel of the other kinds, RWKV's receptance, key, value, gate and output matrices and its
+channel mix's). What is not: the embeddings and heads, MoE experts, norms,
 convolutions, and the vectors and small matrices the recurrent kinds read by einsums of their own. The
 result is an ordinary float model (the zeros are stored): it decodes, trains and checkpoints as any
 other, and a fine-tune moves the zeros unless it masks them.

@@ -8,13 +8,15 @@ with scales (layers/quant.py), and whose attention layers keep an int8 KV cache.
 
 What is quantized, per output channel (int8) or per group of `group_size` input rows (int4):
 attention's wq, wk, wv, wo; the SwiGLU MLP's w_gate, w_up, w_down; every `layers.Linear` kernel (the
-projections of the linear-attention, RetNet, GLA, DeltaNet and Mamba families); MoE expert weights
+projections of the linear-attention, RetNet, GLA, DeltaNet and Mamba families); RWKV-6's and RWKV-7's
+receptance, key, value, gate and output matrices and their channel mixes' matrices; MoE expert weights
 (each expert its own scales; read dequantized, their einsums are not `project`); the LM head, the
 exit heads, and a tied embedding table (scaled per row, which is per output column of the head it
 also is; the lookup dequantizes it). What stays float32: norms, biases, gates and other vectors,
-convolution kernels, the MoE router, SSM parameters (A_log), RWKV's own matrices (read by einsums
-of their own), MAD's pooled decoder head, an untied embedding table (read one row per token, so
-quantizing it would save memory only), and every recurrent state.
+convolution kernels, the MoE router, SSM parameters (A_log), RWKV's low-rank data-dependent
+matrices (decay, in-context rate, value residual, gate and token-mix LoRAs), MAD's pooled decoder
+head, an untied embedding table (read one row per token, so quantizing it would save memory only), and
+every recurrent state.
 
 `activations` picks the product (layers/quant.py): "int8" multiplies by per-token int8 activations
 in an int8 x int8 -> int32 dot (W8A8; int4 weights requantized to int8 for it, once per decode call),
@@ -40,7 +42,10 @@ from layers.linear import Linear
 from layers.mlp import MLP
 from layers.moe import MoE
 from layers.quant import Quantized, quantize_weight
+from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
+from layers.rwkv7 import RWKV7TimeMix
 from layers.smooth import awq_scales, scaled, smoothquant_scales
+from layers.token_shift import RWKVChannelMix
 from zoo.model import LanguageModel
 
 WEIGHTS = ("int8", "int4")
@@ -54,6 +59,10 @@ RULES = (
     (Attention, ("wo",), 2, 0, True),  # (H, K, D): contracted over heads and head dim
     (MLP, ("w_gate", "w_up", "w_down"), 1, 0, True),
     (Linear, ("kernel",), 1, 0, True),
+    (RWKV6TimeMix, ("w_r", "w_k", "w_v", "w_g", "w_o"), 1, 0, True),
+    (RWKV7TimeMix, ("w_r", "w_k", "w_v", "w_o"), 1, 0, True),
+    (RWKVChannelMix, ("w_k", "w_v"), 1, 0, True),
+    (RWKV6ChannelMix, ("w_r",), 1, 0, True),  # its receptance gate
     (MoE, ("w_gate", "w_up", "w_down"), 1, 1, False),  # (E, D, F): one matrix per expert
 )
 

@@ -40,6 +40,7 @@ from flax import nnx
 
 from kernels import check_impl, check_mode
 from kernels.wkv6 import wkv6
+from layers.linear import project
 from layers.norm import head_group_norm
 from layers.options import Impl, Mode, PosInt
 from layers.rwkv_init import depth_ratios, orthogonal, param
@@ -100,15 +101,15 @@ class RWKV6TimeMix(RWKVTimeMix):
         m = jnp.einsum("BTFR,FRD->FBTD", m, p(self.mix_b)) + p(self.mu)[:, None, None]  # (5, B, T, D)
         xw, xk, xv, xr, xg = x + xx * m
         heads = lambda y: y.reshape(B, T, H, K)  # (B, T, H, K)
-        r, k, v = heads(xr @ p(self.w_r)), heads(xk @ p(self.w_k)), heads(xv @ p(self.w_v))
-        g = jax.nn.silu(xg @ p(self.w_g))
+        r, k, v = heads(project(xr, p(self.w_r))), heads(project(xk, p(self.w_k))), heads(project(xv, p(self.w_v)))
+        g = jax.nn.silu(project(xg, p(self.w_g)))
         d = self.decay_base[...] + (jnp.tanh(xw @ p(self.decay_a)) @ p(self.decay_b)).astype(jnp.float32)
         op = lambda S, r, k, v, w: wkv6(r, k, v, w, self.bonus[...], segment_ids=segment_ids, initial_state=S,
                                         output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
         args = (state.wkv, r, k, v, heads(-jnp.exp(d)))
         o, wkv = stepwise(op, *args) if steps else op(*args)
         o = head_group_norm(o, self.ln_weight[...], self.ln_bias[...], self.eps).astype(dt)
-        return (o * g) @ p(self.w_o), (RWKVTimeMixState.stepped if steps else RWKVTimeMixState)(last, wkv)
+        return project(o * g, p(self.w_o)), (RWKVTimeMixState.stepped if steps else RWKVTimeMixState)(last, wkv)
 
 
 class RWKV6ChannelMix(RWKVChannelMix):
@@ -128,4 +129,4 @@ class RWKV6ChannelMix(RWKVChannelMix):
 
     def _gate(self, x, prev, y):
         """The receptance gate."""
-        return jax.nn.sigmoid((x + (prev - x) * self._p(self.mu_r)) @ self._p(self.w_r)) * y
+        return jax.nn.sigmoid(project(x + (prev - x) * self._p(self.mu_r), self._p(self.w_r))) * y

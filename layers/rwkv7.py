@@ -56,6 +56,7 @@ from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode
 from kernels.wkv7 import wkv7
+from layers.linear import project
 from layers.norm import head_group_norm
 from layers.options import Impl, Mode, PosInt
 from layers.rwkv_init import depth_ratios, orthogonal, param
@@ -150,7 +151,7 @@ class RWKV7TimeMix(RWKVTimeMix):
         x = x.astype(dt)
         prev, last = token_shift(x, state.shift, segment_ids, steps)
         xr, xw, xk, xv, xa, xg = x + (prev - x) * p(self.mu)[:, None, None]  # 6 x (B, T, D)
-        r, k, v = xr @ p(self.w_r), xk @ p(self.w_k), xv @ p(self.w_v)
+        r, k, v = project(xr, p(self.w_r)), project(xk, p(self.w_k)), project(xv, p(self.w_v))
         d = self.decay_base[...] + f32(jnp.tanh(xw @ p(self.decay_a)) @ p(self.decay_b))
         w_log = -math.exp(-0.5) * jax.nn.sigmoid(d)  # log w in (-e^{-0.5}, 0), float32
         if self.layer_id == 0:
@@ -172,7 +173,7 @@ class RWKV7TimeMix(RWKVTimeMix):
         o, wkv = stepwise(op, *args) if steps else op(*args)
         o = head_group_norm(o, self.ln_weight[...], self.ln_bias[...], self.eps)  # (B, T, D) float32
         o = o + (jnp.sum(f32(r) * k * self.bonus[...], axis=-1, keepdims=True) * f32(v)).reshape(B, T, D)
-        y = (o.astype(dt) * g) @ p(self.w_o)
+        y = project(o.astype(dt) * g, p(self.w_o))
         return y, (RWKVTimeMixState.stepped if steps else RWKVTimeMixState)(last, wkv), v_first
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kernels.segments import document_starts
+from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.rwkv_init import orthogonal, param
 from layers.sharding import COLUMNS, ROWS
@@ -85,6 +86,6 @@ class RWKVChannelMix(SequenceMixer):
         """One form (mode unused)."""
         x = x.astype(self.dtype)
         prev, last = token_shift(x, state.shift, segment_ids, steps)
-        k = jnp.square(jax.nn.relu((x + (prev - x) * self._p(self.mu_k)) @ self._p(self.w_k)))  # (B, T, F)
-        y = self._gate(x, prev, k @ self._p(self.w_v))
+        k = jnp.square(jax.nn.relu(project(x + (prev - x) * self._p(self.mu_k), self._p(self.w_k))))  # (B, T, F)
+        y = self._gate(x, prev, project(k, self._p(self.w_v)))
         return y, (RWKVChannelMixState.stepped if steps else RWKVChannelMixState)(last)

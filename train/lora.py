@@ -9,12 +9,13 @@ adapters to the starting weights, train/optim.py trains only them, and zoo.check
 them in, so `python -m infer` and zoo.hf.save read the run as any other.
 
 The projections that can carry an adapter are the ones quantization reads through `project`
-(infer/quantize.RULES): attention's wq, wk, wv, wo, the MLP's three matrices and every `Linear`
-kernel of the other mixers; not the embeddings, the LM head, norms, MoE experts (stacked), or the
-vectors and small convolutions of the recurrent kinds. `targets`, a regular expression, picks among
-them by dotted path (`blocks.0.mixer.wq`, `blocks.3.ffn.w_up`, `blocks.1.mixer.q_proj.kernel`),
-searched anywhere in the path; None takes them all. An adapted model carries no sharding axes on its
-adapted weights (one device), as a quantized one.
+(infer/quantize.RULES): attention's wq, wk, wv, wo, the MLP's three matrices, every `Linear`
+kernel of the other mixers and RWKV's receptance, key, value, gate and output matrices; not the
+embeddings, the LM head, norms, MoE experts (stacked), or the vectors and small convolutions of the
+recurrent kinds. `targets`, a regular expression, picks among them by dotted path
+(`blocks.0.mixer.wq`, `blocks.3.ffn.w_up`, `blocks.1.mixer.q_proj.kernel`), searched anywhere in the
+path; None takes them all. An adapted model carries no sharding axes on its adapted weights (one
+device), as a quantized one.
 """
 
 import re

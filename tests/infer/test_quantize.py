@@ -150,6 +150,29 @@ def test_linear_kernels_and_moe_experts_are_quantized():
     assert rel_err(forward(q, tokens), forward(m, tokens)) < 0.05
 
 
+@pytest.mark.parametrize("kind", ["rwkv6", "rwkv7"])
+def test_rwkv_matrices_are_quantized_and_pruned(kind):
+    """RWKV's receptance, key, value, (gate,) output and channel-mix matrices go through `project`, so every
+    method treats them: int8 codes, and a pruned model with half of each column zero."""
+    m = tiny_model({"kind": kind, "head_dim": 16}, d_model=32, num_layers=2, ffn={"kind": f"{kind}_channel_mix"})
+    names = {"rwkv6": ("w_r", "w_k", "w_v", "w_g", "w_o"), "rwkv7": ("w_r", "w_k", "w_v", "w_o")}[kind]
+    mixer, ffn = m.blocks[1].mixer, m.blocks[1].ffn
+    params = [(mixer, n) for n in names] + [(ffn, n) for n in ("w_k", "w_v", "w_r")[:3 if kind == "rwkv6" else 2]]
+    for module, name in params:  # RWKV starts some of these at zero: give them values to prune
+        getattr(module, name).set_value(jax.random.normal(jax.random.key(len(name)), getattr(module, name).shape))
+    q, pruned = infer.quantize(m, "int8"), infer.prune(m, "magnitude", sparsity=0.5)
+    tokens = jax.random.randint(jax.random.key(5), (1, 16), 0, 256)
+    for path in [f"blocks.1.mixer.{n}" for n in names] + [f"blocks.1.ffn.{n}" for _, n in params[len(names):]]:
+        held = nnx.state(q, nnx.Param)
+        for part in path.split("."):
+            held = held[int(part) if part.isdigit() else part]
+        assert isinstance(held.get_raw_value(), Quantized), path
+    for module, name in params:
+        w = getattr(pruned.blocks[1].mixer if module is mixer else pruned.blocks[1].ffn, name).get_value()
+        assert float(jnp.mean(w == 0)) == 0.5, name
+    assert rel_err(forward(q, tokens), forward(m, tokens)) < 0.05
+
+
 @pytest.mark.parametrize("mixer", [{"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
                                    {"kind": "mamba2", "state_size": 8, "head_dim": 16}], ids=lambda m: m["kind"])
 def test_gptq_on_calibration_tokens_beats_round_to_nearest_and_decodes_like_its_full_pass(mixer):
