@@ -1,0 +1,101 @@
+"""Compression across kinds: the validation loss of each kind's trained model after each method of
+infer/quantize.py, infer/prune.py and infer/factorize.py, next to the float model's.
+
+    python -m benchmarks.compress [--kinds attention gla gated_deltanet mamba2 rwkv7] [--steps 250]
+                                  [--calibration 16] [--batches 4]
+
+Per kind: the report card's equal-budget run (benchmarks/report.kind_config: the kind's config, --steps
+steps on Shakespeare, in runs/report/<kind>; trained when missing, read when finished); calibration
+token ids: --calibration training windows of the run's length (drawn away from the training steps'
+batches); the validation loss in nats per byte over --batches x 8 validation windows (train/extrapolate.py
+at 1x: one full pass, teacher-forced) of the float model and of each setting of SETTINGS. Prints one
+table per method family (quantization, pruning, factorization): the loss of each setting and, beside it,
+its increase over the float model's; writes runs/bench/compress.json.
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import infer
+from benchmarks.common import print_table, save_json
+from benchmarks.report import kind_config
+from train.extrapolate import extrapolate
+from train.loop import run
+from train.prepare import prepare
+from zoo import load_config
+from zoo.checkpoint import load_model
+
+# family -> setting -> (function, its arguments; "calibration" filled in). int4 and int3 in groups of 16
+# input rows: 32 does not divide GLA's 16-wide gate projection.
+INT4 = dict(group_size=16, activations="float")
+SETTINGS = {
+    "quantization": {
+        "int8 rtn": (infer.quantize, dict(weights="int8")),  # W8A8: int8 activations per token
+        "int8 smoothquant": (infer.quantize, dict(weights="int8", method="smoothquant", calibration=True)),
+        "int4 rtn": (infer.quantize, dict(weights="int4", **INT4)),
+        "int4 awq": (infer.quantize, dict(weights="int4", **INT4, method="awq", calibration=True)),
+        "int4 gptq": (infer.quantize, dict(weights="int4", **INT4, calibration=True)),
+        "int3 gptq": (infer.quantize, dict(weights="int3", **INT4, calibration=True)),
+    },
+    "pruning": {
+        "magnitude 50%": (infer.prune, dict(method="magnitude", sparsity=0.5)),
+        "wanda 50%": (infer.prune, dict(method="wanda", sparsity=0.5, calibration=True)),
+        "sparsegpt 50%": (infer.prune, dict(method="sparsegpt", sparsity=0.5, calibration=True)),
+        "wanda 2:4": (infer.prune, dict(method="wanda", n_of_m=(2, 4), calibration=True)),
+        "sparsegpt 2:4": (infer.prune, dict(method="sparsegpt", n_of_m=(2, 4), calibration=True)),
+    },
+    "factorization": {
+        "svd 0.75": (infer.factorize, dict(rank_fraction=0.75)),
+        "svd 0.5": (infer.factorize, dict(rank_fraction=0.5)),
+        "svd-llm 0.75": (infer.factorize, dict(rank_fraction=0.75, calibration=True)),
+        "svd-llm 0.5": (infer.factorize, dict(rank_fraction=0.5, calibration=True)),
+    },
+}
+
+
+def trained(kind: str, steps: int, out: Path) -> Path:
+    """The kind's equal-budget run (as the report card trains it), trained here when missing."""
+    path, over = kind_config(kind)
+    cfg = load_config(path, over + [f"train.steps={steps}", f"train.eval_every={steps}", "train.sample_tokens=0",
+                                    f"train.checkpoint_every={steps}", "train.log_every=50"])
+    run(cfg, out / kind, log=lambda _: None)  # resumes, or reads a finished run
+    return out / kind
+
+
+def measure(kind: str, run_dir: Path, calibration: int, batches: int) -> dict:
+    """{setting: validation loss} of the run's model, float and compressed."""
+    cfg, model, _ = load_model(run_dir)
+    corpus = prepare(cfg.data).batches(cfg.train.seq_len, cfg.train.seed + 1, cfg.data.packing)
+    tokens = corpus.train_batch(10**6, calibration)["x"]
+    loss = lambda m: extrapolate(m, cfg, (1,), batches)[0]["loss_per_bucket"][0]  # noqa: E731
+    row = {"kind": kind, "float": loss(model)}
+    for family in SETTINGS.values():
+        for name, (method, kwargs) in family.items():
+            kwargs = {k: (tokens if k == "calibration" else v) for k, v in kwargs.items()}
+            t = time.perf_counter()
+            row[name] = round(loss(method(model, **kwargs)), 4)
+            print(f"{kind} {name}: {row[name]} ({time.perf_counter() - t:.1f} s)", flush=True)
+    row["float"] = round(row["float"], 4)
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kinds", nargs="+", default=["attention", "gla", "gated_deltanet", "mamba2", "rwkv7"])
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--calibration", type=int, default=16, help="calibration windows (default: %(default)s)")
+    p.add_argument("--batches", type=int, default=4, help="validation batches of 8 windows (default: %(default)s)")
+    args = p.parse_args()
+    rows = [measure(k, trained(k, args.steps, Path("runs/report")), args.calibration, args.batches)
+            for k in args.kinds]
+    for family, settings in SETTINGS.items():
+        print(f"\n{family}: validation loss (nats/byte), and its increase over the float model's")
+        print_table([{"kind": r["kind"], "float": r["float"],
+                      **{s: f"{r[s]} ({r[s] - r['float']:+.3f})" for s in settings}} for r in rows],
+                    ["kind", "float", *settings])
+    save_json("compress", rows)
+
+
+if __name__ == "__main__":
+    main()
