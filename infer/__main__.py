@@ -12,7 +12,9 @@ Speculative decoding: --speculative 4 with --draft RUN2 (another model of the sa
 (greedy). Greedy speculation gives greedy's tokens; with --temperature > 0 it samples exactly as plain
 sampling does.
 
-Quantized decoding (infer/quantize.py): --quantize int8 (or int4) for the weights, --kv-cache int8.
+Quantized decoding (infer/quantize.py): --quantize int8 (or int4) for the weights, --kv-cache int8;
+--method gptq (or awq, smoothquant) --calibration FILE corrects or scales them on the text of FILE (up to
+32 windows of 128 tokens), quantizing once before decoding.
 """
 
 import argparse
@@ -54,8 +56,11 @@ def parser() -> argparse.ArgumentParser:
                    help="self-speculation: the exit layer that drafts (default: the first)")
     p.add_argument("--tree", default=None, help="a tree of drafts, branching factors per depth, e.g. 2,2 (greedy)")
     p.add_argument("--show-exits", action="store_true", help="print the layer each generated token used")
-    p.add_argument("--quantize", default=None, choices=("int8", "int4"),
-                   help="decode with int8 (per channel) or int4 (groups of 32) weights")
+    p.add_argument("--quantize", default=None, choices=("int8", "int4", "int3"),
+                   help="decode with int8 (per channel) or int4 (groups of 32) weights; int3 with --method gptq")
+    p.add_argument("--method", default=None, choices=("rtn", "gptq", "awq", "smoothquant"),
+                   help="how --quantize rounds: to nearest (the default), or on --calibration's text")
+    p.add_argument("--calibration", default=None, help="a text file the quantizer reads (--method other than rtn)")
     p.add_argument("--kv-cache", default=None, choices=("int8",), help="keep the attention KV cache in int8")
     return p
 
@@ -92,10 +97,28 @@ def techniques(args, draft) -> dict:
         raise ValueError("--draft, --draft-layers and --tree need --speculative K (the draft length)")
     speculation = None if args.speculative is None else infer.Speculation(
         args.speculative, draft_layers=args.draft_layers, draft_model=draft, tree=tree)
-    quantization = None if args.quantize is None and args.kv_cache is None else infer.Quantization(
+    calibrated = args.method not in (None, "rtn")
+    quantization = None if calibrated or (args.quantize is None and args.kv_cache is None) else infer.Quantization(
         weights=args.quantize, kv_cache=args.kv_cache)
     return dict(sampling=infer.Sampling(args.temperature, top_k=args.top_k, top_p=args.top_p), exits=exits,
                 speculation=speculation, quantization=quantization)
+
+
+def calibration(args, tokenizer, length: int = 128, rows: int = 32):
+    """Token ids (rows, length) of --calibration's text, for --method; errors name what is missing."""
+    import numpy as np
+
+    from zoo.tokenizer import Bytes
+
+    if args.quantize is None or args.calibration is None:
+        raise ValueError(f"--method {args.method} needs --quantize BITS and --calibration FILE (a text to read)")
+    if not Path(args.calibration).is_file():
+        raise ValueError(f"--calibration {args.calibration}: no such file")
+    ids = (tokenizer or Bytes).encode(Path(args.calibration).read_text(encoding="utf-8"))
+    n = min(rows, len(ids) // length)
+    if n < 1:
+        raise ValueError(f"--calibration {args.calibration}: {len(ids)} tokens; expected at least {length}")
+    return np.asarray(ids[:n * length], np.int32).reshape(n, length)
 
 
 def main(argv=None):
@@ -111,6 +134,9 @@ def main(argv=None):
             raise ValueError(f"--config {args.config}: builds a run folder's model; {args.source} is not one")
         model, tokenizer = load(args.source, args.overrides, args.dtype, args.config)
         draft = load(args.draft, [], args.dtype)[0] if args.draft else None
+        if args.method not in (None, "rtn"):  # quantized once here (generate's `quantization` is round-to-nearest)
+            model = infer.quantize(model, args.quantize, args.kv_cache, method=args.method,
+                                   calibration=calibration(args, tokenizer))
         prompts = args.prompt or ["\n"]
         outs, info = infer.generate_text(
             model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop, tokenizer=tokenizer, seed=args.seed,

@@ -140,6 +140,31 @@ def test_command_line_quantized(capsys, tmp_path):
     assert capsys.readouterr().out.startswith("ab")
 
 
+def test_command_line_quantizes_on_a_calibration_text(capsys, tmp_path):
+    """--method gptq --calibration FILE: the text's token windows calibrate GPTQ once, and the greedy tokens
+    are those of infer.quantize(..., calibration=those windows); a missing text or bit width is named."""
+    import argparse
+
+    from infer.__main__ import calibration, main
+    from zoo import LanguageModel, load_config
+
+    config, text = tmp_path / "tiny.yaml", tmp_path / "calibration.txt"
+    config.write_text("model: {d_model: 32, num_layers: 1, mixer: {kind: attention, num_heads: 4}}\n")
+    text.write_text("To be, or not to be, that is the question. " * 8)
+    flags = ["--quantize", "int4", "--method", "gptq", "--calibration", str(text)]
+    main([str(config), "--prompt", "ab", "--max-new-tokens", "5", "--temperature", "0", *flags])
+    tokens = calibration(argparse.Namespace(quantize="int4", method="gptq", calibration=str(text)), None)
+    assert tokens.shape == (2, 128)  # 352 bytes: two windows
+    cfg = load_config(config)
+    q = infer.quantize(LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), "int4", calibration=tokens)
+    want = infer.generate_text(q, ["ab"], max_new_tokens=5, sampling=infer.Sampling(0.0))[0]
+    assert capsys.readouterr().out == f"ab{want}\n"
+    for argv, error in ((flags[:4], "--method gptq needs --quantize BITS and --calibration FILE"),
+                        ([*flags[:5], str(tmp_path / "none.txt")], "none.txt: no such file")):
+        with pytest.raises(SystemExit, match=error):
+            main([str(config), *argv])
+
+
 def test_linear_kernels_and_moe_experts_are_quantized():
     m = realistic(tiny_model({"kind": "linear_attention", "num_heads": 2}, d_model=32, num_layers=1,
                              ffn={"kind": "moe", "num_experts": 2, "top_k": 2}))
