@@ -10,7 +10,9 @@ token ids: --calibration training windows of the run's length (drawn away from t
 batches); the validation loss in nats per byte over --batches x 8 validation windows (train/extrapolate.py
 at 1x: one full pass, teacher-forced) of the float model and of each setting of SETTINGS. Prints one
 table per method family (quantization, pruning, factorization): the loss of each setting and, beside it,
-its increase over the float model's; writes runs/bench/compress.json.
+its increase over the float model's; then the weights' bytes at rest (int4 codes at half a byte,
+infer/quantize.weight_bytes) for quantization and factorization (a pruned model stores its zeros: its
+bytes are the float model's); writes runs/bench/compress.json.
 """
 
 import argparse
@@ -20,6 +22,7 @@ from pathlib import Path
 import infer
 from benchmarks.common import print_table, save_json
 from benchmarks.report import kind_config
+from infer.quantize import weight_bytes
 from train.extrapolate import extrapolate
 from train.loop import run
 from train.prepare import prepare
@@ -69,12 +72,13 @@ def measure(kind: str, run_dir: Path, calibration: int, batches: int) -> dict:
     corpus = prepare(cfg.data).batches(cfg.train.seq_len, cfg.train.seed + 1, cfg.data.packing)
     tokens = corpus.train_batch(10**6, calibration)["x"]
     loss = lambda m: extrapolate(m, cfg, (1,), batches)[0]["loss_per_bucket"][0]  # noqa: E731
-    row = {"kind": kind, "float": loss(model)}
+    row = {"kind": kind, "float": loss(model), "bytes": {"float": weight_bytes(model)}}
     for family in SETTINGS.values():
         for name, (method, kwargs) in family.items():
             kwargs = {k: (tokens if k == "calibration" else v) for k, v in kwargs.items()}
             t = time.perf_counter()
-            row[name] = round(loss(method(model, **kwargs)), 4)
+            compressed = method(model, **kwargs)
+            row[name], row["bytes"][name] = round(loss(compressed), 4), weight_bytes(compressed)
             print(f"{kind} {name}: {row[name]} ({time.perf_counter() - t:.1f} s)", flush=True)
     row["float"] = round(row["float"], 4)
     return row
@@ -94,6 +98,11 @@ def main():
         print_table([{"kind": r["kind"], "float": r["float"],
                       **{s: f"{r[s]} ({r[s] - r['float']:+.3f})" for s in settings}} for r in rows],
                     ["kind", "float", *settings])
+    for family in ("quantization", "factorization"):
+        print(f"\n{family}: weight bytes at rest (MB)")
+        settings = ["float", *SETTINGS[family]]
+        print_table([{"kind": r["kind"], **{s: round(r["bytes"][s] / 1e6, 3) for s in settings}} for r in rows],
+                    ["kind", *settings])
     save_json("compress", rows)
 
 
