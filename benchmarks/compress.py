@@ -4,7 +4,7 @@ infer/quantize.py, infer/prune.py and infer/factorize.py, next to the float mode
     python -m benchmarks.compress [--kinds attention gla gated_deltanet mamba2 rwkv7] [--steps 250]
                                   [--calibration 16] [--batches 4]
 
-Per kind: the report card's equal-budget run (benchmarks/report.kind_config: the kind's config, --steps
+Per kind: the report card's equal-budget run (benchmarks/report.equal_budget_run: the kind's config, --steps
 steps on Shakespeare, in runs/report/<kind>; trained when missing, read when finished); calibration
 token ids: --calibration training windows of the run's length (drawn away from the training steps'
 batches); the validation loss in nats per byte over --batches x 8 validation windows (train/extrapolate.py
@@ -21,12 +21,10 @@ from pathlib import Path
 
 import infer
 from benchmarks.common import print_table, save_json
-from benchmarks.report import kind_config
+from benchmarks.report import equal_budget_run
 from infer.quantize import weight_bytes
 from train.extrapolate import extrapolate
-from train.loop import run
 from train.prepare import prepare
-from zoo import load_config
 from zoo.checkpoint import load_model
 
 # family -> setting -> (function, its arguments; "calibration" filled in). int4 and int3 in groups of 16
@@ -57,22 +55,13 @@ SETTINGS = {
 }
 
 
-def trained(kind: str, steps: int, out: Path) -> Path:
-    """The kind's equal-budget run (as the report card trains it), trained here when missing."""
-    path, over = kind_config(kind)
-    cfg = load_config(path, over + [f"train.steps={steps}", f"train.eval_every={steps}", "train.sample_tokens=0",
-                                    f"train.checkpoint_every={steps}", "train.log_every=50"])
-    run(cfg, out / kind, log=lambda _: None)  # resumes, or reads a finished run
-    return out / kind
-
-
 def measure(kind: str, run_dir: Path, calibration: int, batches: int) -> dict:
     """{setting: validation loss} of the run's model, float and compressed."""
     cfg, model, _ = load_model(run_dir)
     corpus = prepare(cfg.data).batches(cfg.train.seq_len, cfg.train.seed + 1, cfg.data.packing)
     tokens = corpus.train_batch(10**6, calibration)["x"]
     loss = lambda m: extrapolate(m, cfg, (1,), batches)[0]["loss_per_bucket"][0]  # noqa: E731
-    row = {"kind": kind, "float": loss(model), "bytes": {"float": weight_bytes(model)}}
+    row = {"kind": kind, "float": round(loss(model), 4), "bytes": {"float": weight_bytes(model)}}
     for family in SETTINGS.values():
         for name, (method, kwargs) in family.items():
             kwargs = {k: (tokens if k == "calibration" else v) for k, v in kwargs.items()}
@@ -80,7 +69,6 @@ def measure(kind: str, run_dir: Path, calibration: int, batches: int) -> dict:
             compressed = method(model, **kwargs)
             row[name], row["bytes"][name] = round(loss(compressed), 4), weight_bytes(compressed)
             print(f"{kind} {name}: {row[name]} ({time.perf_counter() - t:.1f} s)", flush=True)
-    row["float"] = round(row["float"], 4)
     return row
 
 
@@ -91,7 +79,7 @@ def main():
     p.add_argument("--calibration", type=int, default=16, help="calibration windows (default: %(default)s)")
     p.add_argument("--batches", type=int, default=4, help="validation batches of 8 windows (default: %(default)s)")
     args = p.parse_args()
-    rows = [measure(k, trained(k, args.steps, Path("runs/report")), args.calibration, args.batches)
+    rows = [measure(k, equal_budget_run(k, args.steps, Path("runs/report"))[0], args.calibration, args.batches)
             for k in args.kinds]
     for family, settings in SETTINGS.items():
         print(f"\n{family}: validation loss (nats/byte), and its increase over the float model's")

@@ -59,18 +59,23 @@ def kind_config(kind: str) -> tuple[Path, list[str]]:
     return CONFIGS / "transformer.yaml", [f"model.mixer={json.dumps({'kind': kind})}"]
 
 
-def text_row(kind: str, steps: int, out: Path, lm_eval: bool = True) -> dict:
+def equal_budget_run(kind: str, steps: int, out: Path) -> tuple[Path, dict]:
+    """(run folder out/<kind>, its last metrics row) of the kind's equal-budget run: `steps` steps of its
+    config (kind_config); trained when missing, resumed when stopped, read when finished."""
     path, over = kind_config(kind)
     cfg = load_config(path, over + [f"train.steps={steps}", f"train.eval_every={steps}", "train.sample_tokens=0",
                                     f"train.checkpoint_every={steps}", "train.log_every=50"])
-    run_dir = out / kind
-    last = run(cfg, run_dir, log=lambda _: None)  # resumes, or reads a finished run
+    return out / kind, run(cfg, out / kind, log=lambda _: None)
+
+
+def text_row(kind: str, steps: int, out: Path, lm_eval: bool = True) -> dict:
+    run_dir, last = equal_budget_run(kind, steps, out)
     if "val_loss" not in last:
         last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     cfg, model, _ = load_model(run_dir)
     rows = extrapolate(model, cfg, (1, 16), batches=2)
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return {"config": path.stem, "params": params, "val_loss": round(last["val_loss"], 4),
+    return {"config": kind_config(kind)[0].stem, "params": params, "val_loss": round(last["val_loss"], 4),
             "train_tok_per_s": last.get("tokens_per_s"), "extrapolation_16x": rows[-1]["ratio"],
             **(harness_row(run_dir) if lm_eval else {})}
 

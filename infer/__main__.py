@@ -97,11 +97,15 @@ def techniques(args, draft) -> dict:
         raise ValueError("--draft, --draft-layers and --tree need --speculative K (the draft length)")
     speculation = None if args.speculative is None else infer.Speculation(
         args.speculative, draft_layers=args.draft_layers, draft_model=draft, tree=tree)
-    calibrated = args.method not in (None, "rtn")
-    quantization = None if calibrated or (args.quantize is None and args.kv_cache is None) else infer.Quantization(
-        weights=args.quantize, kv_cache=args.kv_cache)
+    plain = not calibrated(args) and (args.quantize is not None or args.kv_cache is not None)
+    quantization = infer.Quantization(weights=args.quantize, kv_cache=args.kv_cache) if plain else None
     return dict(sampling=infer.Sampling(args.temperature, top_k=args.top_k, top_p=args.top_p), exits=exits,
                 speculation=speculation, quantization=quantization)
+
+
+def calibrated(args) -> bool:
+    """Whether --method quantizes on --calibration's text (once, before decoding) rather than to nearest."""
+    return args.method not in (None, "rtn")
 
 
 def calibration(args, tokenizer, length: int = 128, rows: int = 32):
@@ -134,7 +138,7 @@ def main(argv=None):
             raise ValueError(f"--config {args.config}: builds a run folder's model; {args.source} is not one")
         model, tokenizer = load(args.source, args.overrides, args.dtype, args.config)
         draft = load(args.draft, [], args.dtype)[0] if args.draft else None
-        if args.method not in (None, "rtn"):  # quantized once here (generate's `quantization` is round-to-nearest)
+        if calibrated(args):  # quantized once here (generate's `quantization` is round-to-nearest)
             model = infer.quantize(model, args.quantize, args.kv_cache, method=args.method,
                                    calibration=calibration(args, tokenizer))
         prompts = args.prompt or ["\n"]

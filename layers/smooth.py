@@ -18,6 +18,7 @@ projection, and one search per projection where AWQ shares one between the proje
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -42,6 +43,7 @@ def rtn_error(w: Float[Array, "In Out"], h: Float[Array, "In In"], s: Float[Arra
     return jnp.sum(e * (h @ e))
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "grid"))
 def awq_scales(w: Float[Array, "In Out"], h: Float[Array, "In In"], mean_abs: Float[Array, " In"], bits: str,
                group_size: int | None, grid: int = 20) -> Float[Array, " In"]:
     """AWQ's s for w (In, Out) from its inputs' Hessian h and per-channel mean |x|: the power-of-two
