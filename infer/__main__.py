@@ -14,7 +14,8 @@ sampling does.
 
 Quantized decoding (infer/quantize.py): --quantize int8 (or int4) for the weights, --kv-cache int8;
 --method gptq (or awq, smoothquant) --calibration FILE corrects or scales them on the text of FILE (up to
-32 windows of 128 tokens), quantizing once before decoding.
+32 windows of 128 tokens), quantizing once before decoding. A run trained with train.qat decodes in the
+quantized form it trained (its bits, groups and activations) unless --quantize says otherwise.
 """
 
 import argparse
@@ -66,7 +67,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load(source: str, overrides, dtype: str, config=None):
-    """(model, tokenizer or None) from a Hugging Face folder, a run folder or a YAML config (random weights)."""
+    """(model, tokenizer or None, the run's train.qat or None) from a Hugging Face folder, a run folder or a
+    YAML config (random weights)."""
     from flax import nnx
 
     import zoo
@@ -76,18 +78,19 @@ def load(source: str, overrides, dtype: str, config=None):
         import zoo.hf
 
         print(f"# {source}: Hugging Face {zoo.hf.read_config(source)['architectures'][0]}", file=sys.stderr)
-        return zoo.hf.load(source, dtype=dtype)
+        return *zoo.hf.load(source, dtype=dtype), None
     if Path(source).is_dir():
         cfg, model, step = load_model(source, config=config)
         print(f"# {source}, checkpoint step {step}" + (f", config {config}" if config else ""), file=sys.stderr)
-        return model, zoo.tokenizer.for_run(source, cfg.data.tokenizer)  # bytes, or the run's tokenizer.json
+        return model, zoo.tokenizer.for_run(source, cfg.data.tokenizer), cfg.train.qat  # bytes, or tokenizer.json
     cfg = zoo.load_config(source, overrides)
     print(f"# {source}: random weights", file=sys.stderr)
-    return zoo.LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), None
+    return zoo.LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), None, None
 
 
-def techniques(args, draft) -> dict:
-    """generate's sampling, exits, speculation and quantization from the command line's flags."""
+def techniques(args, draft, qat=None) -> dict:
+    """generate's sampling, exits, speculation and quantization from the command line's flags; a run
+    trained quantization-aware (`qat`, its train.qat) decodes in that form unless --quantize says otherwise."""
     import infer
 
     tree = tuple(int(w) for w in args.tree.split(",")) if args.tree else None
@@ -99,6 +102,11 @@ def techniques(args, draft) -> dict:
         args.speculative, draft_layers=args.draft_layers, draft_model=draft, tree=tree)
     plain = not calibrated(args) and (args.quantize is not None or args.kv_cache is not None)
     quantization = infer.Quantization(weights=args.quantize, kv_cache=args.kv_cache) if plain else None
+    if qat is not None and args.quantize is None and not calibrated(args):
+        print(f"# decoding as trained (train.qat): {qat.bits} weights" + (f" in groups of {qat.group_size}" if
+              qat.bits == "int4" else "") + f", {qat.activations} activations", file=sys.stderr)
+        quantization = infer.Quantization(weights=qat.bits, kv_cache=args.kv_cache, group_size=qat.group_size,
+                                          activations=qat.activations)
     return dict(sampling=infer.Sampling(args.temperature, top_k=args.top_k, top_p=args.top_p), exits=exits,
                 speculation=speculation, quantization=quantization)
 
@@ -136,7 +144,7 @@ def main(argv=None):
                              "trained with; overrides apply to a YAML config (random weights)")
         if args.config and not Path(args.source).is_dir():
             raise ValueError(f"--config {args.config}: builds a run folder's model; {args.source} is not one")
-        model, tokenizer = load(args.source, args.overrides, args.dtype, args.config)
+        model, tokenizer, qat = load(args.source, args.overrides, args.dtype, args.config)
         draft = load(args.draft, [], args.dtype)[0] if args.draft else None
         if calibrated(args):  # quantized once here (generate's `quantization` is round-to-nearest)
             model = infer.quantize(model, args.quantize, args.kv_cache, method=args.method,
@@ -144,7 +152,7 @@ def main(argv=None):
         prompts = args.prompt or ["\n"]
         outs, info = infer.generate_text(
             model, prompts, max_new_tokens=args.max_new_tokens, stop=args.stop, tokenizer=tokenizer, seed=args.seed,
-            return_info=True, **techniques(args, draft))
+            return_info=True, **techniques(args, draft, qat))
     except ValueError as e:
         sys.exit(f"error: {e}")
     for prompt, out, layers in zip(prompts, outs, info["exit_layers"]):

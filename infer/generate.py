@@ -77,10 +77,13 @@ class Speculation:
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-    """Decoding with a quantized copy of the model (infer/quantize.py): `weights` int8 or int4, `kv_cache`
-    int8 (None: left in float)."""
+    """Decoding with a quantized copy of the model (infer/quantize.py): `weights` int8 or int4 (in groups of
+    `group_size` input rows), `kv_cache` int8 (None: left in float), `activations` int8 (W8A8 products) or
+    float."""
     weights: str | None = None
     kv_cache: str | None = None
+    group_size: int = 32
+    activations: str = "int8"
 
 
 def sample_logits(logits: Float[Array, "B V"], key, sampling: Sampling) -> Int[Array, " B"]:
@@ -229,10 +232,11 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: Sampling = Sampli
     many times, call `infer.quantize` once and pass its model instead.
     """
     if quantization is not None:
-        model = quantize_model(model, weights=quantization.weights, kv_cache=quantization.kv_cache)
+        how = dict(weights=quantization.weights, kv_cache=quantization.kv_cache, group_size=quantization.group_size,
+                   activations=quantization.activations)
+        model = quantize_model(model, **how)
         if speculation is not None and speculation.draft_model is not None:
-            speculation = dataclasses.replace(speculation, draft_model=quantize_model(
-                speculation.draft_model, weights=quantization.weights, kv_cache=quantization.kv_cache))
+            speculation = dataclasses.replace(speculation, draft_model=quantize_model(speculation.draft_model, **how))
     tokens, segments = _prompt_batch(model, prompts, max_new_tokens, sampling, stop_token, stop_strings)
     graphdef, params = nnx.split(model)
     args = (jnp.asarray(tokens), jnp.asarray(segments), jax.random.key(seed),

@@ -41,7 +41,7 @@ from layers.gptq import Recorded, gptq_quantize
 from layers.linear import Linear
 from layers.mlp import MLP
 from layers.moe import MoE
-from layers.quant import Quantized, quantize_weight
+from layers.quant import Int8Rows, Quantized, quantize_weight, straight_through
 from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
 from layers.rwkv7 import RWKV7TimeMix
 from layers.smooth import awq_scales, scaled, smoothquant_scales
@@ -135,6 +135,40 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
     return model
 
 
+def fake_quantize(model: LanguageModel, weights: str, *, group_size: int = 32, activations: str = "int8",
+                  who: str = "train.qat") -> LanguageModel:
+    """Quantization-aware training's forward (train.qat): `model` itself (a copy merged inside a training
+    step) with every weight `quantize(model, weights, group_size=group_size, activations=activations)`
+    rounds to nearest read as that rounding reads it (int4 read by an int8 product: its int8
+    requantization), and with activations="int8" each input of a projection rounded per token as
+    the W8A8 product rounds it, both straight through (layers/quant.straight_through): the function is
+    the quantized model's and the gradient reaches the float weights. Exit heads read in W8A8 are not
+    followed (a stacked Int8Rows): with exits, activations="float"."""
+    if weights not in WEIGHTS or activations not in ACTIVATIONS:
+        raise ValueError(f"{who}: weights={weights!r}, activations={activations!r}; expected weights in {WEIGHTS} and "
+                         f"activations in {ACTIVATIONS}")
+    todo = matrices(model)
+    group = None if weights == "int8" else group_size
+    if group:
+        _check_groups(model, todo, group, who)
+    for m, name, in_ndim, lead, lazy, transposed in todo:
+        if activations == "int8" and lazy and lead:
+            raise ValueError(f"{who}: activations='int8' with exit heads (read as W8A8, one per exit) is not "
+                             "followed; use activations: float")
+        w = getattr(m, name).get_value()
+        rows = activations == "int8" and lazy  # read through `project` in W8A8 (a tied table: as the head)
+        q = quantize_weight(jax.lax.stop_gradient(w), weights, in_ndim=in_ndim, lead=lead, group_size=group,
+                            transposed=transposed, dot="int8" if rows else "float")
+        if rows and weights == "int4" and not transposed:  # a tied table is looked up dequantized
+            codes, scale = q.as_int8()
+            read = (codes.astype(jnp.float32) * scale).reshape(w.shape).astype(w.dtype)
+        else:
+            read = q.dequantize()
+        fake = straight_through(w, read)
+        getattr(m, name).set_value(Int8Rows(fake, q, in_ndim) if rows else fake)
+    return model
+
+
 def matrices(model: LanguageModel) -> list[tuple]:
     """The weights that quantization reads, as (module, parameter name, contraction axes, stacked lead
     axes, lazy, transposed): RULES' (lazy ones read through `project`), then the LM head (or the tied
@@ -178,7 +212,7 @@ def input_hessians(model: LanguageModel, todo: list, tokens, who: str = "quantiz
     return {i: got["xtx"] for i, got in input_statistics(model, todo, tokens, who).items()}
 
 
-def _check_groups(model, todo, group_size):
+def _check_groups(model, todo, group_size, who="quantize"):
     """Every int4 weight's input width a multiple of group_size, or a ValueError naming the misfits."""
     paths = {id(m): ".".join(map(str, p)) for p, m in nnx.iter_modules(model)}
     widths = {}
@@ -189,7 +223,7 @@ def _check_groups(model, todo, group_size):
     bad = [f"{k} has {w}" for k, w in widths.items() if w % group_size]
     if bad:
         fits = [g for g in (256, 128, 64, 32, 16, 8) if all(w % g == 0 for w in widths.values())]
-        raise ValueError(f"quantize: group_size={group_size} must divide the input width of every int4 weight; "
+        raise ValueError(f"{who}: group_size={group_size} must divide the input width of every int4 weight; "
                          f"{', '.join(bad[:3])}{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}. Group "
                          "sizes that fit this model: "
                          f"{', '.join(map(str, fits)) or 'none of 8 to 256'}")

@@ -29,7 +29,6 @@ as the reference does).
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -124,20 +123,6 @@ class Recorded(HeldWeight):
     key: object  # where the sums go in `stats`
     stats: dict
     in_ndim: int = 1
-
-    def __getitem__(self, key):
-        return self if key is Ellipsis else self.base[key]
-
-    def astype(self, dtype) -> "Recorded":
-        return dataclasses.replace(self, base=self.base.astype(dtype))
-
-    def reshape(self, *shape) -> "Recorded | jax.Array":
-        """The (In, Out) matrix view `project` asks for; any other shape is the plain weight's."""
-        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        In = math.prod(self.base.shape[:self.in_ndim])
-        if tuple(shape) in ((In, self.base.size // In), (In, -1)):
-            return dataclasses.replace(self, base=self.base.reshape(In, -1), in_ndim=1)
-        return self.base.reshape(shape)
 
     def _add(self, x2):
         x2 = np.asarray(x2, np.float64)

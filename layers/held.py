@@ -8,6 +8,23 @@ import math
 
 
 class HeldWeight:
+    """For a dataclass with fields `base` and `in_ndim` (its contraction axes): `w[...]` is itself, the
+    (In, Out) view `project` asks for is itself around the base as a matrix, and any other read gets
+    the plain base."""
+
+    def __getitem__(self, key):
+        return self if key is Ellipsis else self.base[key]
+
+    def astype(self, dtype):
+        return dataclasses.replace(self, base=self.base.astype(dtype))
+
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        In = math.prod(self.base.shape[:self.in_ndim])
+        if tuple(shape) in ((In, self.base.size // In), (In, -1)):
+            return dataclasses.replace(self, base=self.base.reshape(In, -1), in_ndim=1)
+        return self.base.reshape(shape)
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self.base.shape

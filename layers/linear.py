@@ -7,8 +7,8 @@ took 28.7 ms with 3-D operands and 18.8 ms with these, a SwiGLU MLP's 12.1 and 7
 (benchmarks/peers.py measures the whole model).
 
 A weight may also be held in another form (`HELD`: quantized, layers/quant.py; an adapter, layers/lora.py;
-factored, layers/factor.py; input-scaled, layers/smooth.py; recording its inputs, layers/gptq.py): the
-product is then its own matmul.
+factored, layers/factor.py; input-scaled, layers/smooth.py; recording its inputs, layers/gptq.py; rounding
+its inputs in quantization-aware training, layers/quant.py): the product is then its own matmul.
 """
 
 import jax
@@ -17,13 +17,14 @@ from flax import nnx
 from layers.factor import Factored
 from layers.gptq import Recorded
 from layers.lora import LowRank
-from layers.quant import Quantized
+from layers.quant import Int8Rows, Quantized
 from layers.smooth import Scaled
 
-HELD = (Quantized, LowRank, Recorded, Factored, Scaled)  # weights that multiply by their own matmul
+HELD = (Quantized, LowRank, Recorded, Factored, Scaled, Int8Rows)  # weights that multiply by their own matmul
 
 
-def project(x: jax.Array, w: jax.Array | Quantized | LowRank | Recorded | Factored | Scaled, **dot_kwargs) -> jax.Array:
+def project(x: jax.Array, w: jax.Array | Quantized | LowRank | Recorded | Factored | Scaled | Int8Rows,
+            **dot_kwargs) -> jax.Array:
     """x (..., D) @ w (D, *out) -> (..., *out), as one (N, D) @ (D, prod(out)) product."""
     lead, out = x.shape[:-1], w.shape[1:]
     x2, w2 = x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1)

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int8, Shaped
 
+from layers.held import HeldWeight
+
 INT_MAX = {"int8": 127, "int4": 7}
 INT_DTYPE = {"int8": jnp.int8, "int4": jnp.int4}
 SCALE_DTYPE = {"int8": jnp.float32, "int4": jnp.bfloat16}
@@ -191,3 +193,63 @@ def quantize_weight(w: Float[Array, "..."], bits: str, *, in_ndim: int = 1, lead
     values, scale = absmax_quantize(m.reshape(*lead_shape, In, -1), bits, group_size)
     return Quantized(values=values, scale=scale, shape=tuple(w.shape), lead=lead, transposed=transposed,
                      dtype=w.dtype, lazy=lazy, dot=dot)
+
+
+@jax.custom_vjp
+def straight_through(x: jax.Array, rounded: jax.Array) -> jax.Array:
+    """`rounded` itself, with x's gradient: the straight-through estimator (Bengio et al., 2013) that
+    quantization-aware training differentiates rounding with."""
+    return rounded
+
+
+straight_through.defvjp(lambda x, rounded: (rounded, None), lambda _, g: (g, jnp.zeros_like(g)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Rows(HeldWeight):
+    """Quantization-aware training's face of a weight that decodes as W8A8 (`quantized`, dot="int8";
+    infer/quantize.fake_quantize makes it): its product is `quantized.matmul`'s, number for number, and
+    its gradient is that of rows rounded to int8 per token times `base`, the weight as the quantized
+    product reads it, straight through to the float weight."""
+    base: Shaped[Array, "..."]
+    quantized: Quantized
+    in_ndim: int = 1
+
+    def __jax_array__(self):
+        return self.base
+
+    @property
+    def T(self) -> "Int8Rows":
+        """A tied embedding table (V, D) read as the LM head (D, V), as infer.quantize holds it."""
+        return dataclasses.replace(self, base=self.base.T, quantized=self.quantized.T)
+
+    def reshape(self, *shape) -> "Int8Rows | jax.Array":
+        matrix = super().reshape(*shape)
+        if isinstance(matrix, Int8Rows):
+            return dataclasses.replace(matrix, quantized=self.quantized.reshape(matrix.base.shape))
+        return matrix
+
+    def matmul(self, x: Shaped[Array, "M In"], preferred_element_type=None) -> Shaped[Array, "M Out"]:
+        return _w8a8(x, self.base.astype(x.dtype), self.quantized, preferred_element_type)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _w8a8(x, w, quantized, preferred_element_type):
+    return quantized.matmul(x, preferred_element_type)
+
+
+def _w8a8_forward(x, w, quantized, preferred_element_type):
+    return quantized.matmul(x, preferred_element_type), (x, w, quantized)
+
+
+def _w8a8_backward(preferred_element_type, saved, g):
+    x, w, quantized = saved
+    codes, scale = quantize_rows(x)
+    rounded = (codes.astype(jnp.float32) * scale).astype(x.dtype)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.floating)
+                         else jnp.zeros_like(a), quantized)
+    return (g @ w.T).astype(x.dtype), (rounded.T @ g).astype(w.dtype), zeros
+
+
+_w8a8.defvjp(_w8a8_forward, _w8a8_backward)
+jax.tree_util.register_dataclass(Int8Rows, data_fields=["base", "quantized"], meta_fields=["in_ndim"])

@@ -277,8 +277,8 @@ def _train(cfg: Config, mesh: Mesh, data: Data, state: State, checkpoints: Check
     `teacher` (graphdef, params, rest) is distilled (train.distill)."""
     t, last = cfg.train, {}
     replicated = NamedSharding(mesh, PartitionSpec())
-    step_fn = make_train_step(state.graphdef, state.tx, (*state.shardings, replicated), teacher, t.distill)
-    eval_fn = make_eval_step(state.graphdef, replicated)
+    step_fn = make_train_step(state.graphdef, state.tx, (*state.shardings, replicated), teacher, t.distill, t.qat)
+    eval_fn = make_eval_step(state.graphdef, replicated, t.qat)
     with report, _Signals() as signals:
         for step in range(start + 1, t.steps + 1):
             m = _train_step(cfg, state, step_fn, data, step, report)

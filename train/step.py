@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from infer.quantize import fake_quantize
 from train.distill import alignment_loss, kl_per_token, teacher_targets
 
 
@@ -28,13 +29,16 @@ def _sown_metrics(model) -> dict:
     return {k: jnp.stack(v) for k, v in out.items()}
 
 
-def forward(graphdef, params, rest, batch, train: bool, teacher=None, distill=None):
+def forward(graphdef, params, rest, batch, train: bool, teacher=None, distill=None, qat=None):
     """One batch: (sum of token losses, counted tokens, correctly predicted tokens (argmax), aux loss,
     layer metrics, new rest). Early exits add their weighted mean losses to `aux` and report them as
     `exit<l>_loss`. With a `distill` config (train/distill.py) and the `teacher`'s targets: at stage
     logits each token's loss is lm_weight * CE + (1 - lm_weight) * t^2 * KL, the KL reported as
-    `distill_kl`; at stage layers the loss is the converted mixers' alignment error, `distill_mse`."""
+    `distill_kl`; at stage layers the loss is the converted mixers' alignment error, `distill_mse`.
+    With a `qat` config (train.qat) the model is read in its quantized form (infer/quantize.fake_quantize)."""
     model = nnx.merge(graphdef, params, rest, copy=True)  # copy: layers may write state under grad
+    if qat is not None:
+        fake_quantize(model, qat.bits, group_size=qat.group_size, activations=qat.activations)
     model.train() if train else model.eval()
     if teacher is not None and distill.stage == "layers":
         loss_sum, mse = alignment_loss(model, teacher, batch, distill)
@@ -57,18 +61,19 @@ def forward(graphdef, params, rest, batch, train: bool, teacher=None, distill=No
     return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), correct, aux, layer_metrics, new_rest
 
 
-def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None):
+def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None, qat=None):
     """step(params, rest, opt_state, batch) with batch leaves shaped (micro_batches, b, T).
     `out_shardings` (params, rest, opt_state, metrics) keeps a sharded state where it was. `teacher`
     (graphdef, params, rest) with a `distill` config (train/distill.py) trains on the teacher's
     targets, computed per micro-batch; its parameters are arguments of the compiled step, not constants.
+    `qat` (train.qat) trains the model in its quantized form.
 
     Gradients of the summed token loss (plus each micro-batch's aux loss weighted by its tokens) are
     accumulated over micro-batches and divided by the total token count once, so k micro-batches
     give the gradient of one batch k times larger. `rest` (e.g. MoE biases) updates per micro-batch."""
     def step(params, rest, opt_state, batch, teacher_state):
         def objective(p, r, b, t):
-            loss_sum, count, _, aux, layer_metrics, r = forward(graphdef, p, r, b, True, t, distill)
+            loss_sum, count, _, aux, layer_metrics, r = forward(graphdef, p, r, b, True, t, distill, qat)
             return loss_sum + aux * count, (loss_sum, count, layer_metrics, r)
 
         def micro(acc, b):
@@ -81,7 +86,8 @@ def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None
         k = jax.tree.leaves(batch)[0].shape[0]
         first = jax.tree.map(lambda x: x[0], batch)
         shapes = jax.eval_shape(lambda: forward(graphdef, params, rest, first, True, None if teacher is None else
-                                                teacher_targets(teacher[0], *teacher_state, first, distill), distill))
+                                                teacher_targets(teacher[0], *teacher_state, first, distill), distill,
+                                                qat))
         zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[4]),
                  jax.tree.map(jnp.zeros_like, params), rest)
         (loss_sum, count, layer_metrics, grads, rest), _ = jax.lax.scan(micro, zeros, batch)
@@ -96,10 +102,10 @@ def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None
     return functools.partial(jitted, teacher_state=None if teacher is None else teacher[1:])
 
 
-def make_eval_step(graphdef, out_shardings=None):
+def make_eval_step(graphdef, out_shardings=None, qat=None):
     """evaluate(params, rest, batch) -> (sum of token losses, counted tokens, correct tokens) of a
-    (B, T) batch, in evaluation mode."""
-    return jax.jit(lambda p, r, b: forward(graphdef, p, r, b, train=False)[:3], out_shardings=out_shardings)
+    (B, T) batch, in evaluation mode (with `qat`, in the quantized form it trains)."""
+    return jax.jit(lambda p, r, b: forward(graphdef, p, r, b, train=False, qat=qat)[:3], out_shardings=out_shardings)
 
 
 def redraw_features(graphdef, params, rest, key):

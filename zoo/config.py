@@ -191,6 +191,19 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class QatConfig:
+    """train.qat: quantization-aware training (infer/quantize.fake_quantize): every weight that
+    `python -m infer RUN --quantize <bits>` quantizes is read in the forward pass as that rounding
+    reads it (int8 per channel, int4 in groups of group_size input rows; with activations int8 each
+    projection's input rounded per token, as the W8A8 product does), gradients passing straight
+    through to the float weights, which the checkpoints keep. `python -m infer` decodes the run
+    quantized this way unless told otherwise."""
+    bits: Literal["int8", "int4"] = "int4"
+    group_size: PosInt = 32
+    activations: Literal["int8", "float"] = "int8"
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """train: steps; batch_size; seq_len; seed (weights, data order and sampling); lr (peak),
     min_lr_ratio, warmup_steps, schedule (cosine|linear|constant after warmup); weight_decay (not
@@ -203,7 +216,8 @@ class TrainConfig:
     evaluation whose held-out accuracy reaches it, as Zoology's early_stopping_threshold; null =
     never); mesh (devices per mesh axis, see train.mesh); distill (a teacher to distil, see
     train.distill; null = plain next-token training); lora (train low-rank adapters only, see
-    train.lora; null = train the weights)."""
+    train.lora; null = train the weights); qat (train into a quantized form, see train.qat; null =
+    float)."""
     steps: PosInt = 1000
     batch_size: PosInt = 32
     seq_len: PosInt = 128
@@ -230,6 +244,7 @@ class TrainConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distill: DistillConfig | None = None
     lora: LoraConfig | None = None
+    qat: QatConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -365,6 +380,9 @@ def from_dict(data: dict) -> Config:
             re.compile(train.lora.targets)
         except re.error as e:
             raise ValueError(f"train.lora.targets: {train.lora.targets!r} is not a regular expression ({e})") from None
+    if train.qat is not None and train.lora is not None:
+        raise ValueError("train.qat: with train.lora the adapters train and the weights stay frozen; quantization-"
+                         "aware training moves the weights: use one of them")
     if task is None and train.stop_at_accuracy is not None:
         raise ValueError(f"train.stop_at_accuracy: {train.stop_at_accuracy} needs data.task (a text run reports no "
                          "accuracy); remove it or train on a task")

@@ -52,6 +52,9 @@ def _convert(value, tp, path: str):
         ranged = [e for e in errors if " <" in str(e)]  # the right type, out of range: say so
         if ranged:
             raise ranged[0]
+        sections = [e for a, e in zip([a for a in args if a is not type(None)], errors) if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and len(sections) == 1:  # a section's own key was wrong: name that key
+            raise sections[0]
         raise ValueError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is Literal:
         if value not in args:
