@@ -142,8 +142,8 @@ def fake_quantize(model: LanguageModel, weights: str, *, group_size: int = 32, a
     rounds to nearest read as that rounding reads it (int4 read by an int8 product: its int8
     requantization), and with activations="int8" each input of a projection rounded per token as
     the W8A8 product rounds it, both straight through (layers/quant.straight_through): the function is
-    the quantized model's and the gradient reaches the float weights. Exit heads read in W8A8 are not
-    followed (a stacked Int8Rows): with exits, activations="float"."""
+    the quantized model's and the gradient reaches the float weights. A model's own exit heads (stacked,
+    one per exit) are refused with activations="int8"."""
     if weights not in WEIGHTS or activations not in ACTIVATIONS:
         raise ValueError(f"{who}: weights={weights!r}, activations={activations!r}; expected weights in {WEIGHTS} and "
                          f"activations in {ACTIVATIONS}")

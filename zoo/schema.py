@@ -48,11 +48,11 @@ def _convert(value, tp, path: str):
             try:
                 return _convert(value, a, path)
             except ValueError as e:
-                errors.append(e)
-        ranged = [e for e in errors if " <" in str(e)]  # the right type, out of range: say so
+                errors.append((a, e))
+        ranged = [e for _, e in errors if " <" in str(e)]  # the right type, out of range: say so
         if ranged:
             raise ranged[0]
-        sections = [e for a, e in zip([a for a in args if a is not type(None)], errors) if dataclasses.is_dataclass(a)]
+        sections = [e for a, e in errors if dataclasses.is_dataclass(a)]
         if isinstance(value, dict) and len(sections) == 1:  # a section's own key was wrong: name that key
             raise sections[0]
         raise ValueError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")

@@ -15,6 +15,7 @@ from infer.__main__ import main as infer_main
 from infer.quantize import fake_quantize, matrices
 from layers.quant import Int8Rows, quantize_weight
 from tests.layers.conformance import perturbed
+from tests.train.test_configs import SHRINK
 from tests.util import assert_tree_close, tiny_model
 from train.loop import run
 from zoo import load_config
@@ -68,15 +69,12 @@ def test_int8_rows_differentiate_the_rounded_rows_times_the_read_weight():
 
 
 def test_a_qat_run_trains_and_decodes_as_trained(tmp_path, capsys):
-    overrides = ["model.d_model=64", "model.num_layers=1", "train.steps=12", "train.batch_size=4",
-                 "train.seq_len=32", "train.lr=1e-2", "train.warmup_steps=2", "train.log_every=1",
-                 "train.eval_every=12", "train.eval_batches=1", "train.checkpoint_every=12", "train.sample_tokens=0",
-                 "train.qat={bits: int4, group_size: 16}"]
-    run(load_config("configs/transformer.yaml", overrides), tmp_path, log=lambda _: None)
+    run(load_config("configs/transformer.yaml", [*SHRINK, "train.qat={bits: int4, group_size: 16}"]), tmp_path,
+        log=lambda _: None)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
-    cfg, model, _ = load_model(tmp_path)
+    _, model, _ = load_model(tmp_path)
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), "float at rest"
     want = infer.generate_text(infer.quantize(model, "int4", group_size=16), ["ROMEO:"], max_new_tokens=8,
                                sampling=infer.Sampling(0.0))
