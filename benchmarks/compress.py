@@ -2,7 +2,7 @@
 infer/quantize.py, infer/prune.py and infer/factorize.py, next to the float model's.
 
     python -m benchmarks.compress [--kinds attention gla gated_deltanet mamba2 rwkv7] [--steps 250]
-                                  [--calibration 16] [--batches 4]
+                                  [--calibration 16] [--batches 4] [--qat 50]
 
 Per kind: the report card's equal-budget run (benchmarks/report.equal_budget_run: the kind's config, --steps
 steps on Shakespeare, in runs/report/<kind>; trained when missing, read when finished); calibration
@@ -13,9 +13,17 @@ table per method family (quantization, pruning, factorization): the loss of each
 its increase over the float model's; then the weights' bytes at rest (int4 codes at half a byte,
 infer/quantize.weight_bytes) for quantization and factorization (a pruned model stores its zeros: its
 bytes are the float model's); writes runs/bench/compress.json.
+
+--qat N measures quantization-aware training instead: each kind's run copied twice (runs/report/<kind>-float+N,
+<kind>-qat+N) and trained N steps further (its schedule stretched to --steps + N, the same in both), in
+float and with train.qat as "int4 rtn" reads the weights (groups of 16, float activations); the table gives
+each copy's validation loss in float and at int4 RTN (the QAT copy's is the loss it trained on), next to
+the run's own.
 """
 
 import argparse
+import json
+import shutil
 import time
 from pathlib import Path
 
@@ -30,6 +38,8 @@ from zoo.checkpoint import load_model
 # family -> setting -> (function, its arguments; "calibration" filled in). int4 and int3 in groups of 16
 # input rows: 32 does not divide GLA's 16-wide gate projection.
 INT4 = dict(group_size=16, activations="float")
+QAT = (f"train.qat={json.dumps(dict(bits='int4', **INT4))}",)
+REPORT = Path("runs/report")
 SETTINGS = {
     "quantization": {
         "int8 rtn": (infer.quantize, dict(weights="int8")),  # W8A8: int8 activations per token
@@ -72,14 +82,39 @@ def measure(kind: str, run_dir: Path, calibration: int, batches: int) -> dict:
     return row
 
 
+def qat_row(kind: str, steps: int, more: int, batches: int) -> dict:
+    """Validation losses (float, int4 RTN) of the kind's run and of its two copies trained `more` steps
+    further, in float and with train.qat."""
+    base, _ = equal_budget_run(kind, steps, REPORT)
+    row = {"kind": kind}
+    for arm, extra in (("run", None), ("float", ()), ("qat", QAT)):
+        run_dir = base
+        if extra is not None:
+            if not (REPORT / f"{kind}-{arm}+{more}").exists():
+                shutil.copytree(base, REPORT / f"{kind}-{arm}+{more}")
+            run_dir, _ = equal_budget_run(kind, steps + more, REPORT, extra, f"{kind}-{arm}+{more}",
+                                          allow_config_change=True)
+        cfg, model, _ = load_model(run_dir)
+        for name, m in (("float", model), ("int4", infer.quantize(model, "int4", **INT4))):
+            row[f"{arm} {name}"] = round(extrapolate(m, cfg, (1,), batches)[0]["loss_per_bucket"][0], 4)
+    return row
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", nargs="+", default=["attention", "gla", "gated_deltanet", "mamba2", "rwkv7"])
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--calibration", type=int, default=16, help="calibration windows (default: %(default)s)")
     p.add_argument("--batches", type=int, default=4, help="validation batches of 8 windows (default: %(default)s)")
+    p.add_argument("--qat", type=int, default=0, help="steps of the quantization-aware fine-tune (default: none)")
     args = p.parse_args()
-    rows = [measure(k, equal_budget_run(k, args.steps, Path("runs/report"))[0], args.calibration, args.batches)
+    if args.qat:
+        rows = [qat_row(k, args.steps, args.qat, args.batches) for k in args.kinds]
+        print(f"\nquantization-aware training: validation loss (nats/byte) in float and at int4 RTN, of the "
+              f"{args.steps}-step run and of it trained {args.qat} steps further in float and with train.qat")
+        print_table(rows, list(rows[0]))
+        return save_json("compress_qat", rows)
+    rows = [measure(k, equal_budget_run(k, args.steps, REPORT)[0], args.calibration, args.batches)
             for k in args.kinds]
     for family, settings in SETTINGS.items():
         print(f"\n{family}: validation loss (nats/byte), and its increase over the float model's")

@@ -59,13 +59,16 @@ def kind_config(kind: str) -> tuple[Path, list[str]]:
     return CONFIGS / "transformer.yaml", [f"model.mixer={json.dumps({'kind': kind})}"]
 
 
-def equal_budget_run(kind: str, steps: int, out: Path) -> tuple[Path, dict]:
-    """(run folder out/<kind>, its last metrics row) of the kind's equal-budget run: `steps` steps of its
-    config (kind_config); trained when missing, resumed when stopped, read when finished."""
+def equal_budget_run(kind: str, steps: int, out: Path, extra: tuple[str, ...] = (), name: str | None = None,
+                     allow_config_change: bool = False) -> tuple[Path, dict]:
+    """(run folder out/<name or kind>, its last metrics row) of the kind's equal-budget run: `steps` steps of
+    its config (kind_config) with `extra` overrides; trained when missing, resumed when stopped, read when
+    finished (a finished run resumed under more steps or another config with `allow_config_change`)."""
     path, over = kind_config(kind)
     cfg = load_config(path, over + [f"train.steps={steps}", f"train.eval_every={steps}", "train.sample_tokens=0",
-                                    f"train.checkpoint_every={steps}", "train.log_every=50"])
-    return out / kind, run(cfg, out / kind, log=lambda _: None)
+                                    f"train.checkpoint_every={steps}", "train.log_every=50", *extra])
+    run_dir = out / (name or kind)
+    return run_dir, run(cfg, run_dir, log=lambda _: None, allow_config_change=allow_config_change)
 
 
 def text_row(kind: str, steps: int, out: Path, lm_eval: bool = True) -> dict:

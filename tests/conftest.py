@@ -1,8 +1,10 @@
+import gc
 import os
 import tempfile
 
 import jax
 import jaxtyping
+import pytest
 
 # JAX's persistent compilation cache (train.run turns it on) stays off in the suite: writing a CPU
 # executable to it segfaulted an xdist worker (jax 0.10.2, compilation_cache.put_executable_and_time,
@@ -25,3 +27,14 @@ os.environ.setdefault("ZOO_CACHE", os.path.join(tempfile.gettempdir(), "zoo-test
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                 "--xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Each test file's compiled programs are dropped when it ends. Every XLA CPU executable keeps its
+    machine code in memory maps of its own, and a worker that kept them all reached 57,934 maps of
+    Linux's default 65,530 (vm.max_map_count) by the end of `make test` (2026-12-05); past the limit
+    the next compile segfaults (CI's worker did, in backend_compile_and_load, and the suite hung)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
