@@ -65,19 +65,23 @@ SETTINGS = {
 }
 
 
+def val_loss(model, cfg, batches: int) -> float:
+    """Validation loss (nats/byte) over `batches` x 8 windows of the run's length, one full pass."""
+    return round(extrapolate(model, cfg, (1,), batches)[0]["loss_per_bucket"][0], 4)
+
+
 def measure(kind: str, run_dir: Path, calibration: int, batches: int) -> dict:
     """{setting: validation loss} of the run's model, float and compressed."""
     cfg, model, _ = load_model(run_dir)
     corpus = prepare(cfg.data).batches(cfg.train.seq_len, cfg.train.seed + 1, cfg.data.packing)
     tokens = corpus.train_batch(10**6, calibration)["x"]
-    loss = lambda m: extrapolate(m, cfg, (1,), batches)[0]["loss_per_bucket"][0]  # noqa: E731
-    row = {"kind": kind, "float": round(loss(model), 4), "bytes": {"float": weight_bytes(model)}}
+    row = {"kind": kind, "float": val_loss(model, cfg, batches), "bytes": {"float": weight_bytes(model)}}
     for family in SETTINGS.values():
         for name, (method, kwargs) in family.items():
             kwargs = {k: (tokens if k == "calibration" else v) for k, v in kwargs.items()}
             t = time.perf_counter()
             compressed = method(model, **kwargs)
-            row[name], row["bytes"][name] = round(loss(compressed), 4), weight_bytes(compressed)
+            row[name], row["bytes"][name] = val_loss(compressed, cfg, batches), weight_bytes(compressed)
             print(f"{kind} {name}: {row[name]} ({time.perf_counter() - t:.1f} s)", flush=True)
     return row
 
@@ -85,18 +89,17 @@ def measure(kind: str, run_dir: Path, calibration: int, batches: int) -> dict:
 def qat_row(kind: str, steps: int, more: int, batches: int) -> dict:
     """Validation losses (float, int4 RTN) of the kind's run and of its two copies trained `more` steps
     further, in float and with train.qat."""
-    base, _ = equal_budget_run(kind, steps, REPORT)
+    runs = {"run": equal_budget_run(kind, steps, REPORT)[0]}
+    for arm, extra in (("float", ()), ("qat", QAT)):
+        name = f"{kind}-{arm}+{more}"
+        if not (REPORT / name).exists():
+            shutil.copytree(runs["run"], REPORT / name)  # resumed from the run's last checkpoint
+        runs[arm] = equal_budget_run(kind, steps + more, REPORT, extra, name, allow_config_change=True)[0]
     row = {"kind": kind}
-    for arm, extra in (("run", None), ("float", ()), ("qat", QAT)):
-        run_dir = base
-        if extra is not None:
-            if not (REPORT / f"{kind}-{arm}+{more}").exists():
-                shutil.copytree(base, REPORT / f"{kind}-{arm}+{more}")
-            run_dir, _ = equal_budget_run(kind, steps + more, REPORT, extra, f"{kind}-{arm}+{more}",
-                                          allow_config_change=True)
+    for arm, run_dir in runs.items():
         cfg, model, _ = load_model(run_dir)
-        for name, m in (("float", model), ("int4", infer.quantize(model, "int4", **INT4))):
-            row[f"{arm} {name}"] = round(extrapolate(m, cfg, (1,), batches)[0]["loss_per_bucket"][0], 4)
+        row[f"{arm} float"] = val_loss(model, cfg, batches)
+        row[f"{arm} int4"] = val_loss(infer.quantize(model, "int4", **INT4), cfg, batches)
     return row
 
 
@@ -113,7 +116,8 @@ def main():
         print(f"\nquantization-aware training: validation loss (nats/byte) in float and at int4 RTN, of the "
               f"{args.steps}-step run and of it trained {args.qat} steps further in float and with train.qat")
         print_table(rows, list(rows[0]))
-        return save_json("compress_qat", rows)
+        save_json("compress_qat", rows)
+        return
     rows = [measure(k, equal_budget_run(k, args.steps, REPORT)[0], args.calibration, args.batches)
             for k in args.kinds]
     for family, settings in SETTINGS.items():
