@@ -19,6 +19,7 @@ from flax import nnx
 
 import infer
 import zoo.hf
+from tests.util import decode_in_pieces, forward
 from zoo import safetensors
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
@@ -37,7 +38,7 @@ def test_every_architecture_has_a_fixture():
 def test_logits_and_greedy_tokens_match_transformers(case):
     expected = np.load(FIXTURES / case / "expected.npz")
     model, tok = zoo.hf.load(FIXTURES / case)
-    logits = np.asarray(model(jnp.asarray(expected["ids"], jnp.int32)))
+    logits = np.asarray(forward(model, jnp.asarray(expected["ids"], jnp.int32)))
     assert logits.std() > 0.5  # unit scale: a 1e-4 tolerance means something
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-4, rtol=0)
     rows = infer.generate(model, [tok.encode(p) for p in PROMPTS], max_new_tokens=10, stop_token=tok.eos_id)
@@ -79,7 +80,7 @@ def test_bfloat16_load_stays_close():
     expected = np.load(FIXTURES / "llama" / "expected.npz")
     model, _ = zoo.hf.load(FIXTURES / "llama", dtype="bfloat16")
     assert model.embed.embedding[...].dtype.name == "bfloat16"
-    logits = np.asarray(model(jnp.asarray(expected["ids"], jnp.int32)), np.float32)
+    logits = np.asarray(forward(model, jnp.asarray(expected["ids"], jnp.int32)), np.float32)
     assert np.abs(logits - expected["logits"]).max() < 0.25
 
 
@@ -229,7 +230,7 @@ def test_a_sharded_checkpoint_loads_like_one_file(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     expected = np.load(folder / "expected.npz")
     model, _ = zoo.hf.load(folder)
-    logits = model(jnp.asarray(expected["ids"], jnp.int32))
+    logits = forward(model, jnp.asarray(expected["ids"], jnp.int32))
     np.testing.assert_allclose(np.asarray(logits), expected["logits"], atol=1e-4)
     first, second = shards
     index["weight_map"]["model.norm.weight"] = first if "model.norm.weight" in shards[second] else second
@@ -243,11 +244,5 @@ def test_prefill_then_decode_equals_the_full_pass(case):
     """ffn: none (Mamba's blocks) and qk_norm take the decode path too."""
     ids = jnp.asarray(np.load(FIXTURES / case / "expected.npz")["ids"], jnp.int32)
     model, _ = zoo.hf.load(FIXTURES / case)
-    full = np.asarray(model(ids))
-    state = model.init_state(ids.shape[0], ids.shape[1])
-    logits, state = model.decode(ids[:, :10], state)
-    steps = [logits]
-    for t in range(10, ids.shape[1]):
-        logits, state = model.decode(ids[:, t:t + 1], state)
-        steps.append(logits)
-    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=2e-4)
+    steps, _ = decode_in_pieces(model, ids, cuts=list(range(10, ids.shape[1])))  # prefill 10, then one at a time
+    np.testing.assert_allclose(steps, forward(model, ids), atol=2e-4)

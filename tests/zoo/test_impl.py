@@ -10,10 +10,12 @@ step functions. RWKV-6 and RWKV-7 (whose official init zeroes W_o) run on pertur
 """
 
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from tests.layers.conformance import perturbed
-from tests.util import assert_close, decode_in_pieces, forward, tiny_config, tiny_model
+from tests.util import assert_close, forward, tiny_config, tiny_model
 
 TINY = {
     "attention": {"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
@@ -39,14 +41,22 @@ def _tokens(seed=0):
     return jax.random.randint(jax.random.key(seed), (2, T), 0, 256)
 
 
-def _kernels(fn, *args) -> str | None:
-    """The Pallas kernel family ("gpu" or "tpu") that tracing fn (a closure over an NNX model)
-    reaches, None if none: without this, pallas-vs-reference equality could hold because impl never
-    reached the op, or reached the other family."""
-    jaxpr = str(jax.make_jaxpr(fn)(*args))
-    if "pallas_call" not in jaxpr:
+def _family(jaxpr) -> str | None:
+    """The Pallas kernel family ("gpu" or "tpu") a traced program reaches, None if none: without this,
+    pallas-vs-reference equality could hold because impl never reached the op, or reached the other
+    family."""
+    text = str(jaxpr)
+    if "pallas_call" not in text:
         return None
-    return "tpu" if "dimension_semantics" in jaxpr else "gpu"  # only the TPU CompilerParams have it
+    return "tpu" if "dimension_semantics" in text else "gpu"  # only the TPU CompilerParams have it
+
+
+def _compiled(model, method, *args):
+    """(model.method compiled for args' shapes, the kernel family it reaches): one trace serves both."""
+    graphdef, state = nnx.split(model)
+    traced = jax.jit(lambda s, *a: getattr(nnx.merge(graphdef, s), method)(*a)).trace(state, *args)
+    compiled = traced.lower().compile()
+    return (lambda *a: compiled(state, *a)), _family(traced.jaxpr)
 
 
 def _model(kind, impl):
@@ -70,17 +80,24 @@ def test_pallas_equals_reference_and_decodes(kind, platform, monkeypatch):
     monkeypatch.setenv("ZOO_PALLAS_PLATFORM", platform)
     pallas, reference = _model(kind, "pallas"), _model(kind, "reference")
     assert pallas.blocks[0].mixer.impl == "pallas" and reference.blocks[0].mixer.impl == "reference"
-    tokens = _tokens()
-    state = pallas.init_state(2, T)
-    assert _kernels(lambda t: pallas(t), tokens) == platform
-    assert _kernels(lambda t, s: pallas.decode(t, s), tokens[:, :PREFILL], state) == platform
-    step = None if kind in ("mamba", "mamba2") else platform  # their T = 1 step is the plain step function
-    assert _kernels(lambda t, s: pallas.decode(t, s), tokens[:, :1], state) == step
-    assert _kernels(lambda t: reference(t), tokens) is None
-    full = forward(pallas, tokens)
-    assert_close(full, forward(reference, tokens), 1e-4, f"{kind}: impl=pallas ({platform}) vs reference")
-    pieces, _ = decode_in_pieces(pallas, tokens, cuts=list(range(PREFILL, T)))
-    assert_close(pieces, full, 1e-4, f"{kind}: impl=pallas ({platform}) prefill + steps vs full pass")
+    tokens, state = _tokens(), pallas.init_state(2, T)
+    run, family = _compiled(pallas, "__call__", tokens)
+    assert family == platform
+    run_reference, family = _compiled(reference, "__call__", tokens)
+    assert family is None
+    full = run(tokens)
+    assert_close(full, run_reference(tokens), 1e-4, f"{kind}: impl=pallas ({platform}) vs reference")
+    prefill, family = _compiled(pallas, "decode", tokens[:, :PREFILL], state)
+    assert family == platform
+    logits, state = prefill(tokens[:, :PREFILL], state)
+    step, family = _compiled(pallas, "decode", tokens[:, :1], state)
+    assert family == (None if kind in ("mamba", "mamba2") else platform)  # their T = 1 step: the plain step function
+    pieces = [logits]
+    for t in range(PREFILL, T):
+        logits, state = step(tokens[:, t:t + 1], state)
+        pieces.append(logits)
+    assert_close(jnp.concatenate(pieces, axis=1), full, 1e-4,
+                 f"{kind}: impl=pallas ({platform}) prefill + steps vs full pass")
 
 
 def test_layer_pattern_mixes_impls():
@@ -90,7 +107,7 @@ def test_layer_pattern_mixes_impls():
     reference = tiny_model(layer_pattern=[{**m, "impl": "reference"} for m in pattern])
     tokens = _tokens(1)
     x = jax.random.normal(jax.random.key(2), (2, T, 32))
-    assert [_kernels(b.mixer, x) for b in mixed.blocks] == ["gpu", None]
+    assert [_family(jax.make_jaxpr(b.mixer)(x)) for b in mixed.blocks] == ["gpu", None]
     assert_close(forward(mixed, tokens), forward(reference, tokens), 1e-4, "layer_pattern pallas + xla vs reference")
 
 
