@@ -42,7 +42,7 @@ def test_the_training_forward_is_the_quantized_model_and_its_gradient_passes_str
         return loss(fake_quantize(nnx.merge(graphdef, params, rest, copy=True), bits, group_size=16,
                                   activations=activations))
 
-    view = lambda m: nnx.view(m, deterministic=True)(TOKENS)
+    view = nnx.jit(lambda m: nnx.view(m, deterministic=True)(TOKENS))
     np.testing.assert_array_equal(view(fake_quantize(nnx.clone(model), bits, group_size=16, activations=activations)),
                                   view(quantized), "the QAT forward is not the quantized model's, number for number")
     grads = jax.jit(jax.grad(qat_loss))(params)
@@ -50,7 +50,8 @@ def test_the_training_forward_is_the_quantized_model_and_its_gradient_passes_str
         rounded = nnx.clone(model)
         for (m, name, *_), (q, _, *_) in zip(matrices(rounded), matrices(quantized), strict=True):
             getattr(m, name).set_value(getattr(q, name).get_value().dequantize())
-        want = jax.grad(lambda p: loss(nnx.merge(graphdef, p, rest, copy=True)))(nnx.split(rounded, nnx.Param, ...)[1])
+        rounded_loss = lambda p: loss(nnx.merge(graphdef, p, rest, copy=True))
+        want = jax.jit(jax.grad(rounded_loss))(nnx.split(rounded, nnx.Param, ...)[1])
         assert_tree_close(grads, want, 1e-5, "QAT gradient vs the rounded model's")
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         assert np.isfinite(g).all() and np.abs(g).max() > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
