@@ -2,13 +2,14 @@
 infer/quantize.py, infer/prune.py and infer/factorize.py, next to the float model's.
 
     python -m benchmarks.compress [--kinds attention gla gated_deltanet mamba2 rwkv7] [--steps 250]
-                                  [--calibration 16] [--batches 4] [--qat 50]
+                                  [--calibration 16] [--batches 4] [--families factorization] [--qat 50]
 
 Per kind: the report card's equal-budget run (benchmarks/report.equal_budget_run: the kind's config, --steps
 steps on Shakespeare, in runs/report/<kind>; trained when missing, read when finished); calibration
 token ids: --calibration training windows of the run's length (drawn away from the training steps'
 batches); the validation loss in nats per byte over --batches x 8 validation windows (train/extrapolate.py
-at 1x: one full pass, teacher-forced) of the float model and of each setting of SETTINGS. Prints one
+at 1x: one full pass, teacher-forced) of the float model and of each setting of SETTINGS (of --families,
+all by default; "spread": ranks allocated by the spectra, infer.factorize's allocate="spectrum"). Prints one
 table per method family (quantization, pruning, factorization): the loss of each setting and, beside it,
 its increase over the float model's; then the weights' bytes at rest (int4 codes at half a byte,
 infer/quantize.weight_bytes) for quantization and factorization (a pruned model stores its zeros: its
@@ -61,6 +62,8 @@ SETTINGS = {
         "svd 0.5": (infer.factorize, dict(rank_fraction=0.5)),
         "svd-llm 0.75": (infer.factorize, dict(rank_fraction=0.75, calibration=True)),
         "svd-llm 0.5": (infer.factorize, dict(rank_fraction=0.5, calibration=True)),
+        "svd-llm 0.75 spread": (infer.factorize, dict(rank_fraction=0.75, calibration=True, allocate="spectrum")),
+        "svd-llm 0.5 spread": (infer.factorize, dict(rank_fraction=0.5, calibration=True, allocate="spectrum")),
     },
 }
 
@@ -70,14 +73,14 @@ def val_loss(model, cfg, batches: int) -> float:
     return round(extrapolate(model, cfg, (1,), batches)[0]["loss_per_bucket"][0], 4)
 
 
-def measure(kind: str, run_dir: Path, calibration: int, batches: int) -> dict:
-    """{setting: validation loss} of the run's model, float and compressed."""
+def measure(kind: str, run_dir: Path, calibration: int, batches: int, families: list[str]) -> dict:
+    """{setting: validation loss} of the run's model, float and compressed by the settings of `families`."""
     cfg, model, _ = load_model(run_dir)
     corpus = prepare(cfg.data).batches(cfg.train.seq_len, cfg.train.seed + 1, cfg.data.packing)
     tokens = corpus.train_batch(10**6, calibration)["x"]
     row = {"kind": kind, "float": val_loss(model, cfg, batches), "bytes": {"float": weight_bytes(model)}}
-    for family in SETTINGS.values():
-        for name, (method, kwargs) in family.items():
+    for family in families:
+        for name, (method, kwargs) in SETTINGS[family].items():
             kwargs = {k: (tokens if k == "calibration" else v) for k, v in kwargs.items()}
             t = time.perf_counter()
             compressed = method(model, **kwargs)
@@ -109,6 +112,7 @@ def main():
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--calibration", type=int, default=16, help="calibration windows (default: %(default)s)")
     p.add_argument("--batches", type=int, default=4, help="validation batches of 8 windows (default: %(default)s)")
+    p.add_argument("--families", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     p.add_argument("--qat", type=int, default=0, help="steps of the quantization-aware fine-tune (default: none)")
     args = p.parse_args()
     if args.qat:
@@ -118,14 +122,15 @@ def main():
         print_table(rows, list(rows[0]))
         save_json("compress_qat", rows)
         return
-    rows = [measure(k, equal_budget_run(k, args.steps, REPORT)[0], args.calibration, args.batches)
+    rows = [measure(k, equal_budget_run(k, args.steps, REPORT)[0], args.calibration, args.batches, args.families)
             for k in args.kinds]
-    for family, settings in SETTINGS.items():
+    for family in args.families:
+        settings = SETTINGS[family]
         print(f"\n{family}: validation loss (nats/byte), and its increase over the float model's")
         print_table([{"kind": r["kind"], "float": r["float"],
                       **{s: f"{r[s]} ({r[s] - r['float']:+.3f})" for s in settings}} for r in rows],
                     ["kind", "float", *settings])
-    for family in ("quantization", "factorization"):
+    for family in [f for f in ("quantization", "factorization") if f in args.families]:
         print(f"\n{family}: weight bytes at rest (MB)")
         settings = ["float", *SETTINGS[family]]
         print_table([{"kind": r["kind"], **{s: round(r["bytes"][s] / 1e6, 3) for s in settings}} for r in rows],

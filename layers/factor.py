@@ -42,22 +42,32 @@ class Factored(HeldMatrix):
 jax.tree_util.register_dataclass(Factored, data_fields=["a", "b"], meta_fields=["shape", "in_ndim"])
 
 
-def factorize(w: Float[Array, "In Out"], rank: int, h: Float[Array, "In In"] | None = None, damp: float = 1e-6
-              ) -> tuple[Float[Array, "In R"], Float[Array, "R Out"]]:
-    """(A, B) of rank `rank` with A B ~ w: the truncated SVD of w, or with `h` = X^T X that of S^T w
-    (S = chol(h + damp mean(diag h) I)), mapped back by S^-T; singular values split evenly (sqrt to each)."""
-    In, Out = w.shape
-    if not 1 <= rank <= min(In, Out):
-        raise ValueError(f"factorize: rank={rank}; expected 1 to {min(In, Out)} for a weight {In} x {Out}")
-    w32 = w.astype(jnp.float32)
-    s = None
+def spectrum(w: Float[Array, "In Out"], h: Float[Array, "In In"] | None = None, damp: float = 1e-6) -> tuple:
+    """(U, sigma, V^T, S) of w's SVD, or with `h` = X^T X of S^T w's (S = chol(h + damp mean(diag h) I),
+    S None without h): sigma[r:]'s norm is the error of the rank-r factors (of w, or of the outputs X w)."""
+    w32, s = w.astype(jnp.float32), None
     if h is not None:
         h = h.astype(jnp.float32)
-        s = jnp.linalg.cholesky(h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(In))  # lower, h = S S^T
+        s = jnp.linalg.cholesky(h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(w.shape[0]))  # lower, h = S S^T
         w32 = s.T @ w32
-    u, sigma, vt = jnp.linalg.svd(w32, full_matrices=False)
+    return (*jnp.linalg.svd(w32, full_matrices=False), s)
+
+
+def truncate(svd: tuple, rank: int, dtype=jnp.float32) -> tuple[Float[Array, "In R"], Float[Array, "R Out"]]:
+    """(A, B) of rank `rank` from spectrum(...): singular values split evenly (sqrt to each), mapped back
+    by S^-T when whitened."""
+    u, sigma, vt, s = svd
     root = jnp.sqrt(sigma[:rank])
     a, b = u[:, :rank] * root, root[:, None] * vt[:rank]
     if s is not None:
         a = jax.scipy.linalg.solve_triangular(s.T, a, lower=False)  # S^-T (U_r sqrt(Sigma_r))
-    return a.astype(w.dtype), b.astype(w.dtype)
+    return a.astype(dtype), b.astype(dtype)
+
+
+def factorize(w: Float[Array, "In Out"], rank: int, h: Float[Array, "In In"] | None = None, damp: float = 1e-6
+              ) -> tuple[Float[Array, "In R"], Float[Array, "R Out"]]:
+    """(A, B) of rank `rank` with A B ~ w: the truncated SVD of w, or with `h` = X^T X that of S^T w."""
+    In, Out = w.shape
+    if not 1 <= rank <= min(In, Out):
+        raise ValueError(f"factorize: rank={rank}; expected 1 to {min(In, Out)} for a weight {In} x {Out}")
+    return truncate(spectrum(w, h, damp), rank, w.dtype)

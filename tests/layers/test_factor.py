@@ -2,7 +2,12 @@
 weight exactly (to float32 rounding); at rank r the plain error ||W - A B||_F and the whitened output error
 ||X (W - A B)||_F are the discarded singular values' norm (of W, of S^T W), and the whitened variant's
 output error is below the plain one's; a factored model of every projection decodes like its own full
-pass, its held-out error falls as the rank grows; bad input named."""
+pass, its held-out error falls as the rank grows; ranks allocated by the spectra keep the parameter count
+and lose the least share of the projections' energy (the brute-force optimum at equal costs); bad input
+named."""
+
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +15,9 @@ import numpy as np
 import pytest
 
 import infer
-from layers.factor import factorize
+from infer.factorize import rank_allocation
+from infer.quantize import input_hessians, is_projection, matrices
+from layers.factor import factorize, spectrum
 from layers.gptq import hessian
 from tests.layers.test_gptq import _calibration
 from tests.util import decode_in_pieces, forward, rel_err, tiny_model
@@ -50,9 +57,49 @@ def test_a_factored_model_decodes_like_its_full_pass_and_errs_less_at_higher_ran
     assert rel_err(pieces, forward(half, test)) < 1e-4
 
 
+def test_rank_allocation_keeps_the_most_energy_within_the_budget():
+    steep, flat = np.array([10.0, 1.0, 0.5, 0.1]), np.array([10.0, 9.0, 8.0, 7.0])
+    assert rank_allocation([steep, flat], [8, 8], 4 * 8) == [1, 3]
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # equal costs: greedy is the optimum, checked against every allocation
+        spectra = [np.sort(rng.exponential(size=4))[::-1] for _ in range(3)]
+        budget = int(rng.integers(3, 13))
+        ranks = rank_allocation(spectra, [1, 1, 1], budget)
+        assert sum(ranks) <= budget and min(ranks) >= 1
+        lost = lambda rs: sum(float(np.sum(s[r:] ** 2)) for s, r in zip(spectra, rs))
+        best = min(lost(rs) for rs in itertools.product(range(1, 5), repeat=3) if sum(rs) <= budget)
+        assert lost(ranks) == pytest.approx(best)
+    costs = [3, 5, 11]  # unequal costs: within the budget, rank 1 at least
+    ranks = rank_allocation([np.sort(rng.exponential(size=6))[::-1] for _ in costs], costs, 60)
+    assert sum(r * c for r, c in zip(ranks, costs)) <= 60 and min(ranks) >= 1
+
+
+def test_ranks_from_the_spectra_spend_the_uniform_parameters_and_discard_less():
+    model = tiny_model({"kind": "gla", "num_heads": 2}, d_model=64, num_layers=2)
+    cal = jax.random.randint(jax.random.key(0), (8, 48), 0, 256)
+    todo = [t for t in matrices(model) if is_projection(model, t)]
+    hessians = input_hessians(model, todo, cal, who="test")
+    weights = [(getattr(m, n).get_value(), in_ndim) for m, n, in_ndim, *_ in todo]
+    sigmas = [np.asarray(spectrum(w.reshape(math.prod(w.shape[:k]), -1), jnp.asarray(hessians[i]))[1])
+              for i, (w, k) in enumerate(weights)]
+    shares = [s ** 2 / np.sum(s ** 2) for s in sigmas]
+
+    def factors(q):
+        held = [getattr(m, n).get_value() for m, n, *_ in matrices(q) if hasattr(getattr(m, n).get_value(), "a")]
+        return [h.a.shape[1] for h in held], sum(h.a.size + h.b.size for h in held)
+
+    uniform, spread = (infer.factorize(model, 0.5, calibration=cal, allocate=a) for a in ("uniform", "spectrum"))
+    (ranks_u, size_u), (ranks_s, size_s) = factors(uniform), factors(spread)
+    assert size_s <= size_u and size_s > 0.95 * size_u and ranks_s != ranks_u
+    lost = lambda ranks: sum(float(np.sum(share[r:])) for share, r in zip(shares, ranks))
+    assert lost(ranks_s) < 0.9 * lost(ranks_u)  # the shares of their output energy the projections lose
+
+
 def test_bad_input_is_named():
     _, w = _calibration(seed=12)
     with pytest.raises(ValueError, match="rank=25; expected 1 to 24 for a weight 64 x 24"):
         factorize(jnp.asarray(w), 25)
     with pytest.raises(ValueError, match=r"rank_fraction=0; expected a fraction in \(0, 1\]"):
         infer.factorize(tiny_model({"kind": "gla", "num_heads": 2}), 0)
+    with pytest.raises(ValueError, match=r"allocate='greedy'; expected one of \('uniform', 'spectrum'\)"):
+        infer.factorize(tiny_model({"kind": "gla", "num_heads": 2}), 0.5, allocate="greedy")
