@@ -24,12 +24,16 @@ os.environ.setdefault("ZOO_CACHE", os.path.join(tempfile.gettempdir(), "zoo-test
 # about a third faster, and the older loop emitters for fusions a quarter faster again (measured on the
 # layer protocol tests, the Pallas interpreter tests and the config runs, 2026-12-02); LLVM code
 # generation in one piece instead of split across threads, which two workers on two cores only
-# contend for: a tenth less compile time in tests/zoo/test_kinds.py alone, and a fifth less CPU time
-# for the whole suite (920 s instead of 1,143, 2026-12-06). Both sides of
+# contend for: a tenth less compile time in tests/zoo/test_kinds.py alone, and the suite's CPU time
+# 920 s instead of 1,143 (2026-12-06, one run each, with test_impl's single traces in the same run). Both sides of
 # every comparison compile alike. Read when the first jax backend starts, which is after this file runs.
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                 "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+# Tracing makes objects by the million: with Python's default thresholds (700, 10, 10) the cyclic
+# collector took 11.7 s of 92 in tests/layers/test_conformance.py + tests/zoo/test_kinds.py, with
+# (50,000, 10, 10) 4.2 s, at the same peak memory (1.74 and 1.82 GB; gc.callbacks, 2026-12-06).
+gc.set_threshold(50_000, 10, 10)
 
 
 @pytest.fixture(autouse=True, scope="module")
