@@ -44,7 +44,8 @@ def factorize(model: LanguageModel, rank_fraction: float = 0.5, *, calibration=N
     todo = [t for t in matrices(model) if is_projection(model, t)]
     hessians = {} if calibration is None else input_hessians(model, todo, calibration, who="factorize")
     weights = [getattr(m, name).get_value() for m, name, *_ in todo]
-    shapes = [(math.prod(w.shape[:t[2]]), math.prod(w.shape[t[2]:])) for w, t in zip(weights, todo)]
+    shapes = [(math.prod(w.shape[:in_ndim]), math.prod(w.shape[in_ndim:]))
+              for w, (_, _, in_ndim, *_) in zip(weights, todo)]
     svds = [spectrum(w.reshape(shape), None if hessians.get(i) is None else jnp.asarray(hessians[i]))
             for i, (w, shape) in enumerate(zip(weights, shapes))]
     ranks = [max(1, round(rank_fraction * min(shape))) for shape in shapes]

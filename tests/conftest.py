@@ -25,8 +25,8 @@ os.environ.setdefault("ZOO_CACHE", os.path.join(tempfile.gettempdir(), "zoo-test
 # layer protocol tests, the Pallas interpreter tests and the config runs, 2026-12-02); LLVM code
 # generation in one piece instead of split across threads, which two workers on two cores only
 # contend for: a tenth less compile time in tests/zoo/test_kinds.py alone, and the suite's CPU time
-# 920 s instead of 1,143 (2026-12-06, one run each, with test_impl's single traces in the same run). Both sides of
-# every comparison compile alike. Read when the first jax backend starts, which is after this file runs.
+# 920 s instead of 1,143 (2026-12-06, one run each, test_impl's single traces in the same run).
+# Both sides of every comparison compile alike. Read when the first jax backend starts, which is after this file runs.
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                 "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
