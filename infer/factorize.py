@@ -41,22 +41,31 @@ def factorize(model: LanguageModel, rank_fraction: float = 0.5, *, calibration=N
     if allocate not in ALLOCATIONS:
         raise ValueError(f"factorize: allocate={allocate!r}; expected one of {ALLOCATIONS}")
     model = nnx.clone(model)
-    todo = [t for t in matrices(model) if is_projection(model, t)]
-    hessians = {} if calibration is None else input_hessians(model, todo, calibration, who="factorize")
-    weights = [getattr(m, name).get_value() for m, name, *_ in todo]
-    shapes = [(math.prod(w.shape[:in_ndim]), math.prod(w.shape[in_ndim:]))
-              for w, (_, _, in_ndim, *_) in zip(weights, todo)]
-    svds = [spectrum(w.reshape(shape), None if hessians.get(i) is None else jnp.asarray(hessians[i]))
-            for i, (w, shape) in enumerate(zip(weights, shapes))]
+    found = spectra(model, calibration)
+    shapes = [svd[0].shape[:1] + svd[2].shape[1:] for *_, svd in found]  # (In, Out) of each projection
     ranks = [max(1, round(rank_fraction * min(shape))) for shape in shapes]
     if allocate == "spectrum":
         budget = sum(r * sum(shape) for r, shape in zip(ranks, shapes))
-        relative = [np.asarray(svd[1]) / np.linalg.norm(svd[1]) for svd in svds]  # each one's share of its energy
+        relative = [np.asarray(svd[1]) / np.linalg.norm(svd[1]) for *_, svd in found]  # each one's energy shares
         ranks = rank_allocation(relative, [sum(shape) for shape in shapes], budget)
-    for (m, name, in_ndim, *_), w, svd, rank in zip(todo, weights, svds, ranks):
+    for (m, name, in_ndim, w, svd), rank in zip(found, ranks):
         a, b = truncate(svd, rank, w.dtype)
         setattr(m, name, nnx.Param(Factored(a, b, tuple(w.shape), in_ndim)))
     return model
+
+
+def spectra(model: LanguageModel, calibration=None) -> list[tuple]:
+    """(module, parameter name, in_ndim, weight, layers.factor.spectrum of its (In, Out) matrix) of each
+    projection of `model`, the spectrum whitened by `calibration`'s input Hessian when given."""
+    todo = [t for t in matrices(model) if is_projection(model, t)]
+    hessians = {} if calibration is None else input_hessians(model, todo, calibration, who="factorize")
+    found = []
+    for i, (m, name, in_ndim, *_) in enumerate(todo):
+        w = getattr(m, name).get_value()
+        h = hessians.get(i)
+        found.append((m, name, in_ndim, w, spectrum(w.reshape(math.prod(w.shape[:in_ndim]), -1),
+                                                     None if h is None else jnp.asarray(h))))
+    return found
 
 
 def rank_allocation(spectra: list, costs: list[int], budget: int) -> list[int]:

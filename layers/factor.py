@@ -53,7 +53,7 @@ def spectrum(w: Float[Array, "In Out"], h: Float[Array, "In In"] | None = None, 
     return (*jnp.linalg.svd(w32, full_matrices=False), s)
 
 
-def truncate(svd: tuple, rank: int, dtype=jnp.float32) -> tuple[Float[Array, "In R"], Float[Array, "R Out"]]:
+def truncate(svd: tuple, rank: int, dtype) -> tuple[Float[Array, "In R"], Float[Array, "R Out"]]:
     """(A, B) of rank `rank` from spectrum(...): singular values split evenly (sqrt to each), mapped back
     by S^-T when whitened."""
     u, sigma, vt, s = svd

@@ -7,7 +7,6 @@ and lose the least share of the projections' energy (the brute-force optimum at 
 named."""
 
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +14,9 @@ import numpy as np
 import pytest
 
 import infer
-from infer.factorize import rank_allocation
-from infer.quantize import input_hessians, is_projection, matrices
-from layers.factor import factorize, spectrum
+from infer.factorize import rank_allocation, spectra
+from infer.quantize import matrices
+from layers.factor import factorize
 from layers.gptq import hessian
 from tests.layers.test_gptq import _calibration
 from tests.util import decode_in_pieces, forward, rel_err, tiny_model
@@ -77,11 +76,7 @@ def test_rank_allocation_keeps_the_most_energy_within_the_budget():
 def test_ranks_from_the_spectra_spend_the_uniform_parameters_and_discard_less():
     model = tiny_model({"kind": "gla", "num_heads": 2}, d_model=64, num_layers=2)
     cal = jax.random.randint(jax.random.key(0), (8, 48), 0, 256)
-    todo = [t for t in matrices(model) if is_projection(model, t)]
-    hessians = input_hessians(model, todo, cal, who="test")
-    weights = [(getattr(m, n).get_value(), in_ndim) for m, n, in_ndim, *_ in todo]
-    sigmas = [np.asarray(spectrum(w.reshape(math.prod(w.shape[:k]), -1), jnp.asarray(hessians[i]))[1])
-              for i, (w, k) in enumerate(weights)]
+    sigmas = [np.asarray(svd[1]) for *_, svd in spectra(model, cal)]  # whitened, as factorize reads them
     shares = [s ** 2 / np.sum(s ** 2) for s in sigmas]
 
     def factors(q):
