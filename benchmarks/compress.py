@@ -5,15 +5,15 @@ infer/quantize.py, infer/prune.py and infer/factorize.py, next to the float mode
                                   [--calibration 16] [--batches 4] [--families factorization] [--qat 50]
 
 Per kind: the report card's equal-budget run (benchmarks/report.equal_budget_run: the kind's config, --steps
-steps on Shakespeare, in runs/report/<kind>; trained when missing, read when finished); calibration
-token ids: --calibration training windows of the run's length (drawn away from the training steps'
-batches); the validation loss in nats per byte over --batches x 8 validation windows (train/extrapolate.py
-at 1x: one full pass, teacher-forced) of the float model and of each setting of SETTINGS (of --families,
-all by default; "spread": ranks allocated by the spectra, infer.factorize's allocate="spectrum"). Prints one
-table per method family (quantization, pruning, factorization): the loss of each setting and, beside it,
-its increase over the float model's; then the weights' bytes at rest (int4 codes at half a byte,
-infer/quantize.weight_bytes) for quantization and factorization (a pruned model stores its zeros: its
-bytes are the float model's); writes runs/bench/compress.json.
+steps on Shakespeare, in runs/report/<kind>; trained when missing, read when finished); calibration token
+ids: --calibration training windows of the run's length (drawn away from the training steps' batches); the
+validation loss in nats per byte over --batches x 8 validation windows (train/extrapolate.py at 1x: one full
+pass, teacher-forced) of the float model and of each setting of SETTINGS (of --families, all by default;
+"spread": ranks allocated by the spectra, infer.factorize's allocate="spectrum"; composition: pruning then
+quantizing). Prints one table per method family (quantization, pruning, factorization, composition): the
+loss of each setting and, beside it, its increase over the float model's; then the weights' bytes at rest
+(int4 codes at half a byte, infer/quantize.weight_bytes) for quantization and factorization (a pruned model
+stores its zeros: its bytes are the float model's); writes runs/bench/compress.json.
 
 --qat N measures quantization-aware training instead: each kind's run copied twice (runs/report/<kind>-float+N,
 <kind>-qat+N) and trained N steps further (its schedule stretched to --steps + N, the same in both), in
@@ -41,6 +41,14 @@ from zoo.checkpoint import load_model
 INT4 = dict(group_size=16, activations="float")
 QAT = (f"train.qat={json.dumps(dict(bits='int4', **INT4))}",)
 REPORT = Path("runs/report")
+
+
+def pruned_then_quantized(model, calibration, **prune):
+    """SparseGPT pruning, then int4 GPTQ calibrated on the pruned model (which keeps its zeros)."""
+    sparse = infer.prune(model, "sparsegpt", calibration=calibration, **prune)
+    return infer.quantize(sparse, "int4", **INT4, calibration=calibration)
+
+
 SETTINGS = {
     "quantization": {
         "int8 rtn": (infer.quantize, dict(weights="int8")),  # W8A8: int8 activations per token
@@ -64,6 +72,10 @@ SETTINGS = {
         "svd-llm 0.5": (infer.factorize, dict(rank_fraction=0.5, calibration=True)),
         "svd-llm 0.75 spread": (infer.factorize, dict(rank_fraction=0.75, calibration=True, allocate="spectrum")),
         "svd-llm 0.5 spread": (infer.factorize, dict(rank_fraction=0.5, calibration=True, allocate="spectrum")),
+    },
+    "composition": {
+        "sparsegpt 50% + int4 gptq": (pruned_then_quantized, dict(sparsity=0.5, calibration=True)),
+        "sparsegpt 2:4 + int4 gptq": (pruned_then_quantized, dict(sparsity=None, n_of_m=(2, 4), calibration=True)),
     },
 }
 

@@ -17,7 +17,11 @@ in int4 storage); a group's scale is taken from its rows as they stand when the 
 quantizes rows by decreasing H_ii (the inputs with the most energy first); the groups stay the
 contiguous ones of the layout, so their scales are taken from the weights before any correction
 ("static groups"). An input that never fires (H_ii = 0) gets H_ii = 1 and its row is zeroed, as in the
-reference. Not here: the lazy batch updates (a speed device of the reference, same result).
+reference. A weight's exact zeros (a pruned weight's, infer/prune.py) stay zero: their code is 0 and
+the whole of their value, corrections included, goes onto the rows not yet quantized, as SparseGPT's
+joint pruning and quantization does with its mask, and a group's scale is taken from its kept weights;
+so pruning then quantizing keeps the pruned pattern (a float weight is never exactly 0 otherwise). Not
+here: the lazy batch updates (a speed device of the reference, same result).
 
 `Recorded` stands in for a weight while a model runs on calibration data (infer/quantize.py puts it
 in each projection read through `project`): it multiplies as the weight does and adds the statistics
@@ -85,6 +89,7 @@ def gptq_quantize(w: Float[Array, "In Out"], h: Float[Array, "In In"], bits: str
         raise ValueError(f"gptq_quantize: group_size={group_size} does not divide the input width {In}")
     if h.shape != (In, In):
         raise ValueError(f"gptq_quantize: the Hessian is {h.shape}; expected ({In}, {In}) for a weight {w.shape}")
+    kept = w != 0  # a pruned weight's zeros stay zero (module docstring)
     w, h = prepare(w, h, damp)
     group_of = jnp.arange(In) // g
     if act_order:
@@ -93,16 +98,17 @@ def gptq_quantize(w: Float[Array, "In Out"], h: Float[Array, "In In"], bits: str
     else:
         perm = jnp.arange(In)
     u = inverse_factor(h[perm][:, perm])  # in quantizing order
-    qmax = QMAX[bits]
+    qmax, kept = QMAX[bits], kept[perm]
 
     def row(i, carry):
         w, codes, scales = carry  # w in quantizing order; codes and scales in the layout's order
         r = perm[i]
         if act_order:
             s = static[group_of[r]]
-        else:  # a new group: its scale from its rows as they stand now
-            s = jnp.where(r % g == 0, _scales(jax.lax.dynamic_slice_in_dim(w, i, g), bits), scales[group_of[r]])
-        q = jnp.clip(jnp.round(w[i] / jnp.where(s > 0, s, 1.0)), -qmax, qmax)
+        else:  # a new group: its scale from its kept weights as they stand now
+            rows = jnp.where(jax.lax.dynamic_slice_in_dim(kept, i, g), jax.lax.dynamic_slice_in_dim(w, i, g), 0.0)
+            s = jnp.where(r % g == 0, _scales(rows, bits), scales[group_of[r]])
+        q = jnp.where(kept[i], jnp.clip(jnp.round(w[i] / jnp.where(s > 0, s, 1.0)), -qmax, qmax), 0.0)
         err = (w[i] - q * s) / u[i, i]
         w = w - jnp.where(jnp.arange(In)[:, None] > i, u[i][:, None] * err[None, :], 0.0)
         return w, codes.at[r].set(q), scales.at[group_of[r]].set(s)

@@ -1,7 +1,8 @@
 """Pruned models (infer/prune.py): every projection of an attention and a Mamba-2 model pruned to 2:4 or
 half its inputs by each method, the heads and embeddings untouched; SparseGPT's output on the calibration
 tokens closer to the float model's than magnitude pruning's; the pruned model decodes like its own full
-pass and keeps its parameters' sharding axes (it trains and checkpoints as any model); bad input named."""
+pass and keeps its parameters' sharding axes (it trains and checkpoints as any model), and quantized after it
+keeps its zeros; bad input named."""
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,13 @@ def test_every_projection_is_pruned_and_the_model_decodes_like_its_full_pass(mix
                                              else model.blocks[0].mixer.in_proj.kernel).get_metadata().get("axes")
     pieces, _ = decode_in_pieces(half, cal, cuts=[17, 30, 31])
     assert rel_err(pieces, forward(half, cal)) < 1e-4
+
+    # then quantized: GPTQ keeps the pruned zeros (layers/gptq.py), so each code is 0 where the weight is
+    quantized = infer.quantize(half, "int4", group_size=16, calibration=cal)
+    for (m, name, *_), (q, *_rest) in zip(matrices(half), matrices(quantized), strict=True):
+        w, codes = np.asarray(getattr(m, name).get_value()), getattr(q, name).get_value()
+        if is_projection(half, (m, name, *_)):
+            assert not np.asarray(codes.values).reshape(w.shape)[w == 0].any(), name
 
 
 def test_bad_input_is_named():

@@ -1,8 +1,8 @@
 """GPTQ (layers/gptq.py) against a direct NumPy implementation of the algorithm, row by row in float64:
 the same codes and scales, with and without act order, for int8, grouped int4 and int3; a lower output
 error than round-to-nearest on correlated inputs; with uncorrelated inputs of equal energy (H a multiple
-of I) nothing is corrected and GPTQ is round-to-nearest exactly; the codes decode through `Quantized`;
-bad input names what was wrong."""
+of I) nothing is corrected and GPTQ is round-to-nearest exactly; a pruned weight's zeros stay zero;
+the codes decode through `Quantized`; bad input names what was wrong."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +17,7 @@ def reference(w, h, bits, group_size, act_order, damp=0.01):
     """GPTQ as the paper's Algorithm 1 reads (no lazy batches), in float64 NumPy; scales rounded to the
     layout's dtype (bfloat16 for int4 storage) through JAX."""
     w, h = w.astype(np.float64).copy(), h.astype(np.float64).copy()
+    kept = w != 0  # SparseGPT's mask: a pruned weight's zeros stay zero
     In, Out = w.shape
     g = group_size or In
     dead = np.diag(h) == 0
@@ -29,16 +30,16 @@ def reference(w, h, bits, group_size, act_order, damp=0.01):
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(In)
     static = [scale_of(w[j * g:(j + 1) * g]) for j in range(In // g)]
     u = np.linalg.cholesky(np.linalg.inv(h[np.ix_(order, order)])).T
-    w = w[order]
+    w, kept = w[order], kept[order]
     codes, scales = np.zeros((In, Out)), np.zeros((In // g, Out))
     for i, r in enumerate(order):
         if act_order:
             s = static[r // g]
         elif r % g == 0:
-            s = scale_of(w[i:i + g])
+            s = scale_of(w[i:i + g] * kept[i:i + g])
         else:
             s = scales[r // g]
-        q = np.clip(np.round(w[i] / np.where(s > 0, s, 1)), -QMAX[bits], QMAX[bits])
+        q = np.clip(np.round(w[i] / np.where(s > 0, s, 1)), -QMAX[bits], QMAX[bits]) * kept[i]
         err = (w[i] - q * s) / u[i, i]
         w[i + 1:] -= np.outer(u[i, i + 1:], err)
         codes[r], scales[r // g] = q, s
@@ -73,6 +74,23 @@ def test_matches_the_algorithm_and_beats_round_to_nearest(bits, group_size, act_
         assert _error(x, w, codes, scales) < 0.7 * _error(x, w, *rtn), (bits, group_size)
     else:
         assert _error(x, w, codes, scales) > _error(x, w, *gptq_quantize(jnp.asarray(w), h, "int4", group_size=16))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_pruned_weight_keeps_its_zeros(act_order):
+    """Prune then quantize (SparseGPT's joint mode): the 2:4 pattern of the pruned weight survives in the
+    codes, the codes are the algorithm's with that mask, and the error is below rounding the pruned weight."""
+    from layers.prune import prune_weight
+
+    x, w = _calibration(seed=6)
+    h = hessian(jnp.asarray(x))
+    pruned = np.asarray(prune_weight(jnp.asarray(w), h, "sparsegpt", sparsity=None, n_of_m=(2, 4)))
+    codes, scales = gptq_quantize(jnp.asarray(pruned), h, "int4", group_size=16, act_order=act_order)
+    want_codes, want_scales = reference(pruned, np.asarray(h), "int4", 16, act_order)
+    np.testing.assert_array_equal(np.asarray(codes, np.int32), want_codes.astype(np.int32))
+    np.testing.assert_allclose(np.asarray(scales, np.float64), want_scales, rtol=1e-6)
+    assert not np.asarray(codes)[pruned == 0].any() and (pruned == 0).sum() == w.size // 2
+    assert _error(x, pruned, codes, scales) < 0.8 * _error(x, pruned, *absmax_quantize(jnp.asarray(pruned), "int4", 16))
 
 
 def test_with_uncorrelated_inputs_of_equal_energy_it_is_round_to_nearest():
