@@ -70,11 +70,9 @@ def decode_steps(graphdef, params, token, state):
     return jax.lax.scan(step, (token, state), None, length=STEPS)[0]
 
 
-def prepare(kind: str, context: int, chunk: int = 1024):
+def prepare(model, context: int, chunk: int = 1024):
     """The model's graphdef, params and decode state after prefilling `context` random tokens."""
-    cfg = from_dict({"model": {"d_model": 256, "num_layers": 4, "max_seq_len": 32768, "mixer": KINDS[kind]}}).model
-    graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
-    model = nnx.merge(graphdef, params)
+    graphdef, params = nnx.split(model)
     state = model.init_state(1, context + STEPS)
     tokens = jax.random.randint(jax.random.key(0), (1, context), 1, 256)
     for start in range(0, context, chunk):  # prefill in chunks: bounded memory at 16K
@@ -83,9 +81,15 @@ def prepare(kind: str, context: int, chunk: int = 1024):
 
 
 def measure(kind: str, contexts: list[int], repeats: int = 15) -> list[dict]:
+    """Time per token at each context of the kind's model (d_model 256, 4 layers)."""
+    cfg = from_dict({"model": {"d_model": 256, "num_layers": 4, "max_seq_len": 32768, "mixer": KINDS[kind]}}).model
+    return [{"kind": kind, **row} for row in measure_model(LanguageModel(cfg, rngs=nnx.Rngs(0)), contexts, repeats)]
+
+
+def measure_model(model, contexts: list[int], repeats: int = 15) -> list[dict]:
     """Time per token at each context, the runs of all contexts interleaved and the minimum taken: on a
     shared machine other work only ever adds time, so the minimum is the least disturbed figure."""
-    runs = [prepare(kind, c) for c in contexts]
+    runs = [prepare(model, c) for c in contexts]
     for r in runs:
         jax.block_until_ready(decode_steps(*r))  # compile
     best = [float("inf")] * len(runs)
@@ -95,7 +99,7 @@ def measure(kind: str, contexts: list[int], repeats: int = 15) -> list[dict]:
     rows = []
     for context, (_, _, _, state), seconds in zip(contexts, runs, best):
         caches = [s for s in jax.tree.leaves(state, is_leaf=lambda x: type(x) in CACHES) if type(s) in CACHES]
-        rows.append({"kind": kind, "context": context, "ms_per_token": round(1000 * seconds / STEPS, 3),
+        rows.append({"context": context, "ms_per_token": round(1000 * seconds / STEPS, 3),
                      "time_vs_first": round(seconds / best[0], 2), "state_MiB": round(tree_bytes(state) / 2 ** 20, 3),
                      "kv_cache_MiB": round(sum(getattr(c, f).nbytes for c in caches for f in CACHES[type(c)]) / 2 ** 20,
                                            3)})
