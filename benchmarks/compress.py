@@ -3,6 +3,7 @@ infer/quantize.py, infer/prune.py and infer/factorize.py, next to the float mode
 
     python -m benchmarks.compress [--kinds attention gla gated_deltanet mamba2 rwkv7] [--steps 250]
                                   [--calibration 16] [--batches 4] [--families factorization] [--qat 50]
+                                  [--decode 4096]
 
 Per kind: the report card's equal-budget run (benchmarks/report.equal_budget_run: the kind's config, --steps
 steps on Shakespeare, in runs/report/<kind>; trained when missing, read when finished); calibration token
@@ -13,7 +14,8 @@ pass, teacher-forced) of the float model and of each setting of SETTINGS (of --f
 quantizing). Prints one table per method family (quantization, pruning, factorization, composition): the
 loss of each setting and, beside it, its increase over the float model's; then the weights' bytes at rest
 (int4 codes at half a byte, infer/quantize.weight_bytes) for quantization and factorization (a pruned model
-stores its zeros: its bytes are the float model's); writes runs/bench/compress.json.
+stores its zeros: its bytes are the float model's), and with --decode the decode ms/token of each setting;
+writes runs/bench/compress.json.
 
 --qat N measures quantization-aware training instead: each kind's run copied twice (runs/report/<kind>-float+N,
 <kind>-qat+N) and trained N steps further (its schedule stretched to --steps + N, the same in both), in
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 import infer
+from benchmarks import decode
 from benchmarks.common import print_table, save_json
 from benchmarks.report import equal_budget_run
 from infer.quantize import weight_bytes
@@ -85,18 +88,22 @@ def val_loss(model, cfg, batches: int) -> float:
     return round(extrapolate(model, cfg, (1,), batches)[0]["loss_per_bucket"][0], 4)
 
 
-def measure(kind: str, run_dir: Path, calibration: int, batches: int, families: list[str]) -> dict:
-    """{setting: validation loss} of the run's model, float and compressed by the settings of `families`."""
+def measure(kind: str, run_dir: Path, calibration: int, batches: int, families: list[str], context: int) -> dict:
+    """{setting: validation loss} of the run's model, float and compressed by the settings of `families`,
+    with each one's bytes and (`context` > 0) decode ms/token after `context` tokens."""
     cfg, model, _ = load_model(run_dir)
     corpus = prepare(cfg.data).batches(cfg.train.seq_len, cfg.train.seed + 1, cfg.data.packing)
     tokens = corpus.train_batch(10**6, calibration)["x"]
-    row = {"kind": kind, "float": val_loss(model, cfg, batches), "bytes": {"float": weight_bytes(model)}}
+    ms = lambda m: decode.measure_model(m, [context], repeats=5)[0]["ms_per_token"] if context else None
+    row = {"kind": kind, "float": val_loss(model, cfg, batches), "bytes": {"float": weight_bytes(model)},
+           "decode_ms": {"float": ms(model)}}
     for family in families:
         for name, (method, kwargs) in SETTINGS[family].items():
             kwargs = {k: (tokens if k == "calibration" else v) for k, v in kwargs.items()}
             t = time.perf_counter()
             compressed = method(model, **kwargs)
             row[name], row["bytes"][name] = val_loss(compressed, cfg, batches), weight_bytes(compressed)
+            row["decode_ms"][name] = ms(compressed)
             print(f"{kind} {name}: {row[name]} ({time.perf_counter() - t:.1f} s)", flush=True)
     return row
 
@@ -126,6 +133,8 @@ def main():
     p.add_argument("--batches", type=int, default=4, help="validation batches of 8 windows (default: %(default)s)")
     p.add_argument("--families", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     p.add_argument("--qat", type=int, default=0, help="steps of the quantization-aware fine-tune (default: none)")
+    p.add_argument("--decode", type=int, default=0, metavar="CONTEXT",
+                   help="also time decoding (ms/token, batch 1) after CONTEXT tokens (default: not timed)")
     args = p.parse_args()
     if args.qat:
         rows = [qat_row(k, args.steps, args.qat, args.batches) for k in args.kinds]
@@ -134,8 +143,8 @@ def main():
         print_table(rows, list(rows[0]))
         save_json("compress_qat", rows)
         return
-    rows = [measure(k, equal_budget_run(k, args.steps, REPORT)[0], args.calibration, args.batches, args.families)
-            for k in args.kinds]
+    rows = [measure(k, equal_budget_run(k, args.steps, REPORT)[0], args.calibration, args.batches, args.families,
+                    args.decode) for k in args.kinds]
     for family in args.families:
         settings = SETTINGS[family]
         print(f"\n{family}: validation loss (nats/byte), and its increase over the float model's")
@@ -147,6 +156,10 @@ def main():
         settings = ["float", *SETTINGS[family]]
         print_table([{"kind": r["kind"], **{s: round(r["bytes"][s] / 1e6, 3) for s in settings}} for r in rows],
                     ["kind", *settings])
+    for family in args.families if args.decode else []:
+        print(f"\n{family}: decode ms/token after {args.decode} tokens (batch 1, benchmarks/decode.py's measure)")
+        settings = ["float", *SETTINGS[family]]
+        print_table([{"kind": r["kind"], **r["decode_ms"]} for r in rows], ["kind", *settings])
     save_json("compress", rows)
 
 
