@@ -68,23 +68,24 @@ class Bench:
                  "checkpoint_every": steps, "log_every": max(1, steps // 10)}
         return {"data": self.base["data"], "train": {**train, "distill": distill} if distill else train}
 
-    def student(self, name: str, mixer: dict, layers=None) -> Path:
-        """Attention transfer, then the KL, from the teacher's weights: run `name`."""
-        teacher = str(self.train("teacher", self.base))
+    def student(self, name: str, teacher: str, mixer: dict, layers=None) -> Path:
+        """Attention transfer, then the KL, from the weights of the run `teacher`: run `name`."""
         convert = {"mixer": mixer, "layers": layers}
         aligned = self.train(f"{name}-align", self.schedule(self.align, teacher=teacher, convert=convert,
                                                             trainable="converted", stage="layers"))
         return self.train(name, self.schedule(self.distill, teacher=teacher, convert=convert, start_from=str(aligned)))
 
     def students(self):
+        teacher = str(self.train("teacher", self.base))  # trained once, or read
         for kind, mixer in KINDS.items():
-            self.student(kind, mixer)
+            self.student(kind, teacher, mixer)
         n, full = self.base["model"]["num_layers"], self.out / HYBRID
         keep = max(1, n // 4)
         if not (full / "hybrid.json").exists():
             choose_layers([str(full), "--keep", str(keep)])
-        self.student("hybrid-kl", KINDS[HYBRID], json.loads((full / "hybrid.json").read_text())["convert_layers"])
-        self.student("hybrid-uniform", KINDS[HYBRID], [i for i in range(n) if (i + 1) % (n // keep)])
+        kl_layers = json.loads((full / "hybrid.json").read_text())["convert_layers"]
+        self.student("hybrid-kl", teacher, KINDS[HYBRID], kl_layers)
+        self.student("hybrid-uniform", teacher, KINDS[HYBRID], [i for i in range(n) if (i + 1) % (n // keep)])
 
     def scratch(self, name: str, full: bool):
         """The model of run `name` trained from scratch: on the student's budget, or the teacher's whole."""
