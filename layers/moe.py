@@ -75,7 +75,8 @@ count), the bias update, and the sow. With deterministic=True the layer is a pur
 mutated inside it (flax TraceContextError), so generate with the model in eval mode.
 
 Collecting the metrics (sow into nnx.Intermediate; each call appends one dict to a tuple under "moe"
-with keys aux_loss, balance_loss, z_loss, tokens_per_expert (E,), dropped_fraction, router_entropy):
+with keys aux_loss, balance_loss, z_loss, tokens_per_expert (E,), dropped_fraction, router_entropy,
+router_probs (E,): P_e):
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     def loss_fn(params, rest, batch):
@@ -338,6 +339,7 @@ class MoE(nnx.Module):
         entropy = -jnp.mean(jnp.sum(probs * jax.nn.log_softmax(logits, axis=-1), axis=-1))
         self.sow(nnx.Intermediate, "moe", {
             "aux_loss": aux, "balance_loss": balance_loss, "z_loss": z_loss, "tokens_per_expert": load,
-            "dropped_fraction": jax.lax.stop_gradient(dropped), "router_entropy": jax.lax.stop_gradient(entropy)})
+            "dropped_fraction": jax.lax.stop_gradient(dropped), "router_entropy": jax.lax.stop_gradient(entropy),
+            "router_probs": jax.lax.stop_gradient(jnp.mean(probs, axis=0))})
         if self.balance == "bias":
             self.bias[...] = self.bias[...] + self.bias_update_rate * jnp.sign(jnp.mean(load) - load)

@@ -60,3 +60,78 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"n_of_m=\(3, 3\); expected 0 < n < m"):
         infer.prune(model, "magnitude", n_of_m=(3, 3))
     assert nnx.state(model)  # untouched
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_shrink_drops_zero_heads_and_channels_and_the_smaller_model_is_an_ordinary_one(calibrated):
+    model = tiny_model({"kind": "attention", "num_heads": 4}, d_model=64)
+    cal = jax.random.randint(jax.random.key(0), (4, 40), 0, 256)
+    for i, b in enumerate(model.blocks):  # head 1 or 2 and a quarter of the channels give nothing
+        b.mixer.wo[...] = b.mixer.wo[...].at[1 + i].set(0)
+        b.ffn.w_down[...] = b.ffn.w_down[...].at[i::4].set(0)
+    small = infer.shrink(model, heads=0.25, channels=0.25, calibration=cal if calibrated else None)
+    assert (small.cfg.mixer.num_heads, small.cfg.mixer.head_dim, small.cfg.ffn.hidden_dim) == (3, 16, 144)
+    np.testing.assert_array_equal(small.blocks[1].ffn.w_up.get_value(),
+                                  np.delete(np.asarray(model.blocks[1].ffn.w_up.get_value()), np.s_[1::4], axis=1))
+    assert rel_err(forward(small, cal), forward(model, cal)) < 1e-6
+    count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+    assert count(small) < 0.8 * count(model)
+    pieces, _ = decode_in_pieces(small, cal, cuts=[13, 14])
+    assert rel_err(pieces, forward(small, cal)) < 1e-4
+
+
+def test_shrink_gqa_keeps_every_group_and_an_expert_removed_is_one_never_chosen():
+    model = tiny_model({"kind": "attention", "num_heads": 4, "num_kv_heads": 2}, d_model=64, num_layers=1,
+                       ffn={"kind": "moe", "num_experts": 8, "top_k": 2, "balance": "bias"})
+    model.eval()
+    cal = jax.random.randint(jax.random.key(1), (4, 40), 0, 256)
+    m = model.blocks[0]
+    m.mixer.wo[...] = m.mixer.wo[...].at[np.array([1, 2])].set(0)  # one query head of each kv group
+    small = infer.shrink(model, heads=0.5, experts=0.25, calibration=cal)
+    assert (small.cfg.mixer.num_heads, small.cfg.mixer.num_kv_heads, small.cfg.ffn.num_experts) == (2, 2, 6)
+    np.testing.assert_array_equal(small.blocks[0].mixer.wq.get_value(), m.mixer.wq.get_value()[:, [0, 3]])
+    # the two experts of least mean router probability go; removing one equals never choosing it (its
+    # selection bias -1e9: the renormalized gates of the others are the same)
+    probe = nnx.clone(model)
+    probe.blocks[0].ffn.deterministic = False
+    _, sown = nnx.capture(probe, nnx.Intermediate)(cal)
+    gone = np.argsort(nnx.to_pure_dict(sown)["blocks"][0]["ffn"]["moe"][0]["router_probs"])[:2]
+    m.ffn.bias[...] = m.ffn.bias[...].at[gone].set(-1e9)
+    small.eval()
+    assert rel_err(forward(small, cal), forward(model, cal)) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
+def test_shrink_drops_a_delta_rule_head_or_ssm_state_channels_that_give_nothing(kind):
+    cal = jax.random.randint(jax.random.key(2), (4, 40), 0, 256)
+    if kind == "gated_deltanet":  # heads of (K, V) = (16, 32) state: head 2's output rows zero
+        model = tiny_model({"kind": kind, "num_heads": 4}, d_model=64)
+        for b in model.blocks:
+            b.mixer.o_proj.kernel[...] = b.mixer.o_proj.kernel[...].at[64:96].set(0)
+        small, want = infer.shrink(model, heads=0.25, calibration=cal), {"num_heads": 3, "head_dim": 16}
+    else:  # 2 groups of 8 state channels: C's channels 1 and 6 of each group read nothing (projection and conv)
+        model = tiny_model({"kind": kind, "state_size": 8, "head_dim": 16, "num_groups": 2}, d_model=64)
+        for b in model.blocks:
+            m, Di = b.mixer, b.mixer.d_inner
+            c = np.array([1, 6, 9, 14])  # within C, group-major
+            m.in_proj.kernel[...] = m.in_proj.kernel[...].at[:, 2 * Di + 16 + c].set(0)
+            m.conv.weight[...] = m.conv.weight[...].at[:, Di + 16 + c].set(0)
+            m.conv.bias[...] = m.conv.bias[...].at[Di + 16 + c].set(0)
+        small, want = infer.shrink(model, state=0.25), {"state_size": 6}
+    assert {k: getattr(small.cfg.mixer, k) for k in want} == want
+    assert rel_err(forward(small, cal), forward(model, cal)) < 1e-5
+    pieces, _ = decode_in_pieces(small, cal, cuts=[13, 14])
+    assert rel_err(pieces, forward(small, cal)) < 1e-4
+
+
+def test_shrink_bad_input_is_named():
+    model = tiny_model({"kind": "gla", "num_heads": 2}, d_model=64)
+    with pytest.raises(ValueError, match="shrink: heads=0.5 removes Attention or GatedDeltaNet heads; this model's "
+                                         "layers are GatedLinearAttention, MLP"):
+        infer.shrink(model, heads=0.5)
+    with pytest.raises(ValueError, match=r"shrink: channels=1.0; expected the fraction .* in \[0, 1\)"):
+        infer.shrink(model, channels=1.0)
+    with pytest.raises(ValueError, match="experts= ranks experts by their router probability: pass calibration"):
+        infer.shrink(tiny_model(ffn={"kind": "moe", "num_experts": 4}), experts=0.5)
+    with pytest.raises(ValueError, match="shrink: heads=0.9 would remove all 4 heads of a layer"):
+        infer.shrink(tiny_model(), heads=0.9)

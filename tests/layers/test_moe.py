@@ -259,7 +259,9 @@ def test_sow_recipe_under_jit_and_grad():
     loss, found, new_rest, grads = step(params, rest, x)
     sown = found["moe"].get_value()[0]
     assert set(sown) == {"aux_loss", "balance_loss", "z_loss", "tokens_per_expert", "dropped_fraction",
-                         "router_entropy"} and sown["tokens_per_expert"].shape == (E,)
+                         "router_entropy", "router_probs"} and sown["tokens_per_expert"].shape == (E,)
+    assert_close(sown["router_probs"], jnp.mean(jax.nn.softmax(x.reshape(-1, x.shape[-1]) @ params["w_router"][...]),
+                                                0), 1e-6, "P_e")
     assert_close(total_aux_loss(found), 0.001 * sown["z_loss"], 1e-6, "aux = z only with bias balance")
     assert not jnp.array_equal(new_rest["bias"][...], rest["bias"][...])  # the update comes back out
     _, captured = nnx.capture(m, nnx.Intermediate)(x)
