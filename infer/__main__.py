@@ -14,8 +14,9 @@ sampling does.
 
 Quantized decoding (infer/quantize.py): --quantize int8 (or int4) for the weights, --kv-cache int8;
 --method gptq (or awq, smoothquant) --calibration FILE corrects or scales them on the text of FILE (up to
-32 windows of 128 tokens), quantizing once before decoding. A run trained with train.qat decodes in the
-quantized form it trained (its bits, groups and activations) unless --quantize says otherwise.
+32 windows of 128 tokens), quantizing once before decoding. A run folder that python -m train.compress
+quantized decodes as written (its codes and scales). A run trained with train.qat decodes in the quantized
+form it trained (its bits, groups and activations) unless --quantize says otherwise.
 """
 
 import argparse
@@ -111,6 +112,17 @@ def techniques(args, draft, qat=None) -> dict:
                 speculation=speculation, quantization=quantization)
 
 
+def held_quantized(model) -> bool:
+    """Whether a model's weights are held quantized (a run written by python -m train.compress --quantize)."""
+    import jax
+    from flax import nnx
+
+    from layers.quant import Quantized
+
+    return any(isinstance(x, Quantized) for x in jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(
+        x, Quantized)))
+
+
 def calibrated(args) -> bool:
     """Whether --method quantizes on --calibration's text (once, before decoding) rather than to nearest."""
     return args.method not in (None, "rtn")
@@ -145,6 +157,9 @@ def main(argv=None):
         if args.config and not Path(args.source).is_dir():
             raise ValueError(f"--config {args.config}: builds a run folder's model; {args.source} is not one")
         model, tokenizer, qat = load(args.source, args.overrides, args.dtype, args.config)
+        if args.quantize and held_quantized(model):
+            raise ValueError(f"--quantize {args.quantize}: {args.source} holds quantized weights already "
+                             "(python -m train.compress); decode it without --quantize")
         draft = load(args.draft, [], args.dtype)[0] if args.draft else None
         if calibrated(args):  # quantized once here (generate's `quantization` is round-to-nearest)
             model = infer.quantize(model, args.quantize, args.kv_cache, method=args.method,

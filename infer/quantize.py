@@ -46,6 +46,7 @@ from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
 from layers.rwkv7 import RWKV7TimeMix
 from layers.smooth import awq_scales, scaled, smoothquant_scales
 from layers.token_shift import RWKVChannelMix
+from zoo import checkpoint
 from zoo.model import LanguageModel
 
 WEIGHTS = ("int8", "int4")
@@ -133,6 +134,20 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
             q = scaled(w, s, in_ndim, lambda base: quantize_weight(base, bits, group_size=group, dot=activations))
         setattr(m, name, nnx.Param(q))
     return model
+
+
+def quantized_like(model: LanguageModel, spec: dict) -> LanguageModel:
+    """`model` in the form `quantize` gives it under `spec` (weights, method, group_size, activations,
+    kv_cache: train/compress.py's record), with any values: the structure a quantized run's checkpoint is
+    read into (registered with zoo.checkpoint below). AWQ and SmoothQuant hold scaled weights, so their
+    structure comes from one pass over a token-0 window."""
+    weights = "int4" if spec["weights"] == "int3" else spec["weights"]  # int3 codes are held as int4
+    scaled = spec["method"] in ("awq", "smoothquant")
+    return quantize(model, weights, spec["kv_cache"], group_size=spec["group_size"], activations=spec["activations"],
+                    method=spec["method"] if scaled else "rtn", calibration=np.zeros((1, 8), np.int32) if scaled else None)
+
+
+checkpoint.register_quantized_form(quantized_like)
 
 
 def fake_quantize(model: LanguageModel, weights: str, *, group_size: int = 32, activations: str = "int8",

@@ -202,18 +202,36 @@ def join_adapters(params: dict, adapters: list[dict], where: list[dict], scale: 
     return params
 
 
+_quantized_form = None  # how a quantized run's model is built before it is read: infer/quantize.py's
+
+
+def register_quantized_form(fn):
+    """Set how a quantized run (train/compress.py) is read: fn(model, spec) gives the built model in the
+    quantized form spec (its checkpoint meta's "quantized") names, the structure its parameters are read
+    into. infer/quantize.py registers its quantized_like when imported (zoo cannot import infer)."""
+    global _quantized_form
+    _quantized_form = fn
+
+
 def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, config=None):
     """(config, model with the latest (or given) checkpoint's parameters, step) from a run folder.
     On a `mesh` each parameter is read straight into its shards there (by the logical axes its layer
     names, zoo/sharding.py), whichever mesh wrote the checkpoint; without one, onto the default
     device. The config is the one saved with the checkpoint (config.yaml for older runs), or `config`
     (a YAML path), a model with the same parameters built otherwise: per-head attention masks from
-    train/calibrate.py; a config whose parameters differ is refused, naming the first difference."""
+    train/calibrate.py; a config whose parameters differ is refused, naming the first difference.
+    A quantized run (train/compress.py; its meta's "quantized") is read into the quantized form it holds
+    (register_quantized_form), on one device and with its own config."""
     run_dir = Path(run_dir)
     folder = run_dir / "checkpoints"
     if not folder.is_dir() or not (mngr := manager(folder, create=False)).all_steps():
         raise ValueError(f"{run_dir} is not a run folder with checkpoints (no {folder}/<step>)")
     meta = newest_meta(mngr) if step is None else _read_meta(folder / str(step))
+    quantized = meta.get("quantized")
+    if quantized and (_quantized_form is None or mesh is not None or config is not None):
+        raise ValueError(f"{run_dir} holds a quantized model ({quantized['weights']} {quantized['method']}, python -m "
+                         "train.compress): it is read on one device, with its own config, once infer is imported (its "
+                         "quantized form is infer.quantize's)")
     saved = meta.get("config")
     if saved is None:
         try:
@@ -224,7 +242,8 @@ def load_model(run_dir, step: int | None = None, mesh: Mesh | None = None, confi
     lora = cfg.train.lora  # the adapters the checkpoint holds, whatever `config` says
     if config is not None:
         cfg = _same_parameters(cfg, load_config(config), config)
-    build = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))
+    plain = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))
+    build = (lambda: _quantized_form(plain(), quantized)) if quantized else plain
     if mesh is None:
         graphdef, params, rest = nnx.split(build(), nnx.Param, ...)
     else:
