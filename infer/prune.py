@@ -12,7 +12,7 @@ convolutions, and the vectors and small matrices the recurrent kinds read by ein
 result is an ordinary float model (the zeros are stored): it decodes, trains and checkpoints as any
 other, and a fine-tune moves the zeros unless it masks them.
 
-Structured pruning, `shrink`, removes whole units instead (attention and Gated DeltaNet heads, SwiGLU
+Structured pruning, `shrink`, removes whole units instead (attention, GLA and Gated DeltaNet heads, SwiGLU
 channels, MoE experts, Mamba-2 state channels), the same share in every layer, so the smaller model has a
 config of its own:
 
@@ -30,6 +30,7 @@ from flax import nnx
 from infer.quantize import input_hessians, is_projection, matrices
 from layers.attention import Attention
 from layers.deltanet import GatedDeltaNet
+from layers.gla import GatedLinearAttention
 from layers.mamba2 import Mamba2
 from layers.mlp import MLP
 from layers.moe import MoE
@@ -70,8 +71,9 @@ def shrink(model: LanguageModel, *, heads: float = 0.0, channels: float = 0.0, e
     What a unit is, per kind (the config key that shrinks):
       heads: softmax attention's query heads (num_heads; MHA removes a query head with its key and
         value head, GQA and MQA the same number of query heads from every key-value group, keeping the
-        kv heads), Gated DeltaNet's heads (num_heads; a head is its (K, V) block of the state, with its
-        q, k, v, gate, decay and output slices: the delta rule's state channels come in heads);
+        kv heads), GLA's and Gated DeltaNet's heads (num_heads, and GLA's expand_k and expand_v; a head
+        is its (K, V) block of the state, with its q, k, v, gate, decay and output slices: the state
+        channels of these kinds come in heads);
       channels: the SwiGLU MLP's hidden channels (ffn.hidden_dim);
       experts: MoE's routed experts (ffn.num_experts; never below top_k);
       state: Mamba-2's state channels (state_size; channel n of each group: the columns of B and C
@@ -85,7 +87,7 @@ def shrink(model: LanguageModel, *, heads: float = 0.0, channels: float = 0.0, e
     so removing it leaves the function as it was.
 
     Refused: attention with per-head masks (head_masks: the config gives every layer the same masks), the
-    other kinds' heads, MoE's shared experts and expert widths, a share that no layer of the model has."""
+    other kinds' heads (RWKV, the other delta rules, MLA, ...), MoE's shared experts and expert widths, a share that no layer of the model has."""
     shares = {"heads": heads, "channels": channels, "experts": experts, "state": state}
     for name, share in shares.items():
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
@@ -215,6 +217,21 @@ def _delta_heads(m: GatedDeltaNet, stats: dict, share: float):
     return picks, dict(num_heads=len(kept), head_dim=K)
 
 
+def _gla_heads(m: GatedLinearAttention, stats: dict, share: float):
+    H, D = m.num_heads, m.d_model
+    K, V = m.key_dim // H, m.value_dim // H
+    v = np.linalg.norm(_array(m.v_proj.kernel).reshape(-1, H, V), axis=(0, 2))
+    kept = _top(_output_scores(m.o_proj.kernel, stats, (id(m.o_proj), "kernel"), V, v), share, "heads")
+    k, v = _units(kept, K), _units(kept, V)
+    if int(D * (len(k) / D)) != len(k) or int(D * (len(v) / D)) != len(v):
+        raise ValueError(f"shrink: heads={share} leaves GLA key and value widths {len(k)}, {len(v)} that "
+                         f"expand_k and expand_v cannot give at d_model={D}")
+    picks = {"q_proj.kernel": (1, k), "k_proj.kernel": (1, k), "v_proj.kernel": (1, v), "g_proj.kernel": (1, v),
+             "gk_up.kernel": (1, k), "gk_up.bias": (0, k), "conv_q.weight": (1, k), "conv_k.weight": (1, k),
+             "conv_v.weight": (1, v), "o_proj.kernel": (0, v)}
+    return picks, dict(num_heads=len(kept), expand_k=len(k) / D, expand_v=len(v) / D)
+
+
 def _mlp_channels(m: MLP, stats: dict, share: float):
     down = _array(m.w_down)
     xtx = stats.get((id(m), "w_down"))
@@ -251,7 +268,8 @@ def _ssm_state(m: Mamba2, stats: dict, share: float):
         dict(state_size=len(kept[0]))
 
 
-UNITS = {"heads": {Attention: _attention_heads, GatedDeltaNet: _delta_heads}, "channels": {MLP: _mlp_channels},
+UNITS = {"heads": {Attention: _attention_heads, GatedDeltaNet: _delta_heads, GatedLinearAttention: _gla_heads}, "channels": {MLP: _mlp_channels},
          "experts": {MoE: _experts}, "state": {Mamba2: _ssm_state}}
 RANKED_BY = {Attention: lambda m: (m, "wo"), GatedDeltaNet: lambda m: (m.o_proj, "kernel"),  # (module, weight)
+             GatedLinearAttention: lambda m: (m.o_proj, "kernel"),
              MLP: lambda m: (m, "w_down"), Mamba2: lambda m: (m.in_proj, "kernel")}

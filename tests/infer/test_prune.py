@@ -101,14 +101,17 @@ def test_shrink_gqa_keeps_every_group_and_an_expert_removed_is_one_never_chosen(
     assert rel_err(forward(small, cal), forward(model, cal)) < 1e-6
 
 
-@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
-def test_shrink_drops_a_delta_rule_head_or_ssm_state_channels_that_give_nothing(kind):
+@pytest.mark.parametrize("kind", ["gla", "gated_deltanet", "mamba2"])
+def test_shrink_drops_a_linear_attention_head_or_ssm_state_channels_that_give_nothing(kind):
     cal = jax.random.randint(jax.random.key(2), (4, 40), 0, 256)
-    if kind == "gated_deltanet":  # heads of (K, V) = (16, 32) state: head 2's output rows zero
+    if kind != "mamba2":  # heads of (K, V) = (8, 16) and (16, 32) states: head 2's output rows zero
         model = tiny_model({"kind": kind, "num_heads": 4}, d_model=64)
+        V = model.blocks[0].mixer.o_proj.kernel.shape[0] // 4
         for b in model.blocks:
-            b.mixer.o_proj.kernel[...] = b.mixer.o_proj.kernel[...].at[64:96].set(0)
-        small, want = infer.shrink(model, heads=0.25, calibration=cal), {"num_heads": 3, "head_dim": 16}
+            b.mixer.o_proj.kernel[...] = b.mixer.o_proj.kernel[...].at[2 * V:3 * V].set(0)
+        small = infer.shrink(model, heads=0.25, calibration=cal)
+        want = {"num_heads": 3, "expand_k": 0.375, "expand_v": 0.75} if kind == "gla" else \
+            {"num_heads": 3, "head_dim": 16}
     else:  # 2 groups of 8 state channels: C's channels 1 and 6 of each group read nothing (projection and conv)
         model = tiny_model({"kind": kind, "state_size": 8, "head_dim": 16, "num_groups": 2}, d_model=64)
         for b in model.blocks:
@@ -125,9 +128,9 @@ def test_shrink_drops_a_delta_rule_head_or_ssm_state_channels_that_give_nothing(
 
 
 def test_shrink_bad_input_is_named():
-    model = tiny_model({"kind": "gla", "num_heads": 2}, d_model=64)
-    with pytest.raises(ValueError, match="shrink: heads=0.5 removes Attention or GatedDeltaNet heads; this model's "
-                                         "layers are GatedLinearAttention, MLP"):
+    model = tiny_model({"kind": "mamba2", "state_size": 8, "head_dim": 16}, d_model=64)
+    with pytest.raises(ValueError, match="shrink: heads=0.5 removes Attention or GatedDeltaNet or GatedLinearAttention "
+                                         "heads; this model's layers are MLP, Mamba2"):
         infer.shrink(model, heads=0.5)
     with pytest.raises(ValueError, match=r"shrink: channels=1.0; expected the fraction .* in \[0, 1\)"):
         infer.shrink(model, channels=1.0)
