@@ -87,7 +87,8 @@ def shrink(model: LanguageModel, *, heads: float = 0.0, channels: float = 0.0, e
     so removing it leaves the function as it was.
 
     Refused: attention with per-head masks (head_masks: the config gives every layer the same masks), the
-    other kinds' heads (RWKV, the other delta rules, MLA, ...), MoE's shared experts and expert widths, a share that no layer of the model has."""
+    other kinds' heads (RWKV, the other delta rules, MLA, ...), MoE's shared experts and expert widths, a
+    share that no layer of the model has."""
     shares = {"heads": heads, "channels": channels, "experts": experts, "state": state}
     for name, share in shares.items():
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
@@ -268,8 +269,8 @@ def _ssm_state(m: Mamba2, stats: dict, share: float):
         dict(state_size=len(kept[0]))
 
 
-UNITS = {"heads": {Attention: _attention_heads, GatedDeltaNet: _delta_heads, GatedLinearAttention: _gla_heads}, "channels": {MLP: _mlp_channels},
-         "experts": {MoE: _experts}, "state": {Mamba2: _ssm_state}}
+UNITS = {"heads": {Attention: _attention_heads, GatedDeltaNet: _delta_heads, GatedLinearAttention: _gla_heads},
+         "channels": {MLP: _mlp_channels}, "experts": {MoE: _experts}, "state": {Mamba2: _ssm_state}}
 RANKED_BY = {Attention: lambda m: (m, "wo"), GatedDeltaNet: lambda m: (m.o_proj, "kernel"),  # (module, weight)
              GatedLinearAttention: lambda m: (m.o_proj, "kernel"),
              MLP: lambda m: (m, "w_down"), Mamba2: lambda m: (m.in_proj, "kernel")}

@@ -144,7 +144,8 @@ def quantized_like(model: LanguageModel, spec: dict) -> LanguageModel:
     weights = "int4" if spec["weights"] == "int3" else spec["weights"]  # int3 codes are held as int4
     scaled = spec["method"] in ("awq", "smoothquant")
     return quantize(model, weights, spec["kv_cache"], group_size=spec["group_size"], activations=spec["activations"],
-                    method=spec["method"] if scaled else "rtn", calibration=np.zeros((1, 8), np.int32) if scaled else None)
+                    method=spec["method"] if scaled else "rtn",
+                    calibration=np.zeros((1, 8), np.int32) if scaled else None)
 
 
 checkpoint.register_quantized_form(quantized_like)

@@ -78,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--activations", choices=("int8", "float"), default="int8",
                    help="the product the quantized weights take (default: %(default)s)")
     p.add_argument("--kv-cache", choices=("int8",), default=None, help="keep the attention KV cache in int8")
-    p.add_argument("--calibration", type=int, default=32, help="training windows to calibrate on (default: %(default)s)")
+    p.add_argument("--calibration", type=int, default=32,
+                   help="training windows to calibrate on (default: %(default)s)")
     return p
 
 
@@ -88,7 +89,8 @@ def options(args) -> tuple[dict, dict | None, dict | None]:
     for item in args.shrink:
         part, _, share = item.partition("=")
         if part not in ("heads", "channels", "experts", "state") or not share:
-            raise ValueError(f"--shrink {item}: expected heads=, channels=, experts= or state= a share, e.g. heads=0.25")
+            raise ValueError(f"--shrink {item}: expected heads=, channels=, experts= or state= a share, "
+                             "e.g. heads=0.25")
         try:
             shrink[part] = float(share)
         except ValueError:
