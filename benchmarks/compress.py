@@ -3,7 +3,7 @@ infer/quantize.py, infer/prune.py and infer/factorize.py, next to the float mode
 
     python -m benchmarks.compress [--kinds attention gla gated_deltanet mamba2 rwkv7] [--steps 250]
                                   [--calibration 16] [--batches 4] [--families factorization] [--qat 50]
-                                  [--decode 4096] [--runs RUN_DIR ...] [--stats]
+                                  [--decode 4096] [--runs RUN_DIR ...] [--settings 'int4 gptq' ...] [--stats]
 
 Per kind: the report card's equal-budget run (benchmarks/report.equal_budget_run: the kind's config, --steps
 steps on Shakespeare, in runs/report/<kind>; trained when missing, read when finished), or with --runs the
@@ -241,12 +241,21 @@ def main():
     p.add_argument("--calibration", type=int, default=16, help="calibration windows (default: %(default)s)")
     p.add_argument("--batches", type=int, default=4, help="validation batches of 8 windows (default: %(default)s)")
     p.add_argument("--families", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    p.add_argument("--settings", nargs="+", default=None, metavar="SETTING",
+                   help="only these settings of the families, e.g. 'int4 gptq' 'sparsegpt 50%%' (default: all)")
     p.add_argument("--stats", action="store_true", help="print the projections' activation and weight outlier "
                    "statistics instead")
     p.add_argument("--qat", type=int, default=0, help="steps of the quantization-aware fine-tune (default: none)")
     p.add_argument("--decode", type=int, default=0, metavar="CONTEXT",
                    help="also time decoding (ms/token, batch 1) after CONTEXT tokens (default: not timed)")
     args = p.parse_args()
+    if args.settings:
+        unknown = set(args.settings) - {name for family in SETTINGS.values() for name in family}
+        if unknown:
+            p.error(f"--settings {', '.join(sorted(unknown))}: not settings of {list(SETTINGS)}")
+        for family in SETTINGS:
+            SETTINGS[family] = {k: v for k, v in SETTINGS[family].items() if k in args.settings}
+        args.families = [f for f in args.families if SETTINGS[f]]
     runs = [(Path(r).name, Path(r)) for r in args.runs] or \
         [(k, equal_budget_run(k, args.steps, REPORT)[0]) for k in args.kinds]
     if args.stats:
