@@ -13,7 +13,8 @@ zeros stay zero). Calibration: --calibration windows of the run's training data 
 seq_len tokens each, drawn away from the training batches), read by every step that weighs inputs.
 
 DIR gets checkpoints/<the run's step>/ and config.yaml: the run's config with the smaller model of
---shrink (its num_heads, ffn.hidden_dim, num_experts) and no train.qat, and the run's tokenizer.json. Without
+--shrink (its num_heads, ffn.hidden_dim, num_experts, state_size), no train.qat and no train.run_dir (a
+fine-tune names its own), and the run's tokenizer.json. Without
 --quantize it is an ordinary float run (its zeros stored): it decodes, evaluates and trains on like any
 other. With --quantize the checkpoint holds the codes and scales, and its meta the quantization
 ("quantized": weights, method, group_size, activations, kv_cache), which zoo.checkpoint.load_model reads
@@ -135,7 +136,8 @@ def main(argv=None):
         small = compress(model, calibration, shrink, prune, quantize)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    data = to_dict(dataclasses.replace(cfg, model=small.cfg, train=dataclasses.replace(cfg.train, qat=None)))
+    train = dataclasses.replace(cfg.train, qat=None, run_dir=None)  # a fine-tune names its own folder
+    data = to_dict(dataclasses.replace(cfg, model=small.cfg, train=train))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     if (Path(args.run_dir) / "tokenizer.json").is_file():
