@@ -13,8 +13,9 @@ validation loss in nats per byte (a BPE run's loss per token times its tokens pe
 held-out accuracy) over --batches x 8 validation windows (train/extrapolate.py at 1x: one full pass,
 teacher-forced) of the float model and of each setting of SETTINGS (of --families, all by default;
 "spread": ranks allocated by the spectra, infer.factorize's allocate="spectrum"; composition: pruning then
-quantizing; structured: infer.shrink, n/a where the kind has no such unit). Prints one table per method
-family: the loss of each setting and, beside it, its change from the float model's; then the weights'
+quantizing; structured: infer.shrink; n/a where the method refuses the kind, its reason printed). Prints
+one table per method family: the loss of each setting and, beside it, its change from the float model's;
+then the weights'
 bytes at rest (int4 codes at half a byte, infer/quantize.weight_bytes) for quantization, factorization and
 structured pruning (an unstructured pruned model stores its zeros: its bytes are the float model's), the
 decode state's MiB after 4,096 tokens for structured pruning, and with --decode the decode ms/token of
@@ -92,7 +93,7 @@ SETTINGS = {
         "sparsegpt 50% + int4 gptq": (pruned_then_quantized, dict(sparsity=0.5, calibration=True)),
         "sparsegpt 2:4 + int4 gptq": (pruned_then_quantized, dict(sparsity=None, n_of_m=(2, 4), calibration=True)),
     },
-    "structured": {  # a setting whose unit a kind lacks (infer.shrink refuses it) is n/a for that kind
+    "structured": {
         "heads 25%": (infer.shrink, dict(heads=0.25, calibration=True)),
         "heads 50%": (infer.shrink, dict(heads=0.5, calibration=True)),
         "channels 25%": (infer.shrink, dict(channels=0.25, calibration=True)),
@@ -121,7 +122,7 @@ def state_mib(model, context: int = 4096) -> float:
 
 def measure(kind: str, run_dir: Path, calibration: int, batches: int, families: list[str], context: int) -> dict:
     """{setting: validation loss (or accuracy)} of the run's model, float and compressed by the settings of
-    `families` (None where infer.shrink finds no such unit in the kind), with each one's bytes and
+    `families` (None where the method refuses the kind, e.g. a unit it lacks), with each one's bytes and
     (`context` > 0) decode ms/token after `context` tokens."""
     cfg, model, _ = load_model(run_dir)
     tokens = calibration_tokens(cfg, calibration)
@@ -134,9 +135,8 @@ def measure(kind: str, run_dir: Path, calibration: int, batches: int, families: 
             t = time.perf_counter()
             try:
                 compressed = method(model, **kwargs)
-            except ValueError as e:
-                if method is not infer.shrink or "this model's layers are" not in str(e):
-                    raise
+            except ValueError as e:  # a unit the kind lacks, a group size its widths refuse: n/a, said why
+                print(f"{kind} {name}: n/a ({e})", flush=True)
                 row[name] = row["bytes"][name] = row["decode_ms"][name] = row["state_mib"][name] = None
                 continue
             row[name], row["bytes"][name] = val_loss(compressed, cfg, batches), weight_bytes(compressed)
