@@ -1,12 +1,13 @@
 """A compressed copy of a trained run, as a run folder that `python -m infer` decodes.
 
-    python -m train.compress RUN_DIR --out DIR [--shrink heads=0.25 channels=0.25 experts=0.25]
+    python -m train.compress RUN_DIR --out DIR [--shrink heads=0.25 channels=0.25 experts=0.25 state=0.5]
         [--prune sparsegpt --sparsity 0.5 | --prune wanda --n-of-m 2:4]
         [--quantize int4 --method gptq --group-size 32 --act-order --activations int8] [--kv-cache int8]
         [--calibration 32]
 
 The run's latest checkpoint, then in this order (each step optional, at least one): structured pruning
-(infer.shrink: the share of every layer's attention heads, SwiGLU channels and MoE experts removed),
+(infer.shrink: the share of every layer's heads, SwiGLU channels, MoE experts or Mamba-2 state channels
+removed),
 pruning (infer.prune: magnitude, wanda or sparsegpt, to --sparsity or --n-of-m), quantization
 (infer.quantize: rtn, gptq, awq or smoothquant weights, int8 or int4 (int3: gptq); a pruned model's
 zeros stay zero). Calibration: --calibration windows of the run's training data (its corpus or task,
