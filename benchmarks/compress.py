@@ -73,6 +73,8 @@ SETTINGS = {
         "int4 awq": (infer.quantize, dict(weights="int4", **INT4, method="awq", calibration=True)),
         "int4 gptq": (infer.quantize, dict(weights="int4", **INT4, calibration=True)),
         "int3 gptq": (infer.quantize, dict(weights="int3", **INT4, calibration=True)),
+        "int4 rtn, int8 head": (infer.quantize, dict(weights="int4", **INT4, head="int8")),
+        "int4 gptq, int8 head": (infer.quantize, dict(weights="int4", **INT4, calibration=True, head="int8")),
     },
     "pruning": {
         "magnitude 50%": (infer.prune, dict(method="magnitude", sparsity=0.5)),

@@ -70,7 +70,7 @@ RULES = (
 
 def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str | None = None, *,
              group_size: int = 32, activations: str = "int8", calibration=None, method: str | None = None,
-             act_order: bool = False) -> LanguageModel:
+             act_order: bool = False, head: str | None = None) -> LanguageModel:
     """A quantized copy of `model`: weights "int8", "int4", "int3" or None (float), kv_cache "int8" or None.
     int4 (and int3, stored as int4) groups `group_size` consecutive input rows per scale, and that must
     divide every quantized weight's input width: the default 32 divides the SwiGLU width
@@ -81,7 +81,10 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
     "gptq" corrects it on the Hessian of its inputs (layers/gptq.py; `act_order` its order of rows),
     "awq" scales its input channels by the searched activation-aware s (layers/smooth.py) before
     rounding, "smoothquant" (weights and activations int8) moves its inputs' outlier channels into it.
-    The head and MoE experts stay rounded to nearest (int4 for int3)."""
+    The head and MoE experts stay rounded to nearest (int4 for int3). `head` ("int8" or "float"; None: as
+    the weights) keeps the LM head, the exit heads and a tied embedding table at int8 per column or float
+    while the rest takes `weights`: at int4 the tied head carries up to half the loss rounding costs
+    (docs/figures.md)."""
     method = method or ("rtn" if calibration is None else "gptq")
     if method not in METHODS:
         raise ValueError(f"quantize: method={method!r}; expected one of {METHODS}")
@@ -96,6 +99,8 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
     if method == "smoothquant" and (weights, activations) != ("int8", "int8"):
         raise ValueError(f"quantize: method='smoothquant' is W8A8: weights='int8' and activations='int8', not "
                          f"{weights!r} and {activations!r}")
+    if head not in (None, "int8", "float"):
+        raise ValueError(f"quantize: head={head!r}; expected 'int8', 'float' or None (as the weights)")
     if kv_cache not in (None, *KV_CACHES):
         raise ValueError(f"quantize: kv_cache={kv_cache!r}; expected one of {KV_CACHES} or None")
     if activations not in ACTIVATIONS:
@@ -113,16 +118,19 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
             m.kv_cache = kv_cache
     if weights is None:
         return model
-    todo = matrices(model)
+    todo = [t for t in matrices(model) if head != "float" or not is_head(model, t)]
     group = None if weights == "int8" else group_size
     if group:
-        _check_groups(model, todo, group)
+        _check_groups(model, [t for t in todo if head is None or not is_head(model, t)], group)
     stats = {} if calibration is None else input_statistics(model, todo, calibration)
     bits = "int8" if weights == "int8" else "int4"
     for i, (m, name, in_ndim, lead, lazy, transposed) in enumerate(todo):
         w = getattr(m, name).get_value()
         got, w2 = stats.get(i), w.reshape(math.prod(w.shape[:in_ndim]), -1)  # w2: a projection's (In, Out)
-        if got is None:
+        if head == "int8" and is_head(model, todo[i]):
+            q = quantize_weight(w, "int8", in_ndim=in_ndim, lead=lead, transposed=transposed, lazy=lazy,
+                                dot=activations)
+        elif got is None:
             q = quantize_weight(w, bits, in_ndim=in_ndim, lead=lead, group_size=group, transposed=transposed,
                                 lazy=lazy, dot=activations)
         elif method == "gptq":
@@ -138,13 +146,13 @@ def quantize(model: LanguageModel, weights: str | None = "int8", kv_cache: str |
 
 def quantized_like(model: LanguageModel, spec: dict) -> LanguageModel:
     """`model` in the form `quantize` gives it under `spec` (weights, method, group_size, activations,
-    kv_cache: train/compress.py's record), with any values: the structure a quantized run's checkpoint is
+    kv_cache, head: train/compress.py's record), with any values: the structure a quantized run's checkpoint is
     read into (registered with zoo.checkpoint below). AWQ and SmoothQuant hold scaled weights, so their
     structure comes from one pass over a token-0 window."""
     weights = "int4" if spec["weights"] == "int3" else spec["weights"]  # int3 codes are held as int4
     scaled = spec["method"] in ("awq", "smoothquant")
     return quantize(model, weights, spec["kv_cache"], group_size=spec["group_size"], activations=spec["activations"],
-                    method=spec["method"] if scaled else "rtn",
+                    method=spec["method"] if scaled else "rtn", head=spec.get("head"),
                     calibration=np.zeros((1, 8), np.int32) if scaled else None)
 
 
@@ -197,6 +205,11 @@ def matrices(model: LanguageModel) -> list[tuple]:
     if model.exit_layers and model.exit_heads is not None:
         todo.append((model, "exit_heads", 1, 1, True, False))
     return todo
+
+
+def is_head(model: LanguageModel, entry: tuple) -> bool:
+    """Whether an entry of `matrices` is the LM head, the exit heads or the tied embedding table."""
+    return entry[0] is model or entry[0] is model.embed
 
 
 def is_projection(model: LanguageModel, entry: tuple) -> bool:

@@ -2,7 +2,8 @@
 
     python -m train.compress RUN_DIR --out DIR [--shrink heads=0.25 channels=0.25 experts=0.25 state=0.5]
         [--prune sparsegpt --sparsity 0.5 | --prune wanda --n-of-m 2:4]
-        [--quantize int4 --method gptq --group-size 32 --act-order --activations int8] [--kv-cache int8]
+        [--quantize int4 --method gptq --group-size 32 --act-order --activations int8 --head int8]
+        [--kv-cache int8]
         [--calibration 32]
 
 The run's latest checkpoint, then in this order (each step optional, at least one): structured pruning
@@ -18,7 +19,7 @@ DIR gets checkpoints/<the run's step>/ and config.yaml: the run's config with th
 fine-tune names its own), and the run's tokenizer.json. Without
 --quantize it is an ordinary float run (its zeros stored): it decodes, evaluates and trains on like any
 other. With --quantize the checkpoint holds the codes and scales, and its meta the quantization
-("quantized": weights, method, group_size, activations, kv_cache), which zoo.checkpoint.load_model reads
+("quantized": weights, method, group_size, activations, kv_cache, head), which zoo.checkpoint.load_model reads
 into that form (infer.quantize.quantized_like): it decodes (python -m infer DIR) and evaluates; it does not
 train. Factorization (infer.factorize) has no config form and is not written here.
 Prints the weights' bytes (int4 codes at half a byte) before and after.
@@ -79,6 +80,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--act-order", action="store_true", help="gptq: quantize rows by decreasing Hessian diagonal")
     p.add_argument("--activations", choices=("int8", "float"), default="int8",
                    help="the product the quantized weights take (default: %(default)s)")
+    p.add_argument("--head", choices=("int8", "float"), default=None,
+                   help="keep the LM head (or tied embedding) at int8 or float while the rest takes --quantize")
     p.add_argument("--kv-cache", choices=("int8",), default=None, help="keep the attention KV cache in int8")
     p.add_argument("--calibration", type=int, default=32,
                    help="training windows to calibrate on (default: %(default)s)")
@@ -115,9 +118,10 @@ def options(args) -> tuple[dict, dict | None, dict | None]:
     quantize = None
     if args.quantize:
         quantize = dict(weights=args.quantize, kv_cache=args.kv_cache, group_size=args.group_size,
-                        activations=args.activations, method=args.method, act_order=args.act_order)
-    elif args.kv_cache:
-        raise ValueError("--kv-cache int8 goes with --quantize (python -m infer --kv-cache int8 decodes any run so)")
+                        activations=args.activations, method=args.method, act_order=args.act_order, head=args.head)
+    elif args.kv_cache or args.head:
+        raise ValueError("--kv-cache and --head go with --quantize (python -m infer --kv-cache int8 decodes any run "
+                         "with an int8 cache)")
     if not (shrink or prune or quantize):
         raise ValueError("nothing to do: give --shrink, --prune or --quantize")
     return shrink, prune, quantize
@@ -149,7 +153,8 @@ def main(argv=None):
         del items["rest"]
     meta = {"step": step, "config": data, "compressed_from": str(args.run_dir)}
     if quantize:
-        meta["quantized"] = {k: quantize.get(k) for k in ("weights", "method", "group_size", "activations", "kv_cache")}
+        meta["quantized"] = {k: quantize.get(k) for k in ("weights", "method", "group_size", "activations", "kv_cache",
+                                                          "head")}
     checkpoint.save(checkpoint.manager(out / "checkpoints"), step, items, meta)
     print(f"{args.run_dir} (step {step}): {weight_bytes(model):,} bytes of weights -> {out}: {weight_bytes(small):,}")
 

@@ -2,6 +2,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -92,6 +93,13 @@ def test_untied_head_and_exit_heads_are_quantized():
     assert not isinstance(q.embed.embedding.get_raw_value(), Quantized)  # an untied table is only looked up
     h = jax.random.normal(jax.random.key(3), (1, 5, 64))
     assert rel_err(q.exit_logits(0, h), m.exit_logits(0, h)) < 0.03
+    # head="int8" / "float": the heads stay int8 per column or float while the projections take int4
+    kept = infer.quantize(m, "int4", group_size=16, head="int8")
+    assert kept.head.get_raw_value().bits == kept.exit_heads.get_raw_value().bits == "int8"
+    assert kept.blocks[0].mixer.wq.get_raw_value().bits == "int4"
+    whole = infer.quantize(m, "int4", group_size=16, head="float")
+    np.testing.assert_array_equal(whole.head.get_value(), m.head.get_value())
+    assert whole.blocks[0].ffn.w_up.get_raw_value().bits == "int4"
 
 
 def test_int8_kv_cache_decodes_close_to_the_float_cache(model):
@@ -119,6 +127,7 @@ def test_bad_options_name_what_was_expected(model):
         (dict(weights="int2"), r"weights='int2'; expected one of \('int8', 'int4', 'int3'\)"),
         (dict(kv_cache="fp8"), r"kv_cache='fp8'; expected one of \('int8',\)"),
         (dict(activations="int4"), r"activations='int4'"),
+        (dict(weights="int4", head="int4"), r"head='int4'; expected 'int8', 'float' or None"),
         (dict(weights="int4", group_size=5), r"group_size=5; expected an even integer"),
         (dict(weights="int4", group_size=128), r"group_size=128 must divide the input width of every int4 "
                                                r"weight; blocks.0.ffn.w_gate has 64.*fit this model: 64, 32, 16, 8"),

@@ -30,13 +30,14 @@ def trained(tmp_path_factory):
 def test_a_quantized_folder_decodes_as_the_compression_in_memory(trained, tmp_path, capsys):
     out = tmp_path / "small"
     main([str(trained), "--out", str(out), "--shrink", "heads=0.25", "channels=0.5", "--prune", "sparsegpt",
-          "--n-of-m", "2:4", "--quantize", "int4", "--method", "gptq", "--group-size", "16", "--calibration", "4"])
+          "--n-of-m", "2:4", "--quantize", "int4", "--method", "gptq", "--group-size", "16", "--head", "int8",
+          "--calibration", "4"])
     assert "bytes of weights ->" in capsys.readouterr().out
     cfg, model, _ = load_model(trained)
     model.eval()
     want = compress(model, calibration_tokens(cfg, 4), dict(heads=0.25, channels=0.5),
                     dict(method="sparsegpt", sparsity=None, n_of_m=(2, 4)),
-                    dict(weights="int4", method="gptq", group_size=16))
+                    dict(weights="int4", method="gptq", group_size=16, head="int8"))
     text = infer.generate_text(want, ["ROMEO:"], max_new_tokens=8, sampling=infer.Sampling(0.0))[0]
     infer_main([str(out), *GREEDY])
     assert "ROMEO:" + text in capsys.readouterr().out
@@ -70,7 +71,7 @@ def test_a_shrunk_folder_is_a_run_that_trains_on_distilled_from_the_original(tra
     (["--prune", "wanda"], "--prune wanda: give --sparsity or --n-of-m"),
     (["--prune", "wanda", "--n-of-m", "2-4"], "--n-of-m 2-4: expected N:M"),
     (["--sparsity", "0.5"], "--sparsity and --n-of-m are --prune's"),
-    (["--kv-cache", "int8"], "--kv-cache int8 goes with --quantize"),
+    (["--kv-cache", "int8"], "--kv-cache and --head go with --quantize"),
     (["--quantize", "int3"], "weights='int3' is GPTQ's"),
     (["--shrink", "heads=1"], "shrink: heads=1.0; expected the fraction"),
 ])
