@@ -214,8 +214,8 @@ def plot(rows: list[dict], families: list[str], path: Path):
         print("matplotlib is not installed (pip install -e '.[plot]'): no plot")
         return
     cols = min(3, len(families))
-    rows_ = -(-len(families) // cols)
-    fig, axes = plt.subplots(rows_, cols, figsize=(5 * cols, 3.6 * rows_), squeeze=False)
+    nrows = -(-len(families) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
     for ax in axes.flat[len(families):]:
         ax.set_visible(False)
     for ax, family in zip(axes.flat, families):

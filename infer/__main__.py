@@ -112,17 +112,6 @@ def techniques(args, draft, qat=None) -> dict:
                 speculation=speculation, quantization=quantization)
 
 
-def held_quantized(model) -> bool:
-    """Whether a model's weights are held quantized (a run written by python -m train.compress --quantize)."""
-    import jax
-    from flax import nnx
-
-    from layers.quant import Quantized
-
-    return any(isinstance(x, Quantized) for x in jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(
-        x, Quantized)))
-
-
 def calibrated(args) -> bool:
     """Whether --method quantizes on --calibration's text (once, before decoding) rather than to nearest."""
     return args.method not in (None, "rtn")
@@ -150,6 +139,7 @@ def main(argv=None):
     try:
 
         import infer
+        from infer.quantize import is_quantized
 
         if Path(args.source).is_dir() and args.overrides:
             raise ValueError(f"overrides {' '.join(args.overrides)}: a run folder is loaded with the config it was "
@@ -157,7 +147,7 @@ def main(argv=None):
         if args.config and not Path(args.source).is_dir():
             raise ValueError(f"--config {args.config}: builds a run folder's model; {args.source} is not one")
         model, tokenizer, qat = load(args.source, args.overrides, args.dtype, args.config)
-        if args.quantize and held_quantized(model):
+        if args.quantize and is_quantized(model):
             raise ValueError(f"--quantize {args.quantize}: {args.source} holds quantized weights already "
                              "(python -m train.compress); decode it without --quantize")
         draft = load(args.draft, [], args.dtype)[0] if args.draft else None

@@ -183,7 +183,8 @@ def _array(param) -> np.ndarray:
 def _output_scores(w_out, stats: dict, key, width: int, fallback) -> np.ndarray:
     """Each unit's E|o_u W^u|^2 (o_u: the `width` inputs of unit u of the output projection `w_out`,
     its In axis first), from the Hessian of its inputs in `stats` under `key`; else |W^u| times `fallback`."""
-    w = _array(w_out).reshape(-1, width, _array(w_out).shape[-1])  # (units, width, D)
+    w = _array(w_out)
+    w = w.reshape(-1, width, w.shape[-1])  # (units, width, D)
     xtx = stats.get(key)
     if xtx is None:
         return np.linalg.norm(w, axis=(1, 2)) * fallback
@@ -206,10 +207,16 @@ def _attention_heads(m: Attention, stats: dict, share: float):
     return picks, dict(num_heads=len(kept), num_kv_heads=G if kv is None else len(kv), head_dim=K)
 
 
+def _state_heads(m, stats: dict, share: float, V: int) -> np.ndarray:
+    """The heads kept of a GLA or Gated DeltaNet layer `m` (heads of V value channels): ranked by their
+    output through o_proj, or by |W_v^h| |W_o^h| without calibration."""
+    v = np.linalg.norm(_array(m.v_proj.kernel).reshape(-1, m.num_heads, V), axis=(0, 2))
+    return _top(_output_scores(m.o_proj.kernel, stats, (id(m.o_proj), "kernel"), V, v), share, "heads")
+
+
 def _delta_heads(m: GatedDeltaNet, stats: dict, share: float):
-    H, K, V = m.num_heads, m.head_dim, m.value_dim
-    v = np.linalg.norm(_array(m.v_proj.kernel).reshape(-1, H, V), axis=(0, 2))
-    kept = _top(_output_scores(m.o_proj.kernel, stats, (id(m.o_proj), "kernel"), V, v), share, "heads")
+    K, V = m.head_dim, m.value_dim
+    kept = _state_heads(m, stats, share, V)
     k, v = _units(kept, K), _units(kept, V)
     picks = {"q_proj.kernel": (1, k), "k_proj.kernel": (1, k), "v_proj.kernel": (1, v), "g_proj.kernel": (1, v),
              "q_conv.weight": (1, k), "k_conv.weight": (1, k), "v_conv.weight": (1, v), "q_conv.bias": (0, k),
@@ -221,8 +228,7 @@ def _delta_heads(m: GatedDeltaNet, stats: dict, share: float):
 def _gla_heads(m: GatedLinearAttention, stats: dict, share: float):
     H, D = m.num_heads, m.d_model
     K, V = m.key_dim // H, m.value_dim // H
-    v = np.linalg.norm(_array(m.v_proj.kernel).reshape(-1, H, V), axis=(0, 2))
-    kept = _top(_output_scores(m.o_proj.kernel, stats, (id(m.o_proj), "kernel"), V, v), share, "heads")
+    kept = _state_heads(m, stats, share, V)
     k, v = _units(kept, K), _units(kept, V)
     if int(D * (len(k) / D)) != len(k) or int(D * (len(v) / D)) != len(v):
         raise ValueError(f"shrink: heads={share} leaves GLA key and value widths {len(k)}, {len(v)} that "

@@ -258,7 +258,16 @@ def _check_groups(model, todo, group_size, who="quantize"):
                          f"{', '.join(map(str, fits)) or 'none of 8 to 256'}")
 
 
+def _held(model: LanguageModel) -> list:
+    """The model's parameters as held: arrays and Quantized weights (each one leaf)."""
+    return jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, Quantized))
+
+
 def weight_bytes(model: LanguageModel) -> int:
     """Bytes of the model's parameters as held (int4 codes at half a byte: layers/quant.py)."""
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, Quantized))
-    return sum(x.nbytes for x in leaves)
+    return sum(x.nbytes for x in _held(model))
+
+
+def is_quantized(model: LanguageModel) -> bool:
+    """Whether any of the model's weights is held quantized (e.g. a run python -m train.compress quantized)."""
+    return any(isinstance(x, Quantized) for x in _held(model))

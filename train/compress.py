@@ -3,26 +3,24 @@
     python -m train.compress RUN_DIR --out DIR [--shrink heads=0.25 channels=0.25 experts=0.25 state=0.5]
         [--prune sparsegpt --sparsity 0.5 | --prune wanda --n-of-m 2:4]
         [--quantize int4 --method gptq --group-size 32 --act-order --activations int8 --head int8]
-        [--kv-cache int8]
-        [--calibration 32]
+        [--kv-cache int8] [--calibration 32]
 
 The run's latest checkpoint, then in this order (each step optional, at least one): structured pruning
 (infer.shrink: the share of every layer's heads, SwiGLU channels, MoE experts or Mamba-2 state channels
-removed),
-pruning (infer.prune: magnitude, wanda or sparsegpt, to --sparsity or --n-of-m), quantization
+removed), pruning (infer.prune: magnitude, wanda or sparsegpt, to --sparsity or --n-of-m), quantization
 (infer.quantize: rtn, gptq, awq or smoothquant weights, int8 or int4 (int3: gptq); a pruned model's
 zeros stay zero). Calibration: --calibration windows of the run's training data (its corpus or task,
 seq_len tokens each, drawn away from the training batches), read by every step that weighs inputs.
 
 DIR gets checkpoints/<the run's step>/ and config.yaml: the run's config with the smaller model of
 --shrink (its num_heads, ffn.hidden_dim, num_experts, state_size), no train.qat and no train.run_dir (a
-fine-tune names its own), and the run's tokenizer.json. Without
---quantize it is an ordinary float run (its zeros stored): it decodes, evaluates and trains on like any
-other. With --quantize the checkpoint holds the codes and scales, and its meta the quantization
-("quantized": weights, method, group_size, activations, kv_cache, head), which zoo.checkpoint.load_model reads
-into that form (infer.quantize.quantized_like): it decodes (python -m infer DIR) and evaluates; it does not
-train. Factorization (infer.factorize) has no config form and is not written here.
-Prints the weights' bytes (int4 codes at half a byte) before and after.
+fine-tune names its own), and the run's tokenizer.json. Without --quantize it is an ordinary float run
+(its zeros stored): it decodes, evaluates and trains on like any other. With --quantize the checkpoint
+holds the codes and scales, and its meta the quantization ("quantized": weights, method, group_size,
+activations, kv_cache, head), which zoo.checkpoint.load_model reads into that form
+(infer.quantize.quantized_like): it decodes (python -m infer DIR) and evaluates; it does not train.
+Factorization (infer.factorize) has no config form and is not written here. Prints the weights' bytes
+(int4 codes at half a byte) before and after.
 """
 
 import argparse
@@ -52,16 +50,20 @@ def calibration_tokens(cfg, windows: int):
     return source.train_batch(10**6, windows)["x"]
 
 
+STEPS = ((infer.shrink, None), (infer.prune, "magnitude"), (infer.quantize, "rtn"))  # in order, each its plain method
+
+
+def reads(step: dict | None, plain: str | None) -> bool:
+    """Whether a step (its keyword arguments) reads calibration: any but its `plain` method (shrink: always)."""
+    return bool(step) and step.get("method") != plain
+
+
 def compress(model, calibration, shrink: dict, prune: dict | None, quantize: dict | None):
     """The model after infer.shrink(**shrink), infer.prune(**prune) and infer.quantize(**quantize), each
     skipped when empty or None; `calibration` (token ids) goes to the methods that read it."""
-    reads = lambda method, plain: None if method == plain else calibration
-    if shrink:
-        model = infer.shrink(model, **shrink, calibration=calibration)
-    if prune:
-        model = infer.prune(model, **prune, calibration=reads(prune["method"], "magnitude"))
-    if quantize:
-        model = infer.quantize(model, **quantize, calibration=reads(quantize["method"], "rtn"))
+    for (method, plain), step in zip(STEPS, (shrink, prune, quantize)):
+        if step:
+            model = method(model, **step, calibration=calibration if reads(step, plain) else None)
     return model
 
 
@@ -136,9 +138,10 @@ def main(argv=None):
             raise ValueError(f"--out {out} already holds checkpoints; name a new folder")
         cfg, model, step = checkpoint.load_model(args.run_dir)
         model.eval()
-        reads = shrink or prune and prune["method"] != "magnitude" or quantize and quantize["method"] != "rtn"
-        calibration = calibration_tokens(cfg, args.calibration) if reads else None
-        small = compress(model, calibration, shrink, prune, quantize)
+        steps = (shrink, prune, quantize)
+        calibration = calibration_tokens(cfg, args.calibration) \
+            if any(reads(step, plain) for (_, plain), step in zip(STEPS, steps)) else None
+        small = compress(model, calibration, *steps)
     except ValueError as e:
         sys.exit(f"error: {e}")
     train = dataclasses.replace(cfg.train, qat=None, run_dir=None)  # a fine-tune names its own folder
