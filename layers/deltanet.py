@@ -85,7 +85,7 @@ class DeltaNetState:
     conv_v: Float[Array, "B W H*V"] | None  # (B, conv_size - 1, H*V)
 
 
-def _normalize(x: Float[Array, "*B K"], kind: str) -> Float[Array, "*B K"]:
+def normalize_qk(x: Float[Array, "*B K"], kind: str) -> Float[Array, "*B K"]:
     x32 = x.astype(jnp.float32)
     if kind == "l2":
         y = x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + 1e-6)  # fla's l2norm eps
@@ -94,12 +94,12 @@ def _normalize(x: Float[Array, "*B K"], kind: str) -> Float[Array, "*B K"]:
     return y.astype(x.dtype)
 
 
-def _gate_proj(d_model, width, dtype, rngs):
+def gate_proj(d_model, width, dtype, rngs):
     """A projection to a few gate logits per token (beta, the decay's input), kept whole on a mesh."""
     return Linear(d_model, width, use_bias=False, dtype=dtype, rngs=rngs, kernel_metadata=axes("embed", None))
 
 
-def _decay_params(rngs, num_A: int, num_dt: int, A_low: float):
+def decay_params(rngs, num_A: int, num_dt: int, A_low: float):
     """(A_log, dt_bias) of Mamba-2's decay -exp(A_log) softplus(. + dt_bias), initialised as the official
     code: A = exp(A_log) ~ U(A_low, 16] (never 0), dt = softplus(dt_bias) log-uniform in [1e-3, 1e-1],
     floored at 1e-4."""
@@ -109,14 +109,15 @@ def _decay_params(rngs, num_A: int, num_dt: int, A_low: float):
     return nnx.Param(jnp.log(A)), nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # softplus^-1(dt)
 
 
-class _DeltaRuleMixer(SequenceMixer):
+class DeltaRuleMixer(SequenceMixer):
     """The body the layers share; subclasses add their gate parameters and `_gates(x) -> (beta, g)`:
     beta (B, T, n*H) float32 for n = num_householder keys per token, g (B, T, H), (B, T, H, K) or None."""
 
     State = DeltaNetState
 
     def __init__(self, d_model, *, num_heads, head_dim, expand_v, conv_size, use_output_gate, qk_norm,
-                 norm_eps, mode, chunk_size, impl, dtype, rngs, name, num_householder=1):
+                 norm_eps, mode, chunk_size, impl, dtype, rngs, num_householder=1):
+        name = type(self).__name__
         if num_heads < 1 or d_model < 1:
             raise ValueError(f"{name}: num_heads={num_heads} and d_model={d_model} must be positive")
         if head_dim is None:
@@ -172,20 +173,21 @@ class _DeltaRuleMixer(SequenceMixer):
         if not self.conv_size:  # SiLU alone, as the convolutions end with
             q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
         n = self.num_householder
-        q = _normalize(q.reshape(B, T, H, K), self.qk_norm)  # (B, T, H, K)
-        k = _normalize(k.reshape(B, T, n, H, K), self.qk_norm)  # (B, T, n, H, K)
-        v = v.reshape(B, T, n, H, V)  # (B, T, n, H, V)
-        beta, g = self._gates(x)  # beta (B, T, n*H) float32; g (B, T, H), (B, T, H, K) or None
-        beta = beta.reshape(B, T, n, H)  # (B, T, n, H)
+        q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, n, H, K), v.reshape(B, T, n, H, V)
+        op, args = self._recurrence(q, k, v, x, segment_ids, mode)
+        o, recurrent = stepwise(op, state.recurrent, *args) if steps else op(state.recurrent, *args)
+        y = self.o_proj(self._output(o, x).reshape(B, T, H * V))  # (B, T, D)
+        return y, (self.State.stepped if steps else self.State)(recurrent, *windows)
 
+    def _recurrence(self, q, k, v, x, segment_ids, mode):
+        """The state's op and its per-token inputs, (op(S, *args) -> (o, S), args), from the convolved q (B, T, H, K),
+        k (B, T, n, H, K), v (B, T, n, H, V) and the layer's input x: the delta rule of kernels/delta_rule."""
+        q, k = normalize_qk(q, self.qk_norm), normalize_qk(k, self.qk_norm)
+        beta, g = self._gates(x)  # beta (B, T, n*H) float32; g (B, T, H), (B, T, H, K) or None
         op = lambda S, q, k, v, beta, g: delta_product(
             q, k, v, beta, g, segment_ids=segment_ids, initial_state=S, output_final_state=True, mode=mode,
             chunk_size=self.chunk_size, impl=self.impl)  # kernels/delta_rule/product.py; n = 1: delta_rule
-
-        args = (state.recurrent, q, k, v, beta, g)
-        o, recurrent = stepwise(op, *args) if steps else op(*args)
-        y = self.o_proj(self._output(o, x).reshape(B, T, H * V))  # (B, T, D)
-        return y, (self.State.stepped if steps else self.State)(recurrent, *windows)
+        return op, (q, k, v, beta.reshape(*k.shape[:4]), g)
 
     def _output(self, o: Float[Array, "B T H V"], x: Float[Array, "B T D"]) -> Float[Array, "B T H V"]:
         """The per-head output norm, gated by SiLU(W_g x) when there is an output gate."""
@@ -194,7 +196,7 @@ class _DeltaRuleMixer(SequenceMixer):
         return self.o_norm(o, self.g_proj(x).reshape(o.shape))
 
 
-class DeltaNet(_DeltaRuleMixer):
+class DeltaNet(DeltaRuleMixer):
     """DeltaNet (Schlag et al. 2021; Yang et al. 2024): the delta rule with L2-normalised q, k (qk_norm "sum": divided
     by their sum instead); head_dim None = d_model / num_heads, values expand_v times as wide; conv_size: short
     convolutions on q, k, v (0 = none); use_beta: a learned write strength per token (else 1); use_output_gate: a swish
@@ -208,8 +210,8 @@ class DeltaNet(_DeltaRuleMixer):
                  chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm=qk_norm, norm_eps=norm_eps, mode=mode,
-                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="DeltaNet")
-        self.b_proj = _gate_proj(d_model, num_heads, dtype, rngs) if use_beta else None
+                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs)
+        self.b_proj = gate_proj(d_model, num_heads, dtype, rngs) if use_beta else None
 
     def _gates(self, x):
         if self.b_proj is None:  # beta = 1: the plain delta rule of Schlag et al.
@@ -217,7 +219,7 @@ class DeltaNet(_DeltaRuleMixer):
         return jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)), None
 
 
-class GatedDeltaNet(_DeltaRuleMixer):
+class GatedDeltaNet(DeltaRuleMixer):
     """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024): the delta rule with a Mamba-2 decay; head_dim, expand_v,
     conv_size, use_output_gate, norm_eps as DeltaNet's; mode ("recurrent" | "chunk" | "parallel") picks the training
     path's exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's
@@ -228,10 +230,10 @@ class GatedDeltaNet(_DeltaRuleMixer):
                  mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm="l2", norm_eps=norm_eps, mode=mode,
-                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="GatedDeltaNet")
+                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs)
         H = num_heads
-        self.a_proj, self.b_proj = _gate_proj(d_model, H, dtype, rngs), _gate_proj(d_model, H, dtype, rngs)
-        self.A_log, self.dt_bias = _decay_params(rngs, H, H, A_low=0.0)
+        self.a_proj, self.b_proj = gate_proj(d_model, H, dtype, rngs), gate_proj(d_model, H, dtype, rngs)
+        self.A_log, self.dt_bias = decay_params(rngs, H, H, A_low=0.0)
 
     def _gates(self, x):
         a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...]  # (B, T, H)
@@ -239,7 +241,7 @@ class GatedDeltaNet(_DeltaRuleMixer):
         return jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)), g
 
 
-class KimiDeltaAttention(_DeltaRuleMixer):
+class KimiDeltaAttention(DeltaRuleMixer):
     """Kimi Delta Attention (Kimi Team 2025, Kimi Linear): the gated delta rule with a decay per key channel from a
     low-rank projection, sigmoid output gate (module docstring); allow_neg_eigval: beta in (0, 2); head_dim, expand_v,
     conv_size, norm_eps as DeltaNet's; mode ("recurrent" | "chunk" | "parallel") picks the training path's exact form,
@@ -251,22 +253,25 @@ class KimiDeltaAttention(_DeltaRuleMixer):
                  mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=False, qk_norm="l2", norm_eps=norm_eps, mode=mode, chunk_size=chunk_size,
-                         impl=impl, dtype=dtype, rngs=rngs, name="KimiDeltaAttention")
+                         impl=impl, dtype=dtype, rngs=rngs)
         H, K, V = self.num_heads, self.head_dim, self.value_dim
         linear = lambda i, o, names, bias=False: Linear(i, o, use_bias=bias, dtype=dtype, rngs=rngs,
                                                         kernel_metadata=axes(*names), bias_metadata=axes(names[1]))
         self.f_down, self.f_up = linear(d_model, V, ("embed", None)), linear(V, H * K, (None, "heads"))
         self.g_down, self.g_up = linear(d_model, V, ("embed", None)), linear(V, H * V, (None, "heads"), bias=True)
-        self.b_proj = _gate_proj(d_model, H, dtype, rngs)
-        self.A_log, self.dt_bias = _decay_params(rngs, H, H * K, A_low=1.0)
+        self.b_proj = gate_proj(d_model, H, dtype, rngs)
+        self.A_log, self.dt_bias = decay_params(rngs, H, H * K, A_low=1.0)
         self.allow_neg_eigval = allow_neg_eigval
 
     def _gates(self, x):
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        return (2.0 * beta if self.allow_neg_eigval else beta), self._log_decay(x)
+
+    def _log_decay(self, x: Float[Array, "B T D"]) -> Float[Array, "B T H K"]:
+        """log alpha_t per key channel, float32."""
         B, T, _ = x.shape
         f = (self.f_up(self.f_down(x)).astype(jnp.float32) + self.dt_bias[...]).reshape(B, T, self.num_heads, -1)
-        g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f)  # (B, T, H, K): log alpha_t per key channel
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-        return (2.0 * beta if self.allow_neg_eigval else beta), g
+        return -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f)
 
     def _output(self, o, x):
         gate = jax.nn.sigmoid(self.g_up(self.g_down(x)).astype(jnp.float32)).reshape(o.shape)
@@ -281,7 +286,7 @@ class DeltaProductState(DeltaNetState):
     conv_v: Float[Array, "B W _NHV"] | None  # (B, conv_size - 1, num_householder*H*V)
 
 
-class GatedDeltaProduct(_DeltaRuleMixer):
+class GatedDeltaProduct(DeltaRuleMixer):
     """Gated DeltaProduct (Siems et al. 2025): num_householder delta-rule steps per token (each its own k, v, beta), the
     Gated DeltaNet decay once per token (use_forget_gate: False = none); run as T x num_householder sub-steps of the
     delta-rule op (chunk_size counts sub-steps); allow_neg_eigval: beta in (0, 2); head_dim, expand_v, conv_size,
@@ -299,12 +304,12 @@ class GatedDeltaProduct(_DeltaRuleMixer):
             raise ValueError(f"GatedDeltaProduct: num_householder={num_householder} must be >= 1")
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm="l2", norm_eps=norm_eps, mode=mode,
-                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, name="GatedDeltaProduct",
+                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs,
                          num_householder=num_householder)
         H = num_heads
-        self.b_proj = _gate_proj(d_model, num_householder * H, dtype, rngs)
-        self.a_proj = _gate_proj(d_model, H, dtype, rngs) if use_forget_gate else None
-        self.A_log, self.dt_bias = _decay_params(rngs, H, H, A_low=0.0) if use_forget_gate else (None, None)
+        self.b_proj = gate_proj(d_model, num_householder * H, dtype, rngs)
+        self.a_proj = gate_proj(d_model, H, dtype, rngs) if use_forget_gate else None
+        self.A_log, self.dt_bias = decay_params(rngs, H, H, A_low=0.0) if use_forget_gate else (None, None)
         self.allow_neg_eigval = allow_neg_eigval
 
     def _gates(self, x):
