@@ -50,11 +50,32 @@ ring_spare >= T: decode(steps=True) refuses a longer call. Growing heads keep th
 `kv_cache` (read by init_state; infer/quantize.py sets it) picks the cache's storage: None keeps k and
 v in the compute dtype; "int8" keeps int8 codes with a float32 scale per (row, kv head, slot), written
 quantized and read dequantized (layers/quant.py): a quarter of float32's bytes plus 4 / K.
+
+Options of the 2025-2026 hybrids (docs/families/attention.md has the symbol map and the checkpoints' layouts):
+- `output_gate` (Qiu et al. 2025, arXiv 2505.06708; Qwen3-Next): o_h <- o_h ⊙ σ(x W_g) before W_o, W_g (D, H)
+  ("head", one gate per head) or (D, H, K) ("channel"). Qwen3-Next's q_proj (D -> H * 2K) holds per head
+  [query (K) | gate (K)]: its weight, transposed and viewed (D, H, 2K), is [wq | w_out_gate] on the last axis.
+- `rope_fraction` (transformers' partial_rotary_factor): the rotary on the first int(K * rope_fraction) dims of
+  each head only (layers/rotary.py), with rope_scaling's frequencies over those dims.
+- `differential` (Ye et al. 2024, Differential Transformer, arXiv 2410.05258): head h's query and key are
+  two halves of K/2 = d dims, [Q1 | Q2] and [K1 | K2]; its value keeps all K = 2d dims, and
+      o_h = (1 - λ_init) RMSNorm_w((softmax(Q1 K1^T / √d) - λ softmax(Q2 K2^T / √d)) V),
+      λ = exp(λq1 · λk1) - exp(λq2 · λk2) + λ_init,   λ_init = 0.8 - 0.6 exp(-0.3 layer_id),
+  with the model's 0-based layer_id (the paper's l - 1); λq1, λk1, λq2, λk2 (d,) ~ N(0, 0.1²) shared by the
+  layer's heads; RMSNorm over each head's K dims with a weight (eps 1e-5), as the official code's subln. Each
+  half gets the rotary of d dims (and qk_norm an RMSNorm of d dims). The op runs twice, on (Q1, K1, V) and
+  (Q2, K2, V), so every impl, mask, the KV cache (K holds [K1 | K2]) and its ring buffer work unchanged.
+  Departures: the official code rotates interleaved pairs (a fixed permutation of each half's dims); under
+  GQA it repeats the 2G key halves as if they were kv heads, so for num_heads / num_kv_heads > 1 both
+  halves of head h meet key half (2h + s) // n_rep, where here half s meets half s of the head's kv group
+  (the two agree for MHA); transformers' DiffLlama splits heads half-major and has no norm weight.
 """
 
 import dataclasses
+import math
 from typing import Annotated
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, Int8
@@ -65,7 +86,7 @@ from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
-from layers.options import Impl, NonNegFloat, NonNegInt, OneOf, PosFloat, PosInt
+from layers.options import Impl, NonNegFloat, NonNegInt, OneOf, PosFloat, PosInt, Range
 from layers.quant import quantize_rows
 from layers.rotary import RopeScaling, apply_rotary
 from layers.shapes import head_shape
@@ -146,8 +167,13 @@ class Attention(SequenceMixer):
     window = each query sees the last max_seq_len tokens (the distances it was trained on), full = every earlier token
     (distances it never saw); rope_scaling: a rotary scaling for a longer context (type linear, llama3, yarn or dynamic,
     with its keys: layers/rotary.py); qkv_bias: biases on the q, k, v projections (Qwen2); qk_norm: RMSNorm of each
-    head's query and key before the rotary, with eps norm_eps (Qwen3); impl ("auto" | "reference" | "xla" | "pallas")
-    picks the op's implementation on every path; dtype: the compute dtype (parameters stay float32)."""
+    head's query and key before the rotary, with eps norm_eps (Qwen3); output_gate: None, "head" or "channel", each
+    head's output times sigmoid(x W_g) before the output projection, one gate per head or per channel (Gated
+    Attention, Qwen3-Next); rope_fraction: the rotary turns the first int(head_dim * rope_fraction) dims of each head,
+    the rest stay unrotated (transformers' partial_rotary_factor); differential: Differential Transformer attention,
+    each head the difference of two softmax maps (its query and key split in halves) with a learnt λ, then RMSNorm
+    (head_dim even; layer_id, the model's, sets λ_init); impl ("auto" | "reference" | "xla" | "pallas") picks the op's
+    implementation on every path; dtype: the compute dtype (parameters stay float32)."""
     grows_with_context = True  # the KV cache holds max_len slots (every other mixer's state is fixed)
     kv_cache = None  # the cache's storage, read by init_state: None (compute dtype) or "int8"
 
@@ -156,8 +182,10 @@ class Attention(SequenceMixer):
                  dilation: PosInt = 1, head_masks: tuple[HeadMask, ...] | None = None, ring_spare: PosInt = 16,
                  rope_base: PosFloat = 10000.0, rope_scaling: RopeScaling | None = None, qkv_bias: bool = False,
                  qk_norm: bool = False, norm_eps: PosFloat = 1e-6,
+                 output_gate: Annotated[str | None, OneOf(None, "head", "channel")] = None,
+                 rope_fraction: Annotated[float, Range(0, 1, lo_open=True)] = 1.0, differential: bool = False,
                  long_context: Annotated[str, OneOf("window", "full")] = "window", max_seq_len: int | None = None,
-                 impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+                 layer_id: int = 0, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "Attention")
         if long_context not in ("window", "full"):
             raise ValueError(f"long_context={long_context!r}; expected 'window' or 'full'")
@@ -165,6 +193,7 @@ class Attention(SequenceMixer):
             raise ValueError(f"window={window} and max_seq_len={max_seq_len} must be positive or None")
         H, G, K = head_shape(d_model, num_heads, num_kv_heads, head_dim)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, H, G, K
+        qk = self._check_options(K, output_gate, rope_fraction, differential, layer_id)  # a query's dims
         masks = _head_masks(H, window, sinks, dilation, head_masks, ring_spare)
         ring = all(m.window is not None and m.growth == 0 for m in masks)  # explicit windows alone
         if long_context == "window" and max_seq_len is not None:  # each head spans at most max_seq_len tokens
@@ -188,7 +217,35 @@ class Attention(SequenceMixer):
         zeros = lambda n, name: nnx.Param(jnp.zeros((n, K), jnp.float32), **axes(name, None))
         self.bq, self.bk, self.bv = (zeros(H, "heads"), zeros(G, "kv_heads"), zeros(G, "kv_heads")) if qkv_bias \
             else (None, None, None)
-        self.q_norm, self.k_norm = (RMSNorm(K, eps=norm_eps), RMSNorm(K, eps=norm_eps)) if qk_norm else (None, None)
+        self.q_norm, self.k_norm = (RMSNorm(qk, eps=norm_eps), RMSNorm(qk, eps=norm_eps)) if qk_norm else (None, None)
+        gate = {None: None, "head": (H,), "channel": (H, K)}[output_gate]
+        gate_axes = ("heads",) + (None,) * (len(gate or ()) - 1)
+        self.w_out_gate = None if gate is None else nnx.Param(init(rngs.params(), (d_model, *gate)),
+                                                              **axes("embed", *gate_axes))
+        self.b_out_gate = None if gate is None or not qkv_bias else nnx.Param(jnp.zeros(gate, jnp.float32),
+                                                                              **axes(*gate_axes))
+        self.differential = differential
+        if differential:  # the layer's λ vectors, and the norm of each head's output
+            lam = lambda: nnx.Param(0.1 * jax.random.normal(rngs.params(), (qk,), jnp.float32))
+            self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = lam(), lam(), lam(), lam()
+            self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_id)
+            self.sub_norm = RMSNorm(K, eps=1e-5)
+
+    def _check_options(self, K: int, output_gate, rope_fraction: float, differential: bool, layer_id: int) -> int:
+        """The options' checks; sets self.rotary_dim and returns a query's (half's, when differential) dims."""
+        if output_gate not in (None, "head", "channel"):
+            raise ValueError(f"output_gate={output_gate!r}; expected None, 'head' or 'channel'")
+        if differential and K % 2:
+            raise ValueError(f"differential=True splits each head's query and key in halves: head_dim={K} must be even")
+        if layer_id < 0:
+            raise ValueError(f"layer_id={layer_id}; expected >= 0 (the layer's 0-based depth)")
+        qk = K // 2 if differential else K
+        self.rotary_dim = int(qk * rope_fraction) if 0 < rope_fraction <= 1 else 0
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"rope_fraction={rope_fraction} rotates int({qk} * {rope_fraction}) = {self.rotary_dim} "
+                             f"dims of each {'half ' if differential else ''}query; expected 0 < rope_fraction <= 1 "
+                             "giving an even number >= 2")
+        return qk
 
     def _band(self, masks):
         """self.band, the masks in force as the kernels take them (kernels.attention.Band): each field
@@ -204,13 +261,38 @@ class Attention(SequenceMixer):
         q, k, v = (project(x, w[...].astype(self.dtype)) for w in (self.wq, self.wk, self.wv))  # (B, T, H|G, K)
         if self.bq is not None:
             q, k, v = (a + b[...].astype(self.dtype) for a, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
+        B, T, _, K = q.shape
+        if self.differential:  # each head's query and key as two of K/2 dims, [q1 | q2]
+            q, k = (a.reshape(B, T, -1, K // 2) for a in (q, k))  # (B, T, 2H|2G, K/2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        rotary = lambda a: apply_rotary(a, positions, self.rope_base, self.rope_scaling, self.rotary_dim)
+        q, k = (rotary(a).reshape(B, T, -1, K) for a in (q, k))  # (B, T, H|G, K)
         # On a mesh: heads split over `tensor`, rows over the batch axes (no-op on one device).
         q = constrain(q, ("batch", None, "heads", None))
         k, v = (constrain(a, ("batch", None, "kv_heads", None)) for a in (k, v))
-        rotary = lambda a: apply_rotary(a, positions, self.rope_base, self.rope_scaling)
-        return rotary(q), rotary(k), v
+        return q, k, v
+
+    def _half(self, a, h: int | None):
+        """a's dims of query/key half h (0 or 1), or all of them (h None)."""
+        d = a.shape[-1] // 2
+        return a if h is None else a[..., h * d:(h + 1) * d]
+
+    def _heads(self, attend, x):
+        """Each head's output (B, T, H, K) from attend(h), the op on query/key half h (None: whole heads): the
+        differential combination and the output gate where the layer has them."""
+        if self.differential:
+            lam = lambda q, k: jnp.exp(jnp.sum(q[...] * k[...]))
+            lam = lam(self.lambda_q1, self.lambda_k1) - lam(self.lambda_q2, self.lambda_k2) + self.lambda_init
+            o = attend(0).astype(jnp.float32) - lam * attend(1).astype(jnp.float32)
+            o = (self.sub_norm(o) * (1 - self.lambda_init)).astype(self.dtype)
+        else:
+            o = attend(None)
+        if self.w_out_gate is not None:
+            g = project(x.astype(self.dtype), self.w_out_gate[...].astype(self.dtype))  # (B, T, H) or (B, T, H, K)
+            g = g if self.b_out_gate is None else g + self.b_out_gate[...].astype(self.dtype)
+            o = o * jax.nn.sigmoid(g.reshape(*g.shape[:3], -1))  # (B, T, H, 1|K)
+        return o
 
     def _out(self, o):
         B, T, H, K = o.shape
@@ -229,7 +311,9 @@ class Attention(SequenceMixer):
         positions = positions_in_document(segment_ids, B, T)
         q, k, v = self._qkv(x, positions)
         doc = None if segment_ids is None else document_index(segment_ids, B, T)
-        return self._out(attention(q, k, v, segment_ids=doc, band=self.band, impl=self.impl))
+        part = self._half
+        return self._out(self._heads(lambda h: attention(part(q, h), part(k, h), v, segment_ids=doc, band=self.band,
+                                                         impl=self.impl), x))
 
     def init_state(self, batch_size: int, max_len: int) -> KVCache:
         """A KV cache of max_len slots, or of a ring buffer's whatever max_len (module docstring)."""
@@ -261,8 +345,10 @@ class Attention(SequenceMixer):
         doc = document_index(segment_ids, B, T, cache.cur_doc)  # (B, T)
         q, k, v = self._qkv(x, positions)
         ck, cv = _load(cache.k, cache.k_scale, self.dtype), _load(cache.v, cache.v_scale, self.dtype)  # (B, G, S, K)
-        o = attention_cached(q, k, v, CacheView(ck, cv, cache.index, cache.doc, cache.token_index), segment_ids=doc,
-                             doc_positions=positions, band=self.band, impl=self.impl)
+        part = self._half
+        o = self._heads(lambda h: attention_cached(
+            part(q, h), part(k, h), v, CacheView(part(ck, h), cv, cache.index, cache.doc, cache.token_index),
+            segment_ids=doc, doc_positions=positions, band=self.band, impl=self.impl), x)
         # Written after the read: XLA then updates the cache in place.
         if self.ring is None:
             write = lambda c, a: None if c is None else write_rows(c, a.transpose(0, 2, 1, 3), cache.index, 2)

@@ -15,6 +15,11 @@ Hugging Face checkpoints that use it were trained (transformers' rope types of t
 - dynamic (transformers' dynamic NTK): the plain θ_i within original_max_position_embeddings, which
   is all a fixed rotary can honour: past it transformers re-derives the base from the running length,
   so layers/attention.py refuses longer sequences and caches under this type.
+
+Partial rotary (`rotary_dim` r < K, transformers' partial_rotary_factor = r / K: GPT-NeoX, Phi, Qwen3-Next):
+the formulas above on the first r dims of each head, D replaced by r (θ_i = base^(-2i/r), and r in
+every scaling's formulas, as transformers computes them), rotate-half inside those r dims; dims r..K-1
+pass unrotated (m does not touch them). GLM's interleaved pairs (2i, 2i+1) are a permutation of these.
 """
 
 import dataclasses
@@ -84,10 +89,13 @@ def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: RopeScaling 
 
 
 def apply_rotary(x: Float[Array, "B T H K"], positions: Int[Array, "B T"], base: float = 10000.0,
-                 scaling: RopeScaling | None = None):
-    inv_freq, m = rope_frequencies(x.shape[-1], base, scaling)
-    half = x.shape[-1] // 2
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, K/2)
+                 scaling: RopeScaling | None = None, rotary_dim: int | None = None):
+    """x with its first rotary_dim dims of each head rotated (None: all K), the rest unchanged."""
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    inv_freq, m = rope_frequencies(r, base, scaling)
+    half = r // 2
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, r/2)
     cos, sin = (m * f(angles)[:, :, None, :] for f in (jnp.cos, jnp.sin))
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:r].astype(jnp.float32)
+    turned = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+    return turned if r == x.shape[-1] else jnp.concatenate([turned, x[..., r:]], axis=-1)  # (B, T, H, K)

@@ -1,9 +1,11 @@
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from layers import Attention, HeadMask
+from layers.rotary import RopeScaling
 from tests.util import assert_close, randn
 
 
@@ -141,3 +143,113 @@ def test_head_masks_are_checked():
     assert make(window=64, dilation=4, max_seq_len=16).band.window == 4
     assert make(window=64, max_seq_len=16).ring == (0, 16 + 16)
     assert make(head_masks=(HeadMask(4, growth=0.5),) * 4).grows_with_context
+
+
+HYBRID = {  # the 2025-2026 hybrids' options on, small: every one in each case, GQA, a ring or a scaled rotary
+    "differential-ring": dict(num_heads=4, num_kv_heads=2, differential=True, output_gate="head", rope_fraction=0.5,
+                              qk_norm=True, window=3, sinks=1, ring_spare=5),
+    "gated-partial-yarn": dict(num_heads=2, num_kv_heads=1, output_gate="channel", rope_fraction=0.25, qkv_bias=True,
+                               rope_scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=8)),
+}
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_options_follow_the_mixer_protocol(name):
+    """The conformance suite (decode == full pass, chunked prefill, packed == alone, rollback, the state's
+    size, gradients) on the output gate, partial rotary and differential attention."""
+    from tests.layers.conformance import check_mixer
+
+    check_mixer(lambda **kw: Attention(32, **HYBRID[name], layer_id=2, rngs=nnx.Rngs(0), **kw), 32)
+
+
+def _softmax(s):
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_differential_attention_is_the_papers_equations():
+    """impl=reference against the equations in numpy, head by head under GQA (half s of query head h meets half
+    s of key head h // 2), with λ_init from layer_id and the output norm's weight."""
+    D, H, G, K, T, layer_id = 16, 4, 2, 4, 5, 3
+    layer = Attention(D, num_heads=H, num_kv_heads=G, differential=True, layer_id=layer_id, impl="reference",
+                      rngs=nnx.Rngs(0))
+    layer.sub_norm.weight[...] = jnp.asarray(np.linspace(0.5, 1.5, K), jnp.float32)
+    x = np.random.default_rng(5).standard_normal((1, T, D)).astype(np.float32)
+    q, k, v = (np.asarray(a[0], np.float64) for a in layer._qkv(jnp.asarray(x), jnp.arange(T)[None]))  # (T, H|G, K)
+    p = {n: np.asarray(getattr(layer, f"lambda_{n}")[...], np.float64) for n in ("q1", "k1", "q2", "k2")}
+    lam_init = 0.8 - 0.6 * np.exp(-0.3 * layer_id)
+    assert abs(layer.lambda_init - lam_init) < 1e-12
+    lam = np.exp(p["q1"] @ p["k1"]) - np.exp(p["q2"] @ p["k2"]) + lam_init
+    causal = np.where(np.tril(np.ones((T, T))) > 0, 0, -np.inf)
+    heads = []
+    for h in range(H):
+        g, d = h // (H // G), K // 2
+        a1, a2 = (_softmax(q[:, h, s * d:(s + 1) * d] @ k[:, g, s * d:(s + 1) * d].T / np.sqrt(d) + causal)
+                  for s in (0, 1))
+        o = (a1 - lam * a2) @ v[:, g]
+        o = o / np.sqrt((o ** 2).mean(-1, keepdims=True) + 1e-5) * np.linspace(0.5, 1.5, K)
+        heads.append((1 - lam_init) * o)
+    want = np.stack(heads, 1).reshape(T, H * K) @ np.asarray(layer.wo[...]).reshape(H * K, D)
+    assert_close(nnx.jit(lambda m, x: m(x))(layer, jnp.asarray(x))[0], want, 1e-5, "differential vs the equations")
+
+
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_output_gate_multiplies_each_head_before_the_output_projection(gate):
+    """W_g = 0 halves every head (σ(0) = 1/2); a large negative gate bias on head 1 silences that head alone."""
+    plain = Attention(32, num_heads=4, rngs=nnx.Rngs(0))
+    gated = Attention(32, num_heads=4, output_gate=gate, qkv_bias=True, rngs=nnx.Rngs(0))
+    assert gated.w_out_gate.shape == ((32, 4) if gate == "head" else (32, 4, 8))
+    for name in ("wq", "wk", "wv", "wo"):
+        getattr(gated, name)[...] = getattr(plain, name)[...]
+    x = randn(6, (1, 7, 32))
+    gated.w_out_gate[...] = jnp.zeros_like(gated.w_out_gate[...])
+    assert_close(gated(x), 0.5 * plain(x), 1e-5, "σ(0) = 1/2")
+    gated.b_out_gate[...] = gated.b_out_gate[...].at[1].set(-1e4)
+    plain.wo[...] = plain.wo[...].at[1].set(0)
+    assert_close(gated(x), 0.5 * plain(x), 1e-5, "head 1 gated off")
+
+
+def test_partial_rotary_turns_the_first_dims_and_passes_the_rest():
+    """rotary_dim r < K: the first r dims as a rotary of head dim r (scaled frequencies and yarn's m over r
+    dims, transformers' partial_rotary_factor), dims r..K unchanged."""
+    from layers.rotary import apply_rotary
+
+    x, pos = randn(7, (1, 6, 2, 16)), jnp.arange(6)[None] * 3
+    scaling = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=4)
+    got = apply_rotary(x, pos, 500.0, scaling, rotary_dim=4)
+    assert_close(got[..., :4], apply_rotary(x[..., :4], pos, 500.0, scaling), 1e-6, "rotated dims")
+    assert bool(jnp.all(got[..., 4:] == x[..., 4:]))
+    layer = Attention(64, num_heads=2, head_dim=16, rope_fraction=0.25, rngs=nnx.Rngs(0))
+    assert layer.rotary_dim == 4
+
+
+def test_hybrid_options_are_checked():
+    make = lambda **kw: Attention(32, num_heads=4, rngs=nnx.Rngs(0), **kw)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=f"rope_fraction={bad}"):
+            make(rope_fraction=bad)
+    with pytest.raises(ValueError, match=r"rope_fraction=0.375 rotates int\(8 \* 0.375\) = 3"):
+        make(rope_fraction=0.375)
+    with pytest.raises(ValueError, match=r"rope_fraction=0.25 rotates int\(4 \* 0.25\) = 1 dims of each half"):
+        make(rope_fraction=0.25, differential=True)
+    with pytest.raises(ValueError, match="head_dim=9 must be even"):
+        make(differential=True, head_dim=9)
+    with pytest.raises(ValueError, match="output_gate='sigmoid'"):
+        make(output_gate="sigmoid")
+
+
+def test_differential_and_gate_on_the_pallas_kernels():
+    """impl="pallas" (interpret mode on CPU) against impl="reference": packed __call__, then a prefill and
+    one step on the KV cache (the kernels' gradients, V != K included: tests/kernels/test_attention_pallas.py)."""
+    x = randn(8, (2, 9, 32))
+    seg = jnp.array([[0] * 4 + [1] * 5, [0] * 9], jnp.int32)
+    fast, ref = (Attention(32, num_heads=2, num_kv_heads=1, differential=True, output_gate="channel", rope_fraction=0.5,
+                           layer_id=1, impl=impl, rngs=nnx.Rngs(0)) for impl in ("pallas", "reference"))
+
+    @nnx.jit
+    def run(layer, x, seg):
+        y, state = layer.decode(x[:, :8], layer.init_state(2, 9))
+        return layer(x, segment_ids=seg), jnp.concatenate([y, layer.decode(x[:, 8:], state)[0]], axis=1)
+
+    for got, want, what in zip(run(fast, x, seg), run(ref, x, seg), ("__call__", "decode")):
+        assert_close(got, want, 1e-4, what)

@@ -130,6 +130,9 @@ def hf_config(cfg, param_shapes: dict) -> dict:
                          "score_order softmax_then_topk and, for Qwen2-MoE, one gated shared expert")
     if m.sinks or m.dilation != 1 or m.head_masks is not None:
         raise ValueError("zoo.hf.save: attention sinks, dilation and head_masks have no Hugging Face architecture")
+    if m.output_gate or m.differential or m.rope_fraction != 1:
+        raise ValueError("zoo.hf.save: output_gate, differential and rope_fraction have no architecture here (Llama, "
+                         "Mistral, Qwen2, Qwen3 and their MoE) to save as")
     if m.qkv_bias and (m.qk_norm or m.window or f.KIND == "moe" and not shared):
         raise ValueError("zoo.hf.save: qkv_bias (Qwen2, Qwen2-MoE) goes with neither qk_norm, a window nor an MoE "
                          "without Qwen2-MoE's shared expert")
