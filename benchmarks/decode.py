@@ -46,7 +46,13 @@ KINDS = {
     "s4d": {"kind": "s4d", "state_size": 64},
     "hyena": {"kind": "hyena"},
     "hgrn2": {"kind": "hgrn2", "num_heads": 8},
+    "lightning": {"kind": "lightning", "num_heads": 8},
     "kda": {"kind": "kda", "num_heads": 8},
+    "gated_deltanet2": {"kind": "gated_deltanet2", "num_heads": 8},
+    "comba": {"kind": "comba", "num_heads": 8},
+    "rglru": {"kind": "rglru", "num_heads": 8},
+    "mlstm": {"kind": "mlstm", "num_heads": 4},
+    "slstm": {"kind": "slstm", "num_heads": 4},
     "gated_deltaproduct": {"kind": "gated_deltaproduct", "num_heads": 8},
 }
 STEPS = 32

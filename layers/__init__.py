@@ -34,10 +34,12 @@ from layers.deltanet import (
     GatedDeltaProduct,
     KimiDeltaAttention,
 )
+from layers.deltanet2 import Comba, GatedDeltaNet2
 from layers.fox import ForgettingAttention, FoXCache
 from layers.gla import GatedLinearAttention, GLAState
 from layers.hgrn2 import HGRN2, HGRN2State
 from layers.hyena import Hyena, HyenaState
+from layers.lightning import LightningAttention, LightningState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
@@ -45,12 +47,15 @@ from layers.mamba3 import Mamba3, Mamba3State
 from layers.mixer import SequenceMixer
 from layers.mla import LatentCache, MultiHeadLatentAttention
 from layers.mlp import MLP, NoFFN
+from layers.mlstm import MLSTM, MLSTMState
 from layers.moba import MoBA, MoBABlocks
 from layers.moe import MoE
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.nsa import NativeSparseAttention, NSACompressed
 from layers.retnet import MultiScaleRetention, RetentionState
+from layers.rglru import RGLRU, RGLRUState
 from layers.rotary import apply_rotary
 from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
 from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix
 from layers.s4d import S4D, S4DState
+from layers.slstm import SLSTM, SLSTMState

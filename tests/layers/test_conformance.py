@@ -26,6 +26,7 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
     "base_conv": (16, {"expand": 2}),
     "fox": (32, {"num_heads": 4, "num_kv_heads": 2, "qk_norm": True, "output_norm": True, "output_gate": True}),
     "retnet": (32, {"num_heads": 2}),
+    "lightning": (16, {"num_heads": 2}),
     "gla": (32, {"num_heads": 2, "conv_size": 4}),
     "mamba": (16, {"state_size": 4}),
     "mamba2": (32, {"state_size": 8, "head_dim": 16, "num_groups": 2}),
@@ -39,7 +40,12 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
     "gated_deltanet": (16, {"num_heads": 2, "head_dim": 4}),
     "kda": (16, {"num_heads": 2, "head_dim": 4, "expand_v": 2.0, "allow_neg_eigval": True}),
     "gated_deltaproduct": (16, {"num_heads": 2, "head_dim": 4, "num_householder": 3}),
+    "gated_deltanet2": (16, {"num_heads": 2, "head_dim": 4, "expand_v": 2.0, "allow_neg_eigval": True}),
+    "comba": (16, {"num_heads": 2, "head_dim": 4}),
     "hgrn2": (16, {"num_heads": 2, "expand_ratio": 4, "conv_size": 4}),
+    "rglru": (16, {"lru_width": 24, "num_heads": 2, "conv_size": 4}),
+    "slstm": (16, {"num_heads": 2, "conv_size": 4}),
+    "mlstm": (16, {"num_heads": 2}),
     "rwkv6_channel_mix": (32, {"hidden_dim": 64}),
     "rwkv7_channel_mix": (32, {"hidden_dim": 64}),
 }
@@ -47,9 +53,10 @@ STATEFUL_FFNS = [k for k, c in FFNS.items() if hasattr(LAYER_OF[c], "init_state"
 
 
 def modes(config_cls) -> tuple:
-    """The modes a kind's config allows, but "auto" (an alias of one of them)."""
-    hints = typing.get_type_hints(config_cls)
-    return tuple(m for m in typing.get_args(hints["mode"]) if m != "auto") if "mode" in hints else ()
+    """The modes a kind's config allows (its `OneOf` choices), but "auto" (an alias of one of them)."""
+    hint = typing.get_type_hints(config_cls, include_extras=True).get("mode")
+    choices = [c for a in typing.get_args(hint)[1:] for c in getattr(a, "choices", ())]
+    return tuple(m for m in choices if m != "auto")
 
 
 def maker(kind: str):
