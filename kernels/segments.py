@@ -60,16 +60,16 @@ def scan_inputs(arrays: tuple, D: Array | None, segment_ids: Int[Array, "B T"] |
     return args, starts, entering_state(initial_state, state_shape)
 
 
-def scan_documents(step, state: Float[Array, "B ..."], xs: tuple, segment_ids: Int[Array, "B T"] | None = None):
-    """lax.scan of `step(S, *x_t) -> (o_t, S)` over time, with S set to zero before the step at
-    every document start. xs: arrays (B, T, ...), or None (passed to step as None). Returns
+def scan_documents(step, state: Float[Array, "B ..."] | tuple, xs: tuple, segment_ids: Int[Array, "B T"] | None = None):
+    """lax.scan of `step(S, *x_t) -> (o_t, S)` over time, with S (an array or a tuple of them) set to zero
+    before the step at every document start. xs: arrays (B, T, ...), or None (passed to step as None). Returns
     (o (B, T, ...), final S)."""
     B, T = next(x for x in xs if x is not None).shape[:2]
     starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
 
     def body(S, x_t):
         *x_t, start_t = x_t
-        S = jnp.where(start_t.reshape((B,) + (1,) * (S.ndim - 1)), 0.0, S)  # a new document starts from zero
+        S = jax.tree.map(lambda s: jnp.where(start_t.reshape((B,) + (1,) * (s.ndim - 1)), 0.0, s), S)  # zero at a start
         o_t, S = step(S, *x_t)
         return S, o_t
 

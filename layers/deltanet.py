@@ -94,9 +94,9 @@ def normalize_qk(x: Float[Array, "*B K"], kind: str) -> Float[Array, "*B K"]:
     return y.astype(x.dtype)
 
 
-def gate_proj(d_model, width, dtype, rngs):
+def gate_proj(d_model, width, dtype, rngs, bias: bool = False):
     """A projection to a few gate logits per token (beta, the decay's input), kept whole on a mesh."""
-    return Linear(d_model, width, use_bias=False, dtype=dtype, rngs=rngs, kernel_metadata=axes("embed", None))
+    return Linear(d_model, width, use_bias=bias, dtype=dtype, rngs=rngs, kernel_metadata=axes("embed", None))
 
 
 def decay_params(rngs, num_A: int, num_dt: int, A_low: float):

@@ -58,8 +58,8 @@ def test_reference_is_fla_order_and_kda_is_a_special_case():
         erase = np.einsum("hk,hkv->hv", b[0, t] * k[0, t], S)
         S = S + k[0, t][..., None] * (w[0, t] * v[0, t] - erase)[:, None, :]
         out.append(np.einsum("hk,hkv->hv", q[0, t] * 0.5, S))
-    o, S_T = gdn2(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, b, w)), initial_state=jnp.asarray(S0, jnp.float32),
-                  output_final_state=True, mode="recurrent")
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    o, S_T = gdn2(*map(f32, (q, k, v, g, b, w)), initial_state=f32(S0), output_final_state=True, mode="recurrent")
     assert_close(o[0], np.stack(out), what="reference o")
     assert_close(S_T[0], S, what="reference S")
     beta = np.asarray(b[..., 0])  # b = w = beta (scalar per head): Kimi Delta Attention
