@@ -53,6 +53,8 @@ KINDS = {
     "rglru": {"kind": "rglru", "num_heads": 8},
     "mlstm": {"kind": "mlstm", "num_heads": 4},
     "slstm": {"kind": "slstm", "num_heads": 4},
+    "mesanet": {"kind": "mesanet", "num_heads": 8},
+    "stickbreaking": {"kind": "stickbreaking", "num_heads": 8},
     "gated_deltaproduct": {"kind": "gated_deltaproduct", "num_heads": 8},
 }
 STEPS = 32

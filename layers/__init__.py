@@ -44,6 +44,7 @@ from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
 from layers.mamba3 import Mamba3, Mamba3State
+from layers.mesa import MesaNet, MesaState
 from layers.mixer import SequenceMixer
 from layers.mla import LatentCache, MultiHeadLatentAttention
 from layers.mlp import MLP, NoFFN
@@ -52,6 +53,7 @@ from layers.moba import MoBA, MoBABlocks
 from layers.moe import MoE
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.nsa import NativeSparseAttention, NSACompressed
+from layers.residual import AttentionResidual, DepthAttention, HyperConnection
 from layers.retnet import MultiScaleRetention, RetentionState
 from layers.rglru import RGLRU, RGLRUState
 from layers.rotary import apply_rotary
@@ -59,3 +61,4 @@ from layers.rwkv6 import RWKV6ChannelMix, RWKV6TimeMix
 from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix
 from layers.s4d import S4D, S4DState
 from layers.slstm import SLSTM, SLSTMState
+from layers.stickbreaking import StickBreakingAttention

@@ -42,10 +42,13 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
     "gated_deltaproduct": (16, {"num_heads": 2, "head_dim": 4, "num_householder": 3}),
     "gated_deltanet2": (16, {"num_heads": 2, "head_dim": 4, "expand_v": 2.0, "allow_neg_eigval": True}),
     "comba": (16, {"num_heads": 2, "head_dim": 4}),
+    "mesanet": (16, {"num_heads": 2, "cg_steps": 2, "use_output_gate": True}),
     "hgrn2": (16, {"num_heads": 2, "expand_ratio": 4, "conv_size": 4}),
     "rglru": (16, {"lru_width": 24, "num_heads": 2, "conv_size": 4}),
     "slstm": (16, {"num_heads": 2, "conv_size": 4}),
     "mlstm": (16, {"num_heads": 2}),
+    "stickbreaking": (16, {"num_heads": 4, "num_kv_heads": 2, "remainder": True, "qkv_bias": True,
+                           "qk_norm": True}),
     "rwkv6_channel_mix": (32, {"hidden_dim": 64}),
     "rwkv7_channel_mix": (32, {"hidden_dim": 64}),
 }
