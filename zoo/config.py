@@ -43,6 +43,21 @@ class ExitsConfig:
 
 
 @dataclass(frozen=True)
+class ResidualConfig:
+    """model.residual: how each sublayer (mixer, FFN) joins the residual stream (layers/residual.py,
+    docs/residual.md). kind (standard: x <- x + f(norm(x)); mhc: DeepSeek's manifold-constrained
+    hyper-connections, `rate` copies of the stream mixed by a doubly stochastic matrix; attnres: Kimi's
+    attention residuals, each sublayer's input a softmax over the embedding and earlier outputs);
+    rate (mhc: the expansion rate n, streams of the residual); iterations (mhc: Sinkhorn-Knopp rounds);
+    block_size (attnres: sublayers per block, 1 = Full AttnRes, more = Block AttnRes). Both act per
+    token, so decoding is unchanged; early exits (model.exits) need kind standard."""
+    kind: Literal["standard", "mhc", "attnres"] = "standard"
+    rate: PosInt = 4
+    iterations: PosInt = 20
+    block_size: PosInt = 1
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """model: vocab_size; d_model (residual width); num_layers; max_seq_len (the context the model
     is trained for, null = train.seq_len: the longest training sequence, and where attention's
@@ -51,7 +66,8 @@ class ModelConfig:
     the layers; replaces `mixer`); tie_embeddings (LM head shares the embedding matrix); norm (the
     blocks', final and exit norms: rms, or layer: LayerNorm with a bias, as RWKV); embed_norm (a norm of
     the embeddings before block 0, RWKV's ln0); norm_eps; dtype (compute dtype;
-    parameters stay float32); exits (optional early exits: the model.exits keys below); head (lm: next-
+    parameters stay float32); exits (optional early exits: the model.exits keys below); residual (the
+    residual connection: the model.residual keys below); head (lm: next-
     token logits at every position; pooled_decoder: MAD's compression autoencoder, where the last
     position's hidden state alone, plus each position's sinusoidal embedding, goes through a 2-layer
     GELU MLP to that position's logits, so the model must compress the sequence into one state; it is
@@ -70,6 +86,7 @@ class ModelConfig:
     norm_eps: PosFloat = 1e-6
     dtype: Literal["float32", "bfloat16"] = "float32"
     exits: ExitsConfig | None = None
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
     head: Literal["lm", "pooled_decoder"] = "lm"
     init_from: str | None = None
 
@@ -289,6 +306,7 @@ def check_model(cfg: ModelConfig, path: str = "model"):
         _check_exits(cfg.exits, cfg.num_layers, f"{path}.exits")
         if cfg.head != "lm":
             raise ValueError(f"{path}.exits: early exits need model.head=lm, got {cfg.head!r}")
+    _check_residual(cfg, path)
 
 
 def student_model(teacher: ModelConfig, mixer, layers=None, path: str = "train.distill.convert") -> ModelConfig:
@@ -315,6 +333,18 @@ def _check_exits(e: ExitsConfig, num_layers: int, path: str):
     if len(e.weights) != len(e.layers):
         raise ValueError(f"{path}.weights: expected one loss weight per exit layer ({len(e.layers)}), "
                          f"got {list(e.weights)}")
+
+
+def _check_residual(cfg: ModelConfig, path: str):
+    r = cfg.residual
+    for key, owner in (("rate", "mhc"), ("iterations", "mhc"), ("block_size", "attnres")):
+        if r.kind != owner and getattr(r, key) != getattr(ResidualConfig, key):
+            raise ValueError(f"{path}.residual.{key}: an option of model.residual.kind={owner}, given with "
+                             f"kind={r.kind!r}; remove it or set model.residual.kind={owner}")
+    if r.kind != "standard" and cfg.exits is not None:
+        raise ValueError(f"{path}.residual.kind: {r.kind!r} with {path}.exits: early exits and self-speculative "
+                         "drafting read the hidden state of one residual stream; use model.residual.kind=standard "
+                         "or remove model.exits")
 
 
 def _check_train(cfg: Config):
@@ -369,6 +399,9 @@ def from_dict(data: dict) -> Config:
     if train.distill is not None and train.distill.trainable == "converted" and train.distill.convert is None:
         raise ValueError("train.distill.trainable: 'converted' trains the layers train.distill.convert replaces; "
                          "there is no convert section")
+    if train.distill is not None and train.distill.stage == "layers" and cfg.model.residual.kind != "standard":
+        raise ValueError("train.distill.stage: 'layers' matches each converted mixer on the (B, T, D) residual "
+                         f"stream; model.residual.kind={cfg.model.residual.kind!r} carries another: use stage 'logits'")
     if train.distill is not None and train.distill.stage == "layers" and train.distill.trainable != "converted":
         raise ValueError("train.distill.stage: 'layers' trains the converted mixers alone; set train.distill.trainable"
                          ": converted (and a convert section)")

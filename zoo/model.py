@@ -2,6 +2,11 @@
 
     h = x + mixer(norm(x));  y = h + ffn(norm(h))      (y = h with ffn: none, Mamba's blocks)
 
+`model.residual` replaces the two `+` (layers/residual.py, docs/residual.md): mHC widens the stream to
+n copies mixed by a doubly stochastic matrix around each sublayer, AttnRes gives each sublayer a
+softmax over the embedding and earlier outputs. The walk carries that stream (`enter_residual`) and
+the final norm reads `leave_residual` of it; both act per token, so decoding is unchanged.
+
 Every mixer kind plugs in through the registry; the model never looks at which kind it holds. A
 stateful FFN (one with `init_state`, e.g. RWKV's channel mix with its token shift) gets a decode
 state beside its mixer's. A mixer with `carries_v_first` (RWKV-7's value residual) receives the
@@ -36,6 +41,7 @@ from jaxtyping import Array, Float, Int
 from layers import NoFFN, RMSNorm
 from layers.linear import project
 from layers.norm import LayerNorm
+from layers.residual import AttentionResidual, DepthAttention, HyperConnection, narrow, start, widen
 from layers.sharding import axes, constrain
 from zoo.config import ModelConfig
 from zoo.registry import make_layer
@@ -50,21 +56,31 @@ def norm_of(cfg: ModelConfig):
 
 
 class Block(nnx.Module):
-    def __init__(self, mixer: nnx.Module, ffn: nnx.Module, norm):
+    def __init__(self, mixer: nnx.Module, ffn: nnx.Module, norm, residual=None):
         self.mixer_norm, self.mixer = norm(), mixer
         self.ffn_norm, self.ffn = (None if isinstance(ffn, NoFFN) else norm()), ffn  # none: no FFN
         self.stateful_ffn = hasattr(ffn, "init_state")
+        self.residual = residual  # None: x + f(x); else the connection around each sublayer (model.residual)
+
+    def connect(self, j: int, x, f):
+        """Sublayer j (0 mixer, 1 FFN) joined to the residual stream x: f(h) -> (y, aux) gives (x, aux)."""
+        if self.residual is None:
+            y, aux = f(x)
+            return x + y, aux
+        return self.residual[j](x, f)
 
     def __call__(self, x, segment_ids=None, v_first=None):
-        if getattr(self.mixer, "carries_v_first", False):
-            y, v_first = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, v_first=v_first)
-        else:
-            y = self.mixer(self.mixer_norm(x), segment_ids=segment_ids)
-        x = x + y
-        if self.ffn_norm is None:
-            return x, v_first
-        h = self.ffn_norm(x)
-        return x + (self.ffn(h, segment_ids=segment_ids) if self.stateful_ffn else self.ffn(h)), v_first
+        def mix(h):
+            if getattr(self.mixer, "carries_v_first", False):
+                return self.mixer(self.mixer_norm(h), segment_ids=segment_ids, v_first=v_first)
+            return self.mixer(self.mixer_norm(h), segment_ids=segment_ids), v_first
+
+        def ffn(h):
+            h = self.ffn_norm(h)
+            return (self.ffn(h, segment_ids=segment_ids) if self.stateful_ffn else self.ffn(h)), None
+
+        x, v_first = self.connect(0, x, mix)
+        return (x if self.ffn_norm is None else self.connect(1, x, ffn)[0]), v_first
 
     def init_state(self, batch_size: int, max_len: int):
         ffn = self.ffn.init_state(batch_size, max_len) if self.stateful_ffn else None
@@ -72,22 +88,42 @@ class Block(nnx.Module):
 
     def decode(self, x, state, segment_ids=None, v_first=None, steps=False):
         steps = {"steps": True} if steps else {}  # asked for only when used: a mixer without it still decodes
-        if getattr(self.mixer, "carries_v_first", False):
-            y, mixer_state, v_first = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids,
-                                                        v_first=v_first, **steps)
-        else:
-            y, mixer_state = self.mixer.decode(self.mixer_norm(x), state[0], segment_ids=segment_ids, **steps)
-        x = x + y
+
+        def mix(h):
+            if getattr(self.mixer, "carries_v_first", False):
+                y, s, vf = self.mixer.decode(self.mixer_norm(h), state[0], segment_ids=segment_ids,
+                                             v_first=v_first, **steps)
+                return y, (s, vf)
+            y, s = self.mixer.decode(self.mixer_norm(h), state[0], segment_ids=segment_ids, **steps)
+            return y, (s, v_first)
+
+        def ffn(h):
+            if not self.stateful_ffn:
+                return self.ffn(self.ffn_norm(h)), None
+            return self.ffn.decode(self.ffn_norm(h), state[1], segment_ids=segment_ids, **steps)
+
+        x, (mixer_state, v_first) = self.connect(0, x, mix)
         if self.ffn_norm is None:
             return x, (mixer_state, None), v_first
-        if not self.stateful_ffn:
-            return x + self.ffn(self.ffn_norm(x)), (mixer_state, None), v_first
-        y, ffn_state = self.ffn.decode(self.ffn_norm(x), state[1], segment_ids=segment_ids, **steps)
-        return x + y, (mixer_state, ffn_state), v_first
+        x, ffn_state = self.connect(1, x, ffn)
+        return x, (mixer_state, ffn_state), v_first
 
     def rollback(self, stepped, drop):
         ffn = None if stepped[1] is None else self.ffn.rollback(stepped[1], drop)
         return self.mixer.rollback(stepped[0], drop), ffn
+
+
+def connections(cfg: ModelConfig, first: int, sublayers: int) -> nnx.List | None:
+    """The model.residual connection around each sublayer of a block whose first sublayer is number
+    `first` in the model (mixer, then FFN); None: the standard x + f(x)."""
+    r = cfg.residual
+    if r.kind == "mhc":
+        return nnx.List([HyperConnection(cfg.d_model, r.rate, index=first + j, iterations=r.iterations,
+                                         eps=cfg.norm_eps) for j in range(sublayers)])
+    if r.kind == "attnres":
+        return nnx.List([AttentionResidual(cfg.d_model, index=first + j, block_size=r.block_size, eps=cfg.norm_eps)
+                         for j in range(sublayers)])
+    return None
 
 
 def _runner(block: Block, segment_ids, steps: bool, train: bool):
@@ -112,11 +148,14 @@ class LanguageModel(nnx.Module):
                                embedding_init=nnx.initializers.normal(0.02),
                                embedding_metadata=axes("vocab", "embed"), rngs=rngs)
         model_kwargs = lambda i: dict(layer_id=i, num_layers=cfg.num_layers, max_seq_len=cfg.max_seq_len)
+        sublayers = 1 if cfg.ffn.KIND == "none" else 2
         self.blocks = nnx.List([
             Block(make_layer(m, cfg.d_model, dtype=dtype, rngs=rngs, **model_kwargs(i)),
                   make_layer(cfg.ffn, cfg.d_model, dtype=dtype, rngs=rngs, **model_kwargs(i)),
-                  lambda: norm_of(cfg))
+                  lambda: norm_of(cfg), connections(cfg, i * sublayers, sublayers))
             for i, m in enumerate(cfg.mixers())])
+        self.residual_read = DepthAttention(cfg.d_model, eps=cfg.norm_eps) if cfg.residual.kind == "attnres" \
+            else None  # AttnRes: the final norm's input, a last read over depth
         self.embed_norm = norm_of(cfg) if cfg.embed_norm else None
         self.norm = norm_of(cfg)
         self.head = None if cfg.tie_embeddings else nnx.Param(
@@ -216,14 +255,26 @@ class LanguageModel(nnx.Module):
         run(x, rest) -> (y, rest) is the block itself, `rest` its state and RWKV-7's value residual (opaque
         to the caller). The caller may run it under control flow or for its state alone, replace its output
         (hold a row's hidden state) and update its own `carry` (early exit's decisions so far)."""
-        x, v_first, new_state = constrain(x, RESIDUAL), None, []
+        x, v_first, new_state = self.enter_residual(constrain(x, RESIDUAL)), None, []
         for i, block in enumerate(self.blocks[:depth]):
             run = _runner(block, segment_ids, steps, train=state is None)
             rest = (None if state is None else state[i], v_first)
             y, (s, v_first), carry = step(i, run, x, rest, carry) if step else (*run(x, rest), carry)
-            x = constrain(y, RESIDUAL)
+            x = jax.tree.map(lambda a: constrain(a, ("batch",) + (None,) * (a.ndim - 1)), y)  # RESIDUAL, or wider
             new_state.append(s)
-        return x, None if state is None else tuple(new_state), carry
+        return self.leave_residual(x), None if state is None else tuple(new_state), carry
+
+    def enter_residual(self, x: Float[Array, "B T D"]):
+        """The residual stream block 0 reads (model.residual): x itself; mHC's n copies (B, T, n, D);
+        AttnRes's (closed blocks, open partial sum)."""
+        kind = self.cfg.residual.kind
+        return x if kind == "standard" else widen(x, self.cfg.residual.rate) if kind == "mhc" else start(x)
+
+    def leave_residual(self, stream) -> Float[Array, "B T D"]:
+        """What the final norm reads from the stream: itself; mHC's sum of the n streams; AttnRes's last read."""
+        kind = self.cfg.residual.kind
+        return stream if kind == "standard" else narrow(stream) if kind == "mhc" else \
+            self.residual_read((*stream[0], stream[1]))
 
     def pooled_decode(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         """model.head=pooled_decoder: every position decoded from the last position's state alone."""

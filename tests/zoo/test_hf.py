@@ -141,6 +141,7 @@ def test_unsupported_configs_are_refused_naming_the_field(tmp_path, case, change
     ("gla", ["model.mixer.gate_low_rank_dim=8"], "fla's GLA has gate_low_rank_dim 16"),
     ("transformer", ["model.norm=layer"], "LayerNorm blocks .* only in fla's RWKV-7 layout"),
     ("diff_attention", [], "output_gate, differential and rope_fraction have no architecture"),
+    ("mhc", [], "model.residual other than standard"),
 ])
 def test_save_refuses_what_has_no_hugging_face_form(tmp_path, config, overrides, message):
     cfg = zoo.load_config(f"configs/{config}.yaml", ["model.num_layers=1", "model.d_model=32", *overrides])

@@ -34,8 +34,9 @@ def tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
 def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     """The config.json of a zoo model `save` can write; a ValueError naming what it cannot."""
     m, f = cfg.mixer, cfg.ffn
-    if cfg.exits is not None or cfg.head != "lm":
-        raise ValueError("zoo.hf.save: early exits and model.head other than lm have no transformers equivalent")
+    if cfg.exits is not None or cfg.head != "lm" or cfg.residual.kind != "standard":
+        raise ValueError("zoo.hf.save: early exits, model.head other than lm and model.residual other than standard "
+                         "have no transformers equivalent")
     if (cfg.norm, cfg.embed_norm) != ("rms", False) and m.KIND != "rwkv7":
         raise ValueError("zoo.hf.save: LayerNorm blocks (model.norm: layer) and model.embed_norm have a Hugging Face "
                          "form only in fla's RWKV-7 layout")
