@@ -55,6 +55,8 @@ KINDS = {
     "slstm": {"kind": "slstm", "num_heads": 4},
     "mesanet": {"kind": "mesanet", "num_heads": 8},
     "stickbreaking": {"kind": "stickbreaking", "num_heads": 8},
+    "loglinear_mamba2": {"kind": "loglinear_mamba2", "head_dim": 64},
+    "ttt_linear": {"kind": "ttt_linear", "num_heads": 4},
     "gated_deltaproduct": {"kind": "gated_deltaproduct", "num_heads": 8},
 }
 STEPS = 32

@@ -19,7 +19,8 @@ the whole code base:
     V value head dim  N state size (SSM)      P SSM head dim (Mamba-2)            E experts
     F features, or FFN hidden width           W a short convolution's window state (kernel_size - 1)
     C chunk           Dm Mamba's inner channels (expand * D), the selective scan's channels
-    Nh Householder (delta-rule) steps per token (DeltaProduct)
+    Nh Householder (delta-rule) steps per token (DeltaProduct)           L Fenwick levels (log-linear attention)
+    n residual streams (mHC, model.residual)
 
 Products like `H*K` are checked too; `#B` also accepts 1 (broadcast); a name with a leading
 underscore (`_V1`) documents a dimension that is not checked.

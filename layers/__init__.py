@@ -41,6 +41,7 @@ from layers.hgrn2 import HGRN2, HGRN2State
 from layers.hyena import Hyena, HyenaState
 from layers.lightning import LightningAttention, LightningState
 from layers.linear_attention import LinearAttention, LinearAttentionState
+from layers.loglinear import LogLinearMamba2, LogLinearMamba2State
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
 from layers.mamba3 import Mamba3, Mamba3State
@@ -62,3 +63,4 @@ from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix
 from layers.s4d import S4D, S4DState
 from layers.slstm import SLSTM, SLSTMState
 from layers.stickbreaking import StickBreakingAttention
+from layers.ttt import TTTLinear, TTTState

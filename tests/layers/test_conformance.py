@@ -31,6 +31,7 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
     "mamba": (16, {"state_size": 4}),
     "mamba2": (32, {"state_size": 8, "head_dim": 16, "num_groups": 2}),
     "mamba3": (32, {"state_size": 8, "head_dim": 16, "num_groups": 2}),
+    "loglinear_mamba2": (32, {"state_size": 8, "head_dim": 16, "num_groups": 2, "max_levels": 6}),
     "s4d": (16, {"state_size": 8}),
     "hyena": (16, {"filter_order": 8, "filter_emb_dim": 5, "filter_inner_layers": 1}),
     "rwkv6": (32, {"head_dim": 16, "mix_lora_dim": 4, "decay_lora_dim": 4}),
@@ -49,6 +50,7 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
     "mlstm": (16, {"num_heads": 2}),
     "stickbreaking": (16, {"num_heads": 4, "num_kv_heads": 2, "remainder": True, "qkv_bias": True,
                            "qk_norm": True}),
+    "ttt_linear": (16, {"num_heads": 2, "mini_batch_size": 4}),
     "rwkv6_channel_mix": (32, {"hidden_dim": 64}),
     "rwkv7_channel_mix": (32, {"hidden_dim": 64}),
 }
