@@ -20,11 +20,19 @@ import pytest
 
 from kernels.attention import Band, attention
 from kernels.delta_rule import delta_rule
+from kernels.gdn2 import gdn2
 from kernels.gla import gla
 from kernels.linear_attention import linear_attention
+from kernels.loglinear import loglinear_ssd
+from kernels.mesa import mesa
+from kernels.mlstm import mlstm
 from kernels.retention import retention
+from kernels.rglru import rglru
 from kernels.selective_scan import selective_scan
+from kernels.slstm import slstm
 from kernels.ssd import ssd
+from kernels.stickbreaking import stickbreaking
+from kernels.ttt import ttt_linear
 from kernels.wkv6 import wkv6
 from kernels.wkv7 import wkv7
 from tests.kernels import (
@@ -32,13 +40,21 @@ from tests.kernels import (
     test_attention_pallas_tpu,
     test_delta_rule_pallas,
     test_delta_rule_pallas_tpu,
+    test_gdn2,
     test_gla_pallas,
     test_gla_pallas_tpu,
     test_linear_attention,
+    test_loglinear,
+    test_mesa,
+    test_mlstm,
     test_retention,
+    test_rglru,
     test_selective_scan_pallas,
     test_selective_scan_pallas_tpu,
+    test_slstm,
     test_ssd_pallas,
+    test_stickbreaking,
+    test_ttt,
     test_wkv6,
     test_wkv7,
     test_wkv7_pallas,
@@ -53,10 +69,42 @@ OPS = {"attention": attention, "gla": gla, "retention": retention, "linear_atten
        "delta_rule": delta_rule, "kda": delta_rule, "ssd": ssd, "selective_scan": selective_scan, "wkv6": wkv6,
        "wkv7": wkv7}  # kda: delta_rule with a gate per key channel
 
+# The ops of the later kinds, whose signatures differ: (modes of impl="xla", their float inputs from the op
+# tests' helpers, the call on those inputs with the packed row). Integer state (a count, a position in a
+# mini-batch) is closed over, not differentiated.
+_ttt_args, _ttt_state = test_ttt.inputs(B, T, H, K)
+FRONTIER = {
+    "gdn2": (("recurrent", "chunk", "parallel"),
+             lambda: dict(zip("q k v g b w initial_state".split(), test_gdn2.inputs(B, T, H, K, K))),
+             lambda x, **kw: gdn2(**x, segment_ids=SEG[:B], output_final_state=True, chunk_size=CHUNK, **kw)),
+    "mesa": (("recurrent", "chunk", "parallel"), lambda: dict(zip("q k v g beta lamb H0 G0".split(),
+                                                                 test_mesa.inputs(B, T, H, K, K))),
+             lambda x, **kw: mesa(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lamb"], cg_steps=3,
+                                  initial_state=(x["H0"], x["G0"]), segment_ids=SEG[:B], output_final_state=True,
+                                  chunk_size=CHUNK, **kw)),
+    "mlstm": (("recurrent", "chunk", "parallel"),
+              lambda: dict(zip("q k v i_pre f_pre initial_state".split(), test_mlstm.make_inputs(B, T, H, K, K))),
+              lambda x, **kw: mlstm(**x, segment_ids=SEG[:B], output_final_state=True, chunk_size=CHUNK, **kw)),
+    "rglru": (("recurrent", "parallel"), lambda: test_rglru.make_inputs(0, B, T, 2 * K),
+              lambda x, **kw: rglru(**x, segment_ids=SEG[:B], output_final_state=True, **kw)),
+    "loglinear": (("recurrent", "parallel"), lambda: test_loglinear.make_inputs(0, B, T, H, K, 1, K, 4),
+                  lambda x, **kw: loglinear_ssd(**x, initial_count=jnp.array([5], jnp.int32), segment_ids=SEG[:B],
+                                                output_final_state=True, **kw)[0]),
+    "ttt": (("recurrent", "chunk"), lambda: {"args": _ttt_args, "state": _ttt_state[:4]},
+            lambda x, **kw: ttt_linear(*x["args"], initial_state=(*x["state"], _ttt_state[4]), segment_ids=SEG[:B],
+                                       output_final_state=True, **kw)),
+    "slstm": ((None,), lambda: dict(zip(("x", "R", "b", "initial_state"), test_slstm.make_inputs(B, T, H, K))),
+              lambda x, **kw: slstm(**x, segment_ids=SEG[:B], output_final_state=True, **kw)),
+    "stickbreaking": ((None,), lambda: dict(zip("qkv", test_stickbreaking.inputs(B, T, T, H, 1, K, 0))),
+                      lambda x, **kw: stickbreaking(**x, segment_ids=SEG[:B], **kw)),
+}
+
 
 @functools.cache
 def _inputs(op):
     """The op's float inputs by name, float32, from the helpers of its own tests."""
+    if op in FRONTIER:
+        return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), FRONTIER[op][1]())
     if op == "attention":
         q, k, v, _ = test_attention_pallas._inputs(B, T, T, H, 1, K, K)  # both heads on one kv head
         x = {"q": q, "k": k, "v": v}
@@ -82,6 +130,9 @@ def _inputs(op):
 
 def _call(op, x, **kw):
     """The op on inputs x with the packed row of documents (and its initial state); its outputs."""
+    if op in FRONTIER:
+        outs = jax.tree.leaves(FRONTIER[op][2](x, **kw))
+        return [o for o in outs if jnp.issubdtype(o.dtype, jnp.floating)]  # not a count or a position
     if op == "attention":
         band = Band(window=9, sinks=2, dilation=(1, 2))
         return (attention(x["q"], x["k"], x["v"], segment_ids=SEG[:B], band=band, **kw),)
@@ -159,7 +210,8 @@ def check_under_x64(op, impl, mode=None):
 def _cases():
     """(op, impl, mode) by name: "reference" and each mode of "xla" ("auto" is "xla" on CPU)."""
     modes = {"attention": (None,), "selective_scan": ("recurrent", "chunk", "parallel", "auto")}
-    for op in OPS:
+    modes |= {op: spec[0] for op, spec in FRONTIER.items()}
+    for op in [*OPS, *FRONTIER]:
         calls = [("reference", None)]
         calls += [("xla", mode) for mode in modes.get(op, ("recurrent", "chunk", "parallel"))]
         for impl, mode in calls:
