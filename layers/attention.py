@@ -156,6 +156,29 @@ def _head_masks(H: int, window, sinks: int, dilation: int, head_masks, ring_spar
     return list(head_masks)
 
 
+def make_projections(layer, d_model: int, H: int, G: int, K: int, qkv_bias: bool, rngs: nnx.Rngs):
+    """The projections of a softmax-attention-like layer, with their sharding axes: wq (D, H, K), wk, wv
+    (D, G, K), wo (H, K, D), and with qkv_bias the biases bq (H, K), bk, bv (G, K) (else None)."""
+    init = nnx.initializers.normal(d_model ** -0.5)
+    layer.wq = nnx.Param(init(rngs.params(), (d_model, H, K)), **axes("embed", "heads", None))
+    layer.wk = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
+    layer.wv = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
+    layer.wo = nnx.Param(nnx.initializers.normal((H * K) ** -0.5)(rngs.params(), (H, K, d_model)),
+                         **axes("heads", None, "embed"))
+    zeros = lambda n, name: nnx.Param(jnp.zeros((n, K), jnp.float32), **axes(name, None))
+    layer.bq, layer.bk, layer.bv = (zeros(H, "heads"), zeros(G, "kv_heads"), zeros(G, "kv_heads")) if qkv_bias \
+        else (None, None, None)
+
+
+def project_qkv(layer, x: Float[Array, "B T D"]):
+    """q (B, T, H, K), k, v (B, T, G, K) from `make_projections`' weights (and biases), in layer.dtype."""
+    x = x.astype(layer.dtype)
+    q, k, v = (project(x, w[...].astype(layer.dtype)) for w in (layer.wq, layer.wk, layer.wv))
+    if layer.bq is not None:
+        q, k, v = (a + b[...].astype(layer.dtype) for a, b in zip((q, k, v), (layer.bq, layer.bk, layer.bv)))
+    return q, k, v
+
+
 class Attention(SequenceMixer):
     """Softmax attention: MHA (num_kv_heads = num_heads or None), GQA, MQA (num_kv_heads = 1); head_dim None = d_model /
     num_heads; window: sliding-window length in tokens (None = full causal); sinks: the first tokens of each document
@@ -208,17 +231,10 @@ class Attention(SequenceMixer):
         self.rope_scaling = rope_scaling
         self.exact_up_to = rope_scaling.original_max_position_embeddings \
             if rope_scaling is not None and rope_scaling.type == "dynamic" else None
-        init = nnx.initializers.normal(d_model ** -0.5)
-        self.wq = nnx.Param(init(rngs.params(), (d_model, H, K)), **axes("embed", "heads", None))
-        self.wk = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
-        self.wv = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
-        self.wo = nnx.Param(nnx.initializers.normal((H * K) ** -0.5)(rngs.params(), (H, K, d_model)),
-                            **axes("heads", None, "embed"))
-        zeros = lambda n, name: nnx.Param(jnp.zeros((n, K), jnp.float32), **axes(name, None))
-        self.bq, self.bk, self.bv = (zeros(H, "heads"), zeros(G, "kv_heads"), zeros(G, "kv_heads")) if qkv_bias \
-            else (None, None, None)
+        make_projections(self, d_model, H, G, K, qkv_bias, rngs)
         self.q_norm, self.k_norm = (RMSNorm(qk, eps=norm_eps), RMSNorm(qk, eps=norm_eps)) if qk_norm else (None, None)
         gate = {None: None, "head": (H,), "channel": (H, K)}[output_gate]
+        init = nnx.initializers.normal(d_model ** -0.5)
         gate_axes = ("heads",) + (None,) * (len(gate or ()) - 1)
         self.w_out_gate = None if gate is None else nnx.Param(init(rngs.params(), (d_model, *gate)),
                                                               **axes("embed", *gate_axes))
@@ -257,10 +273,7 @@ class Attention(SequenceMixer):
         self.band = Band(**fields)
 
     def _qkv(self, x, positions):
-        x = x.astype(self.dtype)
-        q, k, v = (project(x, w[...].astype(self.dtype)) for w in (self.wq, self.wk, self.wv))  # (B, T, H|G, K)
-        if self.bq is not None:
-            q, k, v = (a + b[...].astype(self.dtype) for a, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
+        q, k, v = project_qkv(self, x)
         B, T, _, K = q.shape
         if self.differential:  # each head's query and key as two of K/2 dims, [q1 | q2]
             q, k = (a.reshape(B, T, -1, K // 2) for a in (q, k))  # (B, T, 2H|2G, K/2)

@@ -36,13 +36,13 @@ from kernels.attention import write_rows
 from kernels.long_conv import check_no_pallas
 from kernels.segments import document_index, positions_in_document
 from kernels.stickbreaking import stickbreaking
-from layers.attention import KVCache
+from layers.attention import KVCache, make_projections, project_qkv
 from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.options import Impl, PosFloat, PosInt
 from layers.shapes import head_shape
-from layers.sharding import axes, constrain
+from layers.sharding import constrain
 from layers.state import cache_counters, empty_cache
 
 
@@ -63,22 +63,11 @@ class StickBreakingAttention(SequenceMixer):
         H, G, K = head_shape(d_model, num_heads, num_kv_heads, head_dim)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, H, G, K
         self.remainder, self.impl, self.dtype = remainder, impl, dtype
-        init = nnx.initializers.normal(d_model ** -0.5)
-        self.wq = nnx.Param(init(rngs.params(), (d_model, H, K)), **axes("embed", "heads", None))
-        self.wk = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
-        self.wv = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
-        self.wo = nnx.Param(nnx.initializers.normal((H * K) ** -0.5)(rngs.params(), (H, K, d_model)),
-                            **axes("heads", None, "embed"))
-        zeros = lambda n, name: nnx.Param(jnp.zeros((n, K), jnp.float32), **axes(name, None))
-        self.bq, self.bk, self.bv = (zeros(H, "heads"), zeros(G, "kv_heads"), zeros(G, "kv_heads")) if qkv_bias \
-            else (None, None, None)
+        make_projections(self, d_model, H, G, K, qkv_bias, rngs)
         self.q_norm, self.k_norm = (RMSNorm(K, eps=norm_eps), RMSNorm(K, eps=norm_eps)) if qk_norm else (None, None)
 
     def _qkv(self, x):
-        x = x.astype(self.dtype)
-        q, k, v = (project(x, w[...].astype(self.dtype)) for w in (self.wq, self.wk, self.wv))  # (B, T, H|G, K)
-        if self.bq is not None:
-            q, k, v = (a + b[...].astype(self.dtype) for a, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
+        q, k, v = project_qkv(self, x)  # (B, T, H|G, K)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(q, ("batch", None, "heads", None))
