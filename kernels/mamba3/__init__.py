@@ -19,6 +19,11 @@ Mamba-2's SSD op (kernels/ssd) is not called: its decay exp(Δ A) and its input 
 (trapezoid.py); writing one through the other would divide by Δ A, which is as small as Δ A_floor.
 chunk.py and parallel.py are SSD's two forms with the decay and the input given apart.
 
+`mamba3_mimo` is the MIMO variant (reference.py's `mamba3_mimo_step`): B, C (B, T, H, Mr, N) with a
+rank axis, x_proj (H, Mr, P) lifting x to Mr inputs, Mr outputs (B, T, H, Mr, P) returned for the
+caller to mix; its carry's B̄_{t-1} is (B, H, Mr, N). Its forms: the same scan, and mimo.py's rewrite
+of each token as Mr steps of the same scalar-decay linear attention (chunk, parallel, pallas).
+
 impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan whatever the mode;
 "pallas" the rewrite on GLA's Pallas kernels in their scalar-gate mode (Triton on GPU, Mosaic on
 TPU, interpret mode on CPU, slow and meant for tests), whose chunk is their own block size; "auto"
@@ -31,7 +36,15 @@ from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode, use_pallas
 from kernels.gla.pallas import supports
-from kernels.mamba3.reference import Mamba3Carry, mamba3_recurrent, mamba3_step, zero_carry
+from kernels.mamba3.mimo import mamba3_mimo_rewrite
+from kernels.mamba3.reference import (
+    Mamba3Carry,
+    mamba3_mimo_recurrent,
+    mamba3_mimo_step,
+    mamba3_recurrent,
+    mamba3_step,
+    zero_carry,
+)
 from kernels.mamba3.trapezoid import mamba3_trapezoid
 from kernels.segments import document_starts
 
@@ -67,4 +80,36 @@ def mamba3(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array
     return y.astype(x.dtype), (carry if output_final_state else None)
 
 
-__all__ = ["Mamba3Carry", "mamba3", "mamba3_step", "zero_carry"]
+def mamba3_mimo(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "B T H"],
+                lam: Float[Array, "B T H"], B: Float[Array, "B T H Mr N"], C: Float[Array, "B T H Mr N"],
+                theta: Float[Array, "B T H N//2"], x_proj: Float[Array, "H Mr P"], D: Float[Array, " H"] | None = None,
+                *, segment_ids: Int[Array, "B T"] | None = None, initial_state: Mamba3Carry | None = None,
+                output_final_state: bool = False, mode: str = "chunk", chunk_size: int = 64, impl: str = "auto"):
+    """Returns (Y (B, T, H, Mr, P) in x's dtype, the final Mamba3Carry (float32, b (B, H, Mr, N)) or None);
+    arguments as `mamba3`'s, chunk_size in tokens (a chunk holds chunk_size * Mr rank steps)."""
+    check_mode(mode, chunk_size, "mamba3_mimo")
+    check_impl(impl, "mamba3_mimo")
+    Bsz, T, H, P = x.shape
+    R, N = B.shape[-2:]
+    if (any(a.shape != (Bsz, T, H) for a in (dt, A, lam)) or B.shape != (Bsz, T, H, R, N) or C.shape != B.shape
+            or N % 2 or theta.shape != (Bsz, T, H, N // 2) or x_proj.shape != (H, R, P)):
+        raise ValueError(f"mamba3_mimo: expected x (B, T, H, P), dt, A, lam (B, T, H), B, C (B, T, H, Mr, N) with N "
+                         f"even, theta (B, T, H, N/2) and x_proj (H, Mr, P); got x {x.shape}, dt {dt.shape}, A "
+                         f"{A.shape}, lam {lam.shape}, B {B.shape}, C {C.shape}, theta {theta.shape}, x_proj "
+                         f"{x_proj.shape}")
+    f32 = jnp.float32
+    starts = jnp.zeros((Bsz, T), bool) if segment_ids is None else document_starts(segment_ids)
+    carry = (zero_carry(Bsz, H, P, N, R) if initial_state is None
+             else Mamba3Carry(*(a.astype(f32) for a in initial_state)))
+    args = [a.astype(f32) for a in (x, dt, A, lam, B, C, theta, x_proj)] + [None if D is None else D.astype(f32)]
+    q = C.reshape(Bsz, T * R, H, N)  # (B, T R, H, N): the rank steps' shape, for supports()
+    if use_pallas(impl, supports(q, q, x)):
+        y, carry = mamba3_mimo_rewrite(*args, starts, segment_ids, carry, "pallas", chunk_size)
+    elif impl == "reference" or mode == "recurrent":
+        y, carry = mamba3_mimo_recurrent(*args, starts, carry)
+    else:
+        y, carry = mamba3_mimo_rewrite(*args, starts, segment_ids, carry, mode, chunk_size)
+    return y.astype(x.dtype), (carry if output_final_state else None)
+
+
+__all__ = ["Mamba3Carry", "mamba3", "mamba3_mimo", "mamba3_mimo_step", "mamba3_step", "zero_carry"]

@@ -2,7 +2,9 @@
 final state, document resets, the carried previous-token term); every form (chunk, parallel, the
 Pallas kernels in interpret mode) against the reference on outputs, final state and gradients w.r.t.
 every input and the initial state, T = 1 and T not a multiple of the chunk; λ = 1 without rotation
-is Mamba-2's SSD; bfloat16 inputs and argument errors."""
+is Mamba-2's SSD; bfloat16 inputs and argument errors. The MIMO op (mamba3_mimo, rank 2) the same
+way: its reference against the equations, its rewrite's forms against the reference, and rank 1 with
+unit weights against the SISO op."""
 
 import functools
 import math
@@ -12,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.mamba3 import Mamba3Carry, mamba3
+from kernels.mamba3 import Mamba3Carry, mamba3, mamba3_mimo
 from kernels.ssd import ssd
 from tests.util import assert_close, unchecked
 
@@ -46,11 +48,11 @@ def assert_carry_close(got, want, what):
 
 
 @functools.cache
-def outputs_and_grads(mode, chunk_size, impl="auto"):
+def outputs_and_grads(mode, chunk_size, impl="auto", op=mamba3):
     """jit(inputs, carry, segment_ids, weights) -> ((y, carry), grads of a random projection of both)."""
 
     def loss(inputs, carry, segment_ids, wy, wc):
-        y, c = mamba3(**inputs, initial_state=carry, segment_ids=segment_ids, output_final_state=True,
+        y, c = op(**inputs, initial_state=carry, segment_ids=segment_ids, output_final_state=True,
                       mode=mode, chunk_size=chunk_size, impl=impl)
         # The angle enters through cos and sin: wrapping it to [0, 2π) keeps its gradient.
         c_loss = sum(jnp.sum(a * w) for a, w in zip((c.h, jnp.sin(c.angle), c.b, c.x), wc))
@@ -59,10 +61,10 @@ def outputs_and_grads(mode, chunk_size, impl="auto"):
     return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
 
 
-def weights(seed, inputs, carry):
+def weights(seed, inputs, carry, y_shape=None):
     rng = np.random.default_rng(seed)
-    w = lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32)
-    return w(inputs["x"]), tuple(w(a) for a in carry)
+    w = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    return w(y_shape or inputs["x"].shape), tuple(w(a.shape) for a in carry)
 
 
 CASES = [  # (B, T, H, P, N, chunk_size, segment rows or None)
@@ -159,3 +161,93 @@ def test_argument_errors():
     with unchecked(), pytest.raises(ValueError, match=r"theta \(B, T, H, N/2\)"):
         mamba3(**{**inputs, "theta": inputs["B"]})
     assert jax.eval_shape(lambda: mamba3(**inputs))[1] is None
+    mimo, _ = make_mimo_inputs(0, 1, 4, 1, 2, 4, 2)
+    with unchecked(), pytest.raises(ValueError, match=r"x_proj \(H, Mr, P\)"):
+        mamba3_mimo(**{**mimo, "x_proj": mimo["x_proj"][:, :1]})
+
+
+def make_mimo_inputs(seed, Bsz, T, H, P, N, R):
+    """make_inputs with B, C (B, T, H, R, N), a lift x_proj (H, R, P) and a carry whose B̄ is (B, H, R, N)."""
+    inputs, carry = make_inputs(seed, Bsz, T, H, P, N)
+    rng = np.random.default_rng(seed + 1)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    inputs.update(B=f(Bsz, T, H, R, N), C=f(Bsz, T, H, R, N), x_proj=f(H, R, P))
+    return inputs, carry._replace(b=f(Bsz, H, R, N))
+
+
+def test_mimo_forms_match_reference():
+    """One case (compiles dominate): T = 19 odd, chunks of 8 tokens (16 rank steps) with a ragged last one,
+    documents starting at a chunk edge and at t = 1, an initial state."""
+    Bsz, T, H, P, N, R, chunk = 2, 19, 2, 3, 4, 2, 8
+    seg = [[0] * 8 + [1] * 3 + [2] * 8, [3] + [4] * 18]
+    inputs, carry = make_mimo_inputs(T, Bsz, T, H, P, N, R)
+    seg = None if seg is None else jnp.asarray(seg, jnp.int32)
+    w = weights(2, inputs, carry, (Bsz, T, H, R, P))
+    grads = lambda mode, impl="auto": outputs_and_grads(mode, chunk, impl, mamba3_mimo)(inputs, carry, seg, *w)
+    (want_gi, want_gc), (want_y, want_c) = grads("recurrent")
+    assert want_y.shape == (Bsz, T, H, R, P) and want_c.b.shape == (Bsz, H, R, N)
+    # The Pallas kernels (interpret mode) on outputs and state only: their gradients are GLA's custom_vjp,
+    # checked through the SISO rewrite above; compiling their backward here would double this test's time.
+    y, c = jax.jit(mamba3_mimo, static_argnames=("output_final_state", "impl"))(
+        **inputs, initial_state=carry, segment_ids=seg, output_final_state=True, impl="pallas")
+    assert_close(y, want_y, what="MIMO pallas y")
+    assert_carry_close(c, want_c, "MIMO pallas")
+    for mode, impl in [("chunk", "xla"), ("parallel", "xla")]:
+        (gi, gc), (y, c) = grads(mode, impl)
+        what = f"MIMO {mode}/{impl}"
+        assert_close(y, want_y, what=f"{what} y")
+        assert_carry_close(c, want_c, what)
+        for name in (*NAMES, "x_proj"):
+            assert np.isfinite(np.asarray(gi[name])).all(), f"{what} d{name} not finite"
+            assert_close(gi[name], want_gi[name], what=f"{what} d{name}")
+        for name, a, b in zip(Mamba3Carry._fields, gc, want_gc):
+            assert_close(a, b, what=f"{what} d initial {name}")
+
+
+def test_mimo_reference_matches_the_papers_equations():
+    """The MIMO reference against a float64 loop: X = x ⊙ w_r, h_t = α h + β X_{t-1} B̄_{t-1}^T + γ X_t B̄_t^T,
+    Y_t = h_t C̄_t + D X_t; a document start at t = 2 zeroes h, Θ and the previous-token term."""
+    Bsz, T, H, P, N, R = 1, 5, 1, 3, 4, 3
+    inputs, carry = make_mimo_inputs(11, Bsz, T, H, P, N, R)
+    seg = jnp.array([[0, 0, 1, 1, 1]], jnp.int32)
+    y, c = jax.jit(mamba3_mimo, static_argnames=("output_final_state", "mode"))(
+        **inputs, initial_state=carry, segment_ids=seg, mode="recurrent", output_final_state=True)
+    x, dt, A, lam, B, C, theta = (np.asarray(inputs[k], np.float64)[0, :, 0] for k in NAMES[:-1])
+    D, W = float(inputs["D"][0]), np.asarray(inputs["x_proj"], np.float64)[0]  # W (R, P)
+    h, angle, b_prev, x_prev = (np.asarray(a, np.float64)[0, 0] for a in carry)
+
+    def R_(v, angle):  # each column's pairs (n, n + N/2) rotated by Θ
+        z = (v[..., :N // 2] + 1j * v[..., N // 2:]) * np.exp(1j * angle)
+        return np.concatenate([z.real, z.imag], axis=-1)
+
+    outs = []
+    for t in range(T):
+        if t == 2:
+            h, angle, b_prev, x_prev = (np.zeros_like(a) for a in (h, angle, b_prev, x_prev))
+        angle = angle + dt[t] * theta[t]
+        b, cc = R_(B[t], angle), R_(C[t], angle)  # (R, N)
+        X, X_prev = (x[t] * W).T, (x_prev * W).T  # (P, R)
+        alpha = np.exp(dt[t] * A[t])
+        h = alpha * h + (1 - lam[t]) * dt[t] * alpha * X_prev @ b_prev + lam[t] * dt[t] * X @ b
+        outs.append((h @ cc.T + D * X).T)  # (R, P)
+        b_prev, x_prev = b, x[t]
+    assert_close(np.asarray(y)[0, :, 0], np.stack(outs), what="Y")
+    assert_close(c.h[0, 0], h, what="h")
+    assert angle_gap(c.angle[0, 0], angle) < 1e-5, "angle"
+    assert_close(c.b[0, 0], b_prev, what="B̄_{t-1}")
+    assert_close(c.x[0, 0], x_prev, what="x_{t-1}")
+
+
+def test_mimo_rank_one_is_siso(mode="recurrent"):
+    """Rank 1 with a unit lift: the MIMO reference computes the SISO one, outputs and final state (each fast form
+    is checked against its reference above)."""
+    inputs, carry = make_inputs(13, 2, 21, 2, 3, 4)
+    seg = jnp.asarray([[0] * 10 + [1] * 11, [2] * 21], jnp.int32)
+    want, want_c = run(**inputs, initial_state=carry, segment_ids=seg, output_final_state=True, mode=mode,
+                       chunk_size=8)
+    rank1 = {**inputs, "B": inputs["B"][:, :, :, None], "C": inputs["C"][:, :, :, None], "x_proj": jnp.ones((2, 1, 3))}
+    y, c = jax.jit(mamba3_mimo, static_argnames=("output_final_state", "mode", "chunk_size"))(
+        **rank1, initial_state=carry._replace(b=carry.b[:, :, None]), segment_ids=seg, output_final_state=True,
+        mode=mode, chunk_size=8)
+    assert_close(y[:, :, :, 0], want, what="y")
+    assert_carry_close(c._replace(b=c.b[:, :, 0]), want_c, "rank 1")
