@@ -59,14 +59,15 @@ def test_reference_is_fla_order_and_kda_is_a_special_case():
         S = S + k[0, t][..., None] * (w[0, t] * v[0, t] - erase)[:, None, :]
         out.append(np.einsum("hk,hkv->hv", q[0, t] * 0.5, S))
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    o, S_T = gdn2(*map(f32, (q, k, v, g, b, w)), initial_state=f32(S0), output_final_state=True, mode="recurrent")
+    o, S_T = jax.jit(functools.partial(gdn2, output_final_state=True, mode="recurrent"))(
+        *map(f32, (q, k, v, g, b, w)), initial_state=f32(S0))
     assert_close(o[0], np.stack(out), what="reference o")
     assert_close(S_T[0], S, what="reference S")
     beta = np.asarray(b[..., 0])  # b = w = beta (scalar per head): Kimi Delta Attention
     as_kda = lambda x, n: jnp.asarray(np.broadcast_to(beta[..., None], x.shape[:3] + (n,)), jnp.float32)
     q, k, v, g = (jnp.asarray(x, jnp.float32) for x in (q, k, v, g))
-    o, _ = gdn2(q, k, v, g, as_kda(k, 4), as_kda(v, 3), mode="chunk", chunk_size=4)
-    want, _ = delta_rule(q, k, v, jnp.asarray(beta, jnp.float32), g, scale=0.5, mode="recurrent")
+    o, _ = jax.jit(functools.partial(gdn2, mode="chunk", chunk_size=4))(q, k, v, g, as_kda(k, 4), as_kda(v, 3))
+    want, _ = jax.jit(functools.partial(delta_rule, scale=0.5, mode="recurrent"))(q, k, v, f32(beta), g)
     assert_close(o, want, what="gdn2 with b = w = beta against the delta rule (KDA)")
 
 
@@ -83,5 +84,6 @@ def test_comba_recurrence_with_normalised_p_is_the_gated_delta_rule():
         S = S + k[0, t][..., None] * delta[:, None, :]
         out.append(np.einsum("hk,hkv->hv", q[0, t] * 0.5, S))
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    o, _ = delta_rule(f32(q), f32(k), f32(v), f32(beta), f32(g), initial_state=f32(S0), mode="chunk", chunk_size=4)
+    o, _ = jax.jit(functools.partial(delta_rule, mode="chunk", chunk_size=4))(
+        f32(q), f32(k), f32(v), f32(beta), f32(g), initial_state=f32(S0))
     assert_close(o[0], np.stack(out), what="Comba's recurrence against the gated delta rule")
