@@ -57,6 +57,9 @@ KINDS = {
     "stickbreaking": {"kind": "stickbreaking", "num_heads": 8},
     "loglinear_mamba2": {"kind": "loglinear_mamba2", "head_dim": 64},
     "ttt_linear": {"kind": "ttt_linear", "num_heads": 4},
+    "titans": {"kind": "titans", "num_heads": 4},
+    "gsa": {"kind": "gsa", "num_heads": 4},
+    "path_attention": {"kind": "path_attention", "num_heads": 8},
     "gated_deltaproduct": {"kind": "gated_deltaproduct", "num_heads": 8},
 }
 STEPS = 32

@@ -20,7 +20,7 @@ the whole code base:
     F features, or FFN hidden width           W a short convolution's window state (kernel_size - 1)
     C chunk           Dm Mamba's inner channels (expand * D), the selective scan's channels
     Nh Householder (delta-rule) steps per token (DeltaProduct)           L Fenwick levels (log-linear attention)
-    n residual streams (mHC, model.residual)
+    n residual streams (mHC, model.residual)     M memory slots (GSA)     Mr MIMO rank (Mamba-3)
 
 Products like `H*K` are checked too; `#B` also accepts 1 (broadcast); a name with a leading
 underscore (`_V1`) documents a dimension that is not checked.

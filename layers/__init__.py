@@ -37,6 +37,7 @@ from layers.deltanet import (
 from layers.deltanet2 import Comba, GatedDeltaNet2
 from layers.fox import ForgettingAttention, FoXCache
 from layers.gla import GatedLinearAttention, GLAState
+from layers.gsa import GatedSlotAttention, GSAState
 from layers.hgrn2 import HGRN2, HGRN2State
 from layers.hyena import Hyena, HyenaState
 from layers.lightning import LightningAttention, LightningState
@@ -54,6 +55,7 @@ from layers.moba import MoBA, MoBABlocks
 from layers.moe import MoE
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.nsa import NativeSparseAttention, NSACompressed
+from layers.path_attention import PaTHAttention, PaTHCache
 from layers.residual import AttentionResidual, DepthAttention, HyperConnection
 from layers.retnet import MultiScaleRetention, RetentionState
 from layers.rglru import RGLRU, RGLRUState
@@ -63,4 +65,5 @@ from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix
 from layers.s4d import S4D, S4DState
 from layers.slstm import SLSTM, SLSTMState
 from layers.stickbreaking import StickBreakingAttention
+from layers.titans import TitansMemory, TitansState
 from layers.ttt import TTTLinear, TTTState
