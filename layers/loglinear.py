@@ -93,7 +93,7 @@ class LogLinearMamba2(Mamba2):
         self.max_levels = max_levels
         self.level_proj = Linear(d_model, H * max_levels, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
                                  rngs=rngs, kernel_metadata=axes("embed", None))
-        self.level_scale = nnx.Param(jnp.ones((H, max_levels), jnp.float32))
+        self.level_scale = nnx.Param(jnp.ones((H, max_levels), jnp.float32), **axes("heads", None))
 
     def init_state(self, batch_size: int, max_len: int = 0) -> LogLinearMamba2State:
         """A zero state of L = ceil(log2 max_len) + 1 levels (max_levels when max_len is 0 or needs more)."""
