@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts, positions_in_document
+from kernels.minibatches import heads_in_chunks, in_chunks, last_tokens, layout
 from kernels.ttt.reference import entering_state, layer_norm, loss_grad
 
 
@@ -39,15 +39,11 @@ def ttt_linear_dual(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: F
     f32 = lambda a: a.astype(jnp.float32)
     W0, b0, ln_w, ln_b, scale = map(f32, (W0, b0, ln_w, ln_b, scale))
     W, b, gW, gb, pos0 = entering_state(initial_state, W0, b0, B)
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-    p = positions_in_document(segment_ids, B, T, start=pos0) % C  # (B, T) position in the mini-batch
-    m = jnp.cumsum((p == 0) | (jnp.arange(T) == 0)[None], axis=1, dtype=jnp.int32)  # (B, T) mini-batch number
+    starts, p, m = layout(segment_ids, B, T, C, pos0)  # (B, T): document starts, position and number of the mini-batch
     n = -(-T // C)
-    pad = lambda a, value=0: jnp.pad(a, ((0, 0), (0, n * C - T)) + ((0, 0),) * (a.ndim - 2), constant_values=value)
-    heads = lambda a: jnp.moveaxis(pad(f32(a)).reshape(B, n, C, H, -1), (1, 3), (0, 2))  # (n, B, H, C, K)
-    steps = lambda a, value=0: jnp.moveaxis(pad(a, value).reshape(B, n, C), 1, 0)  # (n, B, C)
-    lasts = jnp.full((n,), C - 1, jnp.int32).at[-1].set((T - 1) % C)  # each chunk's last real token
-    xs = (heads(q), heads(k), heads(v), heads(eta[..., None])[..., 0], steps(p), steps(m, -1), steps(starts), lasts)
+    heads = lambda a: heads_in_chunks(a, C)  # (n, B, H, C, ...)
+    xs = (heads(q), heads(k), heads(v), heads(eta), in_chunks(p, C), in_chunks(m, C, -1), in_chunks(starts, C),
+          last_tokens(T, C))
     tril = jnp.tril(jnp.ones((C, C), bool))
     ln = lambda z: layer_norm(z, ln_w[:, None], ln_b[:, None])
     grad = lambda z, q_, k_, v_: loss_grad(z, ln_w[:, None], ln_b[:, None], v_ - k_)
