@@ -61,6 +61,14 @@ def check_impl(impl: str, where: str):
         raise ValueError(f"{where}: impl={impl!r}; expected one of {IMPLS}")
 
 
+def check_no_pallas(impl: str, where: str):
+    """Refuse an unknown `impl`, and impl="pallas" for an op that has no Pallas kernel (rather than run XLA
+    under it), naming `where`."""
+    check_impl(impl, where)
+    if impl == "pallas":
+        raise ValueError(f"{where}: impl='pallas' has no kernel here; expected 'auto', 'reference' or 'xla'")
+
+
 def check_mode(mode: str, chunk_size: int, where: str, modes: tuple = MODES):
     """Refuse an unknown `mode` or a chunk_size < 1, naming `where`."""
     if mode not in modes:

@@ -57,8 +57,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from kernels import check_no_pallas
 from kernels.attention import write_rows
-from kernels.long_conv import check_no_pallas, long_conv
+from kernels.long_conv import long_conv
 from kernels.long_conv.fft import long_conv_fft
 from kernels.segments import document_index
 from layers.conv import ShortConvolution

@@ -112,21 +112,11 @@ class LogLinearMamba2(Mamba2):
 
     def _mix(self, x, state: LogLinearMamba2State, segment_ids, mode, steps: bool):
         Bsz, T, _ = x.shape
-        Di, H, P, G, N = self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size
         L = state.fenwick.shape[-3]
         x = x.astype(self.dtype)
-        z, xBC, dt = jnp.split(self.in_proj(x), [Di, 2 * Di + 2 * G * N], axis=-1)  # (B, T, Di), (B, T, E), (B, T, H)
-        dl = self.level_proj(x).reshape(Bsz, T, H, self.max_levels)[..., :L]  # (B, T, H, L)
+        dl = self.level_proj(x).reshape(Bsz, T, self.num_heads, self.max_levels)[..., :L]  # (B, T, H, L)
         lam = jax.nn.softplus(self.level_scale[...][:, :L] * dl.astype(jnp.float32))  # (B, T, H, L)
-        if self.conv is not None:
-            xBC, conv = self.conv.decode(xBC, state.conv, segment_ids=segment_ids, steps=steps)
-        else:
-            xBC, conv = jax.nn.silu(xBC), None
-        xs, B, C = jnp.split(xBC, [Di, Di + G * N], axis=-1)
-        xs = xs.reshape(Bsz, T, H, P)  # (B, T, H, P)
-        B, C = B.reshape(Bsz, T, G, N), C.reshape(Bsz, T, G, N)  # (B, T, G, N)
-        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])  # (B, T, H)
-        A = -jnp.exp(self.A_log[...])  # (H,)
+        z, xs, dt, A, B, C, conv = self._inputs(x, state.conv, segment_ids, steps)  # Mamba-2's
 
         def op(carry, xs, dt, B, C, lam, segment_ids=None, mode=mode):
             y, carry = loglinear_ssd(xs, dt, A, B, C, lam, self.D[...], segment_ids=segment_ids,
@@ -139,7 +129,7 @@ class LogLinearMamba2(Mamba2):
             y, (S, n) = stepwise(lambda c, *a: op(c, *a, mode="recurrent"), carry, xs, dt, B, C, lam)
         else:
             y, (S, n) = op(carry, xs, dt, B, C, lam, segment_ids)
-        y = self.norm(y.reshape(Bsz, T, Di), z)
+        y = self.norm(y.reshape(Bsz, T, self.d_inner), z)
         return self.out_proj(y), (LogLinearMamba2State.stepped if steps else LogLinearMamba2State)(S, n, conv)
 
     def step(self, S: Float[Array, "B H L P N"], n: Int[Array, " B"], x: Float[Array, "B H P"],

@@ -125,14 +125,14 @@ class Mamba2(SequenceMixer):
         ssm = jnp.zeros((batch_size, self.num_heads, self.head_dim, self.state_size), jnp.float32)
         return Mamba2State(ssm, self.conv.init_state(batch_size, self.dtype) if self.conv is not None else None)
 
-    def _mix(self, x, state: Mamba2State, segment_ids, mode, steps: bool):
-        """`mode` "step": `step` on the one token, or token by token with steps=True; else an SSD form."""
+    def _inputs(self, x, conv_window, segment_ids, steps: bool):
+        """The SSM's inputs from x (B, T, D), continuing the conv window: (z (B, T, Di), xs (B, T, H, P),
+        dt (B, T, H) float32, A (H,), B, C (B, T, G, N), the new window)."""
         Bsz, T, _ = x.shape
         Di, H, P, G, N = self.d_inner, self.num_heads, self.head_dim, self.num_groups, self.state_size
-        x = x.astype(self.dtype)
         z, xBC, dt = jnp.split(self.in_proj(x), [Di, 2 * Di + 2 * G * N], axis=-1)  # (B, T, Di), (B, T, E), (B, T, H)
         if self.conv is not None:
-            xBC, conv = self.conv.decode(xBC, state.conv, segment_ids=segment_ids, steps=steps)
+            xBC, conv = self.conv.decode(xBC, conv_window, segment_ids=segment_ids, steps=steps)
         else:
             xBC, conv = jax.nn.silu(xBC), None
         xs, B, C = jnp.split(xBC, [Di, Di + G * N], axis=-1)
@@ -140,6 +140,13 @@ class Mamba2(SequenceMixer):
         B, C = B.reshape(Bsz, T, G, N), C.reshape(Bsz, T, G, N)  # (B, T, G, N)
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])  # (B, T, H)
         A = -jnp.exp(self.A_log[...])  # (H,)
+        return z, xs, dt, A, B, C, conv
+
+    def _mix(self, x, state: Mamba2State, segment_ids, mode, steps: bool):
+        """`mode` "step": `step` on the one token, or token by token with steps=True; else an SSD form."""
+        Bsz, T, _ = x.shape
+        x = x.astype(self.dtype)
+        z, xs, dt, A, B, C, conv = self._inputs(x, state.conv, segment_ids, steps)
         if mode == "step":
             def step(h, xs, dt, B, C):  # on 1-token slices (B, 1, ...)
                 h, y = self.step(h, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
@@ -150,7 +157,7 @@ class Mamba2(SequenceMixer):
         else:
             y, ssm = ssd(xs, dt, A, B, C, self.D[...], segment_ids=segment_ids, initial_state=state.ssm,
                          output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
-        y = self.norm(y.reshape(Bsz, T, Di), z)
+        y = self.norm(y.reshape(Bsz, T, self.d_inner), z)
         return self.out_proj(y), (Mamba2State.stepped if steps else Mamba2State)(ssm, conv)
 
     def step(self, h: Float[Array, "B H P N"], x: Float[Array, "B H P"], dt: Float[Array, "B H"],

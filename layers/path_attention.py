@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels.long_conv import check_no_pallas
+from kernels import check_no_pallas
 from kernels.path import PathSlots, path_attention, path_attention_cached
 from kernels.segments import document_index, positions_in_document
 from layers.attention import KVCache

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float
 
-from kernels.long_conv import check_no_pallas
+from kernels import check_no_pallas
 from kernels.rglru import MODES, rglru
 from layers.conv import ShortConvolution
 from layers.linear import Linear

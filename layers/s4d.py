@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels.long_conv import check_no_pallas
+from kernels import check_no_pallas
 from kernels.s4d import MODES, discretize, s4d, s4d_step
 from layers.linear import Linear
 from layers.mixer import SequenceMixer

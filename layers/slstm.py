@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from kernels.long_conv import check_no_pallas
+from kernels import check_no_pallas
 from kernels.slstm import FORGET_GATES, slstm
 from layers.conv import ShortConvolution, convolve, init_windows
 from layers.mixer import SequenceMixer

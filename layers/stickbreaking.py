@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from kernels import check_no_pallas
 from kernels.attention import write_rows
-from kernels.long_conv import check_no_pallas
 from kernels.segments import document_index, positions_in_document
 from kernels.stickbreaking import stickbreaking
 from layers.attention import KVCache, make_projections, project_qkv

@@ -20,7 +20,7 @@ inter-chunk scan per level above it), and no Pallas kernel: impl is "auto" (the 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode
+from kernels import check_mode, check_no_pallas
 from kernels.loglinear.parallel import loglinear_parallel
 from kernels.loglinear.reference import fenwick_level, loglinear_recurrent, loglinear_step
 from kernels.segments import document_index, document_starts, positions_in_document
@@ -45,9 +45,7 @@ def loglinear_ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Floa
     None); token 0 continues them whatever its segment id, every later document start restarts from zero
     (kernels/__init__.py)."""
     check_mode(mode, 1, "loglinear_ssd", MODES)
-    check_impl(impl, "loglinear_ssd")
-    if impl == "pallas":
-        raise ValueError("loglinear_ssd: impl='pallas' has no kernel here; expected 'auto', 'reference' or 'xla'")
+    check_no_pallas(impl, "loglinear_ssd")
     Bsz, T, H, P = x.shape
     G, N = B.shape[2:]
     L = lam.shape[-1]

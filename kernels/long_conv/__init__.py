@@ -12,16 +12,9 @@ to zero the filter's taps across a document start, i.e. the block-diagonal mask 
 
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
+from kernels import check_no_pallas
 from kernels.long_conv.fft import long_conv_fft
 from kernels.long_conv.reference import long_conv_reference
-
-
-def check_no_pallas(impl: str, where: str):
-    """The long-convolution kinds have no Pallas kernel: refuse impl="pallas" rather than run XLA under it."""
-    check_impl(impl, where)
-    if impl == "pallas":
-        raise ValueError(f"{where}: impl='pallas' has no kernel here; expected 'auto', 'reference' or 'xla'")
 
 
 def long_conv(u: Float[Array, "B T D"], k: Float[Array, "T D"], *, segment_ids: Int[Array, "B T"] | None = None,

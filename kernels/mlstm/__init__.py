@@ -11,7 +11,7 @@ whatever the mode. There is no Pallas kernel: impl="pallas" is refused.
 
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode
+from kernels import check_mode, check_no_pallas
 from kernels.mlstm.chunk import mlstm_chunk
 from kernels.mlstm.parallel import mlstm_parallel
 from kernels.mlstm.reference import mlstm_reference, mlstm_step, zero_state
@@ -32,9 +32,7 @@ def mlstm(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array
     state (kernels/__init__.py).
     """
     check_mode(mode, chunk_size, "mlstm")
-    check_impl(impl, "mlstm")
-    if impl == "pallas":
-        raise ValueError("mlstm: impl='pallas' has no kernel here; expected 'auto', 'reference' or 'xla'")
+    check_no_pallas(impl, "mlstm")
     mode = "recurrent" if impl == "reference" else mode
     kwargs = {"chunk_size": chunk_size} if mode == "chunk" else {}
     h, state = _FORMS[mode](q, k, v, i_pre, f_pre, segment_ids=segment_ids, initial_state=initial_state, **kwargs)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.long_conv import check_no_pallas
+from kernels import check_no_pallas
 from kernels.path.dense import path_blocks
 from kernels.path.reference import path_decode_reference, path_reference
 from kernels.segments import document_index

@@ -22,8 +22,7 @@ begins the sequence) and False when a state is given (the call continues it).
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kernels import check_mode
-from kernels.long_conv import check_no_pallas
+from kernels import check_mode, check_no_pallas
 from kernels.rglru.parallel import rglru_parallel
 from kernels.rglru.reference import rglru_recurrent, rglru_step
 from kernels.segments import document_starts, entering_state

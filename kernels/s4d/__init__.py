@@ -20,8 +20,7 @@ exact, and O(T Dm N) work in T sequential steps. impl: "reference" the recurrenc
 import jax.numpy as jnp
 from jaxtyping import Array, Complex, Float, Int
 
-from kernels import check_mode
-from kernels.long_conv import check_no_pallas
+from kernels import check_mode, check_no_pallas
 from kernels.s4d.fft import s4d_fft
 from kernels.s4d.reference import discretize, s4d_recurrent, s4d_step
 from kernels.segments import document_starts

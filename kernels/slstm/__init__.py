@@ -17,7 +17,7 @@ state: the stabiliser starts at the document's first ĩ).
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.long_conv import check_no_pallas
+from kernels import check_no_pallas
 from kernels.slstm.reference import STATE, log_forget, slstm_reference, slstm_step
 
 FORGET_GATES = ("sigmoid", "exp")

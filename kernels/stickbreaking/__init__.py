@@ -22,7 +22,7 @@ blocked form, and the dense form is what this zoo runs on every backend for now.
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.long_conv import check_no_pallas
+from kernels import check_no_pallas
 from kernels.stickbreaking.reference import stickbreaking_reference
 from kernels.stickbreaking.xla import stickbreaking_xla
 

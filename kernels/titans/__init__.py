@@ -13,7 +13,7 @@ mid-mini-batch. With initial_state None the first document starts from W0 too.
 
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode
+from kernels import check_mode, check_no_pallas
 from kernels.titans.chunk import titans_chunk
 from kernels.titans.reference import titans_reference, titans_step
 
@@ -35,9 +35,7 @@ def titans(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Arra
     conventions, with W0 in place of a zero state).
     """
     check_mode(mode, mini_batch_size, "titans", MODES)
-    check_impl(impl, "titans")
-    if impl == "pallas":
-        raise ValueError("titans: impl='pallas'; there is no Pallas kernel, expected 'auto', 'reference' or 'xla'")
+    check_no_pallas(impl, "titans")
     form = titans_reference if mode == "recurrent" or impl == "reference" else titans_chunk
     o, state = form(q, k, v, theta, log_eta, log_decay, W0, mini_batch_size=mini_batch_size,
                     segment_ids=segment_ids, initial_state=initial_state)

@@ -13,7 +13,7 @@ may be mid-mini-batch. With initial_state None the first document starts from W0
 
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode
+from kernels import check_mode, check_no_pallas
 from kernels.ttt.dual import ttt_linear_dual
 from kernels.ttt.reference import layer_norm, loss_grad, ttt_linear_reference, ttt_linear_step
 
@@ -35,9 +35,7 @@ def ttt_linear(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[
     with W0, b0 in place of a zero state).
     """
     check_mode(mode, int(scale.shape[0]), "ttt_linear", MODES)
-    check_impl(impl, "ttt_linear")
-    if impl == "pallas":
-        raise ValueError("ttt_linear: impl='pallas'; there is no Pallas kernel, expected 'auto', 'reference' or 'xla'")
+    check_no_pallas(impl, "ttt_linear")
     form = ttt_linear_reference if mode == "recurrent" or impl == "reference" else ttt_linear_dual
     o, state = form(q, k, v, eta, W0, b0, ln_w, ln_b, scale, segment_ids=segment_ids, initial_state=initial_state)
     return o, (state if output_final_state else None)
