@@ -26,6 +26,7 @@ tests/layers/conformance.py checks all of this for every registered kind.
 from layers.attention import Attention, HeadMask, KVCache
 from layers.base_conv import BaseConv, BaseConvState
 from layers.conv import ShortConvolution
+from layers.deltaformer import DeltaFormer
 from layers.deltanet import (
     DeltaNet,
     DeltaNetState,
@@ -43,6 +44,7 @@ from layers.hyena import Hyena, HyenaState
 from layers.lightning import LightningAttention, LightningState
 from layers.linear_attention import LinearAttention, LinearAttentionState
 from layers.loglinear import LogLinearMamba2, LogLinearMamba2State
+from layers.loglinear_gdn import LogLinearGatedDeltaNet, LogLinearGatedDeltaNetState
 from layers.mamba import Mamba, MambaState
 from layers.mamba2 import Mamba2, Mamba2State
 from layers.mamba3 import Mamba3, Mamba3State
@@ -53,6 +55,7 @@ from layers.mlp import MLP, NoFFN
 from layers.mlstm import MLSTM, MLSTMState
 from layers.moba import MoBA, MoBABlocks
 from layers.moe import MoE
+from layers.mom import MixtureOfMemories, MoMState
 from layers.norm import GatedRMSNorm, RMSNorm
 from layers.nsa import NativeSparseAttention, NSACompressed
 from layers.path_attention import PaTHAttention, PaTHCache
@@ -65,5 +68,5 @@ from layers.rwkv7 import RWKV7ChannelMix, RWKV7TimeMix
 from layers.s4d import S4D, S4DState
 from layers.slstm import SLSTM, SLSTMState
 from layers.stickbreaking import StickBreakingAttention
-from layers.titans import TitansMemory, TitansState
-from layers.ttt import TTTLinear, TTTState
+from layers.titans import TitansMemory, TitansMLPState, TitansState
+from layers.ttt import TTTMLP, TTTLinear, TTTMixer, TTTMLPState, TTTState

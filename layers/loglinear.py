@@ -64,15 +64,54 @@ class LogLinearMamba2State:
         return jnp.any(self.count > 2 ** (self.fenwick.shape[-3] - 1))
 
 
-class LogLinearMamba2(Mamba2):
+class FenwickLevels:
+    """What the log-linear kinds share over their base layer: the level weights λ (their projection W_λ
+    `level_proj` and scale Λ `level_scale`), the levels a state gets for a context, and decoding refused past
+    them. Mixed in before the base layer's class; `_init_levels` runs after its __init__."""
+
+    grows_with_context = True  # L = ceil(log2 max_len) + 1 Fenwick states per head
+    step_mode, prefill_mode = "recurrent", "parallel"
+
+    @staticmethod
+    def _check_levels(where: str, max_levels, mode: str, impl: str):
+        if not isinstance(max_levels, int) or not 1 <= max_levels <= 31:
+            raise ValueError(f"{where}: max_levels={max_levels!r}; expected an int in [1, 31] (positions are int32)")
+        check_mode(mode, 1, where, MODES)
+        if impl not in ("auto", "reference", "xla"):
+            raise ValueError(f"{where}: impl={impl!r}; expected one of 'auto', 'reference', 'xla' (no Pallas kernel)")
+
+    def _init_levels(self, d_model: int, max_levels: int, dtype, rngs: nnx.Rngs):
+        H = self.num_heads
+        self.max_levels = max_levels
+        self.level_proj = Linear(d_model, H * max_levels, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+                                 rngs=rngs, kernel_metadata=axes("embed", None))
+        self.level_scale = nnx.Param(jnp.ones((H, max_levels), jnp.float32), **axes("heads", None))
+
+    def _levels(self, max_len: int) -> int:
+        """L = ceil(log2 max_len) + 1 levels for a context of max_len (max_levels when 0 or more are needed)."""
+        return self.max_levels if max_len <= 0 else min(num_levels(max_len), self.max_levels)
+
+    def _lambda(self, x: Float[Array, "B T D"], L: int) -> Float[Array, "B T H L"]:
+        """λ_t^(ℓ) = softplus(Λ_{h,ℓ} · (W_λ x_t)_{h,ℓ}) for the first L levels, float32."""
+        B, T, _ = x.shape
+        dl = self.level_proj(x).reshape(B, T, self.num_heads, self.max_levels)[..., :L]  # (B, T, H, L)
+        return jax.nn.softplus(self.level_scale[...][:, :L] * dl.astype(jnp.float32))
+
+    def decode(self, x: Float[Array, "B T D"], state, *, segment_ids: Int[Array, "B T"] | None = None,
+               steps: bool = False):
+        """SequenceMixer.decode, refusing more tokens than the state's levels keep apart (2^(L-1) per document,
+        counted as a KV cache counts its slots: under jit only a call longer than that; `overflowed` flags the rest)."""
+        self._check(x, segment_ids, steps)
+        self._check_room(state.count, x.shape[1], 2 ** (state.fenwick.shape[-3] - 1))
+        return super().decode(x, state, segment_ids=segment_ids, steps=steps)
+
+
+class LogLinearMamba2(FenwickLevels, Mamba2):
     """Log-linear Mamba-2 (Guo et al. 2025): Mamba-2 (state_size, expand, head_dim, num_groups, conv_size, dt_min,
     dt_max, dt_init_floor, A_init_range, norm_before_gate, norm_eps as in mamba2) whose state is a Fenwick tree of
     O(log T) states, each key weighted by a data-dependent λ of its level; max_levels: the levels λ has (contexts
     up to 2^(max_levels - 1) tokens keep every level apart); mode ("parallel" | "recurrent") the training path's
     exact form; impl ("auto" | "reference" | "xla"); dtype: the compute dtype (parameters stay float32)."""
-
-    grows_with_context = True  # L = ceil(log2 max_len) + 1 Fenwick states per head
-    step_mode, prefill_mode = "recurrent", "parallel"
 
     def __init__(self, d_model: int, *, state_size: PosInt = 64, expand: PosInt = 2, head_dim: PosInt = 32,
                  num_groups: PosInt = 1, conv_size: NonNegInt = 4, max_levels: PosInt = 15,
@@ -80,42 +119,24 @@ class LogLinearMamba2(Mamba2):
                  dt_init_floor: PosFloat = 1e-4, A_init_range: tuple[PosFloat, PosFloat] = (1.0, 16.0),
                  norm_before_gate: bool = True, norm_eps: PosFloat = 1e-5, impl: LogLinearImpl = "auto",
                  dtype=jnp.float32, rngs: nnx.Rngs):
-        if not isinstance(max_levels, int) or not 1 <= max_levels <= 31:
-            raise ValueError(f"max_levels={max_levels!r}: expected an int in [1, 31] (positions are int32)")
-        check_mode(mode, 1, "LogLinearMamba2", MODES)
-        if impl not in ("auto", "reference", "xla"):
-            raise ValueError(f"impl={impl!r}: expected one of 'auto', 'reference', 'xla' (no Pallas kernel)")
+        self._check_levels("LogLinearMamba2", max_levels, mode, impl)
         super().__init__(d_model, state_size=state_size, expand=expand, head_dim=head_dim, num_groups=num_groups,
                          conv_size=conv_size, mode=mode, dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor,
                          A_init_range=A_init_range, norm_before_gate=norm_before_gate, norm_eps=norm_eps, impl=impl,
                          dtype=dtype, rngs=rngs)
-        H = self.num_heads
-        self.max_levels = max_levels
-        self.level_proj = Linear(d_model, H * max_levels, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
-                                 rngs=rngs, kernel_metadata=axes("embed", None))
-        self.level_scale = nnx.Param(jnp.ones((H, max_levels), jnp.float32), **axes("heads", None))
+        self._init_levels(d_model, max_levels, dtype, rngs)
 
     def init_state(self, batch_size: int, max_len: int = 0) -> LogLinearMamba2State:
-        """A zero state of L = ceil(log2 max_len) + 1 levels (max_levels when max_len is 0 or needs more)."""
-        L = self.max_levels if max_len <= 0 else min(num_levels(max_len), self.max_levels)
-        S = jnp.zeros((batch_size, self.num_heads, L, self.head_dim, self.state_size), jnp.float32)
+        """A zero state of `_levels(max_len)` levels."""
+        S = jnp.zeros((batch_size, self.num_heads, self._levels(max_len), self.head_dim, self.state_size),
+                      jnp.float32)
         conv = self.conv.init_state(batch_size, self.dtype) if self.conv is not None else None
         return LogLinearMamba2State(S, jnp.zeros((batch_size,), jnp.int32), conv)
 
-    def decode(self, x: Float[Array, "B T D"], state: LogLinearMamba2State, *,
-               segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
-        """SequenceMixer.decode, refusing more tokens than the state's levels keep apart (2^(L-1) per document,
-        counted as a KV cache counts its slots: under jit only a call longer than that; `overflowed` flags the rest)."""
-        self._check(x, segment_ids, steps)
-        self._check_room(state.count, x.shape[1], 2 ** (state.fenwick.shape[-3] - 1))
-        return super().decode(x, state, segment_ids=segment_ids, steps=steps)
-
     def _mix(self, x, state: LogLinearMamba2State, segment_ids, mode, steps: bool):
         Bsz, T, _ = x.shape
-        L = state.fenwick.shape[-3]
         x = x.astype(self.dtype)
-        dl = self.level_proj(x).reshape(Bsz, T, self.num_heads, self.max_levels)[..., :L]  # (B, T, H, L)
-        lam = jax.nn.softplus(self.level_scale[...][:, :L] * dl.astype(jnp.float32))  # (B, T, H, L)
+        lam = self._lambda(x, state.fenwick.shape[-3])  # (B, T, H, L)
         z, xs, dt, A, B, C, conv = self._inputs(x, state.conv, segment_ids, steps)  # Mamba-2's
 
         def op(carry, xs, dt, B, C, lam, segment_ids=None, mode=mode):

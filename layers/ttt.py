@@ -16,6 +16,13 @@ as the official code), `q_conv`, `k_conv`, `v_proj` theta_V, `lr_proj` theta_lr 
 Decode state: the current mini-batch's start W_s, b_s, its gradient sums G, g (float32), the next token's
 position in it (B,) int32, and the one window of the two convolutions (both read x_qk).
 
+TTT-MLP (`TTTMLP`, the official `TTTMLP`) is the same layer with the inner model a two-layer MLP of hidden width
+F = 4 K, f(x) = gelu(x W1 + b1) W2 + b2 (tanh-approximate gelu, as flax's), read as q + LN(f(q)) and trained on
+1/2 |LN(f(k)) - (v - k)|^2 (kernels/ttt/reference_mlp.py); `W1`, `b1`, `W2`, `b2` its learned start (H, K, F),
+(H, F), (H, F, K), (H, K), normal(0.02) weights and zero biases as the official. `TTTMixer` holds everything
+the two share (projections, convs, RoPE, learning rates, norms, state layout, documents, rollback); a subclass
+names its inner model's parameters, its op and its state.
+
 Departures from the official code, named: its blocks add a `pre_conv` residual convolution before the mixer's
 norm (a block-level change outside a mixer: left out); its sequence length must be a multiple of the
 mini-batch, here any T (a trailing partial mini-batch is just unfinished, as decoding leaves it); mini-batches
@@ -26,6 +33,7 @@ official: normal(0.02) and flax's Conv), theta_lr normal(0.02) with a zero bias 
 the official; no `ttt_lr_mult` warm-up of the inner learning rate, no remat.
 """
 
+import dataclasses
 from typing import Annotated
 
 import jax
@@ -34,7 +42,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kernels.segments import positions_in_document
-from kernels.ttt import MODES, ttt_linear
+from kernels.ttt import MODES, ttt_linear, ttt_mlp
 from layers.conv import ShortConvolution
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
@@ -55,15 +63,25 @@ class TTTState:
     conv: Float[Array, "B W H*K"]  # (B, conv_size - 1, H*K): the window of x_qk
 
 
-class TTTLinear(SequenceMixer):
-    """TTT-Linear (Sun et al. 2024): per head a linear inner model W, b trained while reading, one gradient step
-    per mini_batch_size tokens on the reconstruction 1/2 |LN(k W + b) - (v - k)|^2, output q + LN(q W_t + b_t),
-    then a LayerNorm, a gelu output gate and the output projection; num_heads must divide d_model; base_lr: the
-    inner learning rate's scale (eta = base_lr sigmoid(.) / head_dim); conv_size: the causal convs on q and k;
-    rope_base: RoPE over the position in the mini-batch; norm_eps: the post-norm's (the inner LayerNorm's is
-    1e-6, as the official); mode ("recurrent" |
-    "chunk") picks the training path's exact form (chunk: the dual form); impl ("auto" | "reference" | "xla");
-    dtype: the compute dtype (parameters stay float32)."""
+@state
+class TTTMLPState:
+    W1: Float[Array, "B H K F"]  # (B, H, K, F) float32: the current mini-batch's start of W1
+    b1: Float[Array, "B H F"]  # (B, H, F) float32: of b1
+    W2: Float[Array, "B H F K"]  # (B, H, F, K) float32: of W2
+    b2: Float[Array, "B H K"]  # (B, H, K) float32: of b2
+    gW1: Float[Array, "B H K F"]  # (B, H, K, F) float32: the eta-weighted gradient sums so far in the mini-batch
+    gb1: Float[Array, "B H F"]  # (B, H, F) float32
+    gW2: Float[Array, "B H F K"]  # (B, H, F, K) float32
+    gb2: Float[Array, "B H K"]  # (B, H, K) float32
+    pos: Int[Array, " B"]  # (B,) int32: the next token's position in its mini-batch
+    conv: Float[Array, "B W H*K"]  # (B, conv_size - 1, H*K): the window of x_qk
+
+
+class TTTMixer(SequenceMixer):
+    """The layer TTT-Linear and TTT-MLP share (module docstring); a subclass sets `State` and `op` and writes
+    `_init_inner` (its inner model's learned start) and `inner_start` (those parameters in the op's order)."""
+
+    State, op = None, None
 
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, mini_batch_size: PosInt = 16,
                  base_lr: PosFloat = 1.0, conv_size: PosInt = 4, rope_base: PosFloat = 10000.0,
@@ -91,22 +109,20 @@ class TTTLinear(SequenceMixer):
         self.lr_proj = Linear(d_model, H, use_bias=True, dtype=dtype, rngs=rngs, kernel_init=normal,
                               kernel_metadata=axes("embed", None))
         self.token_idx = nnx.Param(jnp.zeros((mini_batch_size,), jnp.float32))
-        self.W0 = nnx.Param(normal(rngs.params(), (H, K, K), jnp.float32), **axes("heads", None, None))
-        self.b0 = nnx.Param(jnp.zeros((H, K), jnp.float32), **axes("heads", None))
+        self._init_inner(H, K, normal, rngs)
         self.ttt_norm_w = nnx.Param(jnp.ones((H, K), jnp.float32), **axes("heads", None))
         self.ttt_norm_b = nnx.Param(jnp.zeros((H, K), jnp.float32), **axes("heads", None))
         self.post_norm = LayerNorm(H * K, eps=norm_eps)
         self.o_proj = linear(H * K, d_model, ROWS)
 
-    def init_state(self, batch_size: int, max_len: int = 0) -> TTTState:
-        """The learned start W0, b0 at position 0; max_len is accepted and ignored (the state does not grow)."""
-        H, K = self.num_heads, self.head_dim
-        W = jnp.broadcast_to(self.W0[...], (batch_size, H, K, K))
-        b = jnp.broadcast_to(self.b0[...], (batch_size, H, K))
-        return TTTState(W, b, jnp.zeros_like(W), jnp.zeros_like(b), jnp.zeros((batch_size,), jnp.int32),
-                        self.q_conv.init_state(batch_size, self.dtype))
+    def init_state(self, batch_size: int, max_len: int = 0):
+        """The inner model's learned start at position 0; max_len is accepted and ignored (the state does not
+        grow)."""
+        start = tuple(jnp.broadcast_to(a, (batch_size, *a.shape)) for a in self.inner_start())
+        return self.State(*start, *map(jnp.zeros_like, start), jnp.zeros((batch_size,), jnp.int32),
+                          self.q_conv.init_state(batch_size, self.dtype))
 
-    def _mix(self, x, state: TTTState, segment_ids, mode: str, steps: bool):
+    def _mix(self, x, state, segment_ids, mode: str, steps: bool):
         B, T, _ = x.shape
         H, K, C = self.num_heads, self.head_dim, self.mini_batch_size
         x = x.astype(self.dtype)
@@ -118,11 +134,52 @@ class TTTLinear(SequenceMixer):
         v = self.v_proj(x).reshape(B, T, H, K)  # (B, T, H, K)
         eta = self.base_lr / K * jax.nn.sigmoid(self.lr_proj(x).astype(jnp.float32))  # (B, T, H)
         scale = jnp.maximum(1.0 / jnp.arange(1, C + 1, dtype=jnp.float32) + self.token_idx[...], 0.0)
-        params = (self.W0[...], self.b0[...], self.ttt_norm_w[...], self.ttt_norm_b[...], scale)
-        op = lambda S, q, k, v, eta: ttt_linear(q, k, v, eta, *params, segment_ids=segment_ids, initial_state=S,
-                                                output_final_state=True, mode=mode, impl=self.impl)
-        args = ((state.W, state.b, state.gW, state.gb, state.pos), q, k, v, eta)
+        params = (*self.inner_start(), self.ttt_norm_w[...], self.ttt_norm_b[...], scale)
+        op = lambda S, q, k, v, eta: type(self).op(q, k, v, eta, *params, segment_ids=segment_ids, initial_state=S,
+                                                   output_final_state=True, mode=mode, impl=self.impl)
+        fields = dataclasses.fields(state)[:-1]  # all but the conv window: the op's state, in its order
+        args = (tuple(getattr(state, f.name) for f in fields), q, k, v, eta)
         z, S = stepwise(op, *args) if steps else op(*args)  # z: (B, T, H, K)
         z = self.post_norm(z.reshape(B, T, H * K))  # (B, T, H*K): one norm over all heads
         y = self.o_proj(jax.nn.gelu(self.g_proj(x)) * z)
-        return y, (TTTState.stepped if steps else TTTState)(*S, window)
+        return y, (self.State.stepped if steps else self.State)(*S, window)
+
+
+class TTTLinear(TTTMixer):
+    """TTT-Linear (Sun et al. 2024): per head a linear inner model W, b trained while reading, one gradient step
+    per mini_batch_size tokens on the reconstruction 1/2 |LN(k W + b) - (v - k)|^2, output q + LN(q W_t + b_t),
+    then a LayerNorm, a gelu output gate and the output projection; num_heads must divide d_model; base_lr: the
+    inner learning rate's scale (eta = base_lr sigmoid(.) / head_dim); conv_size: the causal convs on q and k;
+    rope_base: RoPE over the position in the mini-batch; norm_eps: the post-norm's (the inner LayerNorm's is
+    1e-6, as the official); mode ("recurrent" | "chunk") picks the training path's exact form (chunk: the dual
+    form); impl ("auto" | "reference" | "xla"); dtype: the compute dtype (parameters stay float32)."""
+
+    State, op = TTTState, staticmethod(ttt_linear)
+
+    def _init_inner(self, H: int, K: int, normal, rngs: nnx.Rngs):
+        self.W0 = nnx.Param(normal(rngs.params(), (H, K, K), jnp.float32), **axes("heads", None, None))
+        self.b0 = nnx.Param(jnp.zeros((H, K), jnp.float32), **axes("heads", None))
+
+    def inner_start(self) -> tuple:
+        return self.W0[...], self.b0[...]
+
+
+class TTTMLP(TTTMixer):
+    """TTT-MLP (Sun et al. 2024): TTT-Linear (its options and its layer) with the inner model a two-layer MLP,
+    f(x) = gelu(x W1 + b1) W2 + b2 of hidden width 4 head_dim per head, trained while reading, one gradient step
+    per mini_batch_size tokens on 1/2 |LN(f(k)) - (v - k)|^2, output q + LN(f_t(q)); num_heads must divide
+    d_model (an even head_dim, for RoPE); base_lr, conv_size, rope_base, norm_eps, mode ("recurrent" | "chunk":
+    the dual form), impl ("auto" | "reference" | "xla") and dtype as TTTLinear's."""
+
+    State, op = TTTMLPState, staticmethod(ttt_mlp)
+    hidden_ratio = 4  # F = 4 K, the official code's
+
+    def _init_inner(self, H: int, K: int, normal, rngs: nnx.Rngs):
+        F = self.hidden_ratio * K
+        self.W1 = nnx.Param(normal(rngs.params(), (H, K, F), jnp.float32), **axes("heads", None, None))
+        self.b1 = nnx.Param(jnp.zeros((H, F), jnp.float32), **axes("heads", None))
+        self.W2 = nnx.Param(normal(rngs.params(), (H, F, K), jnp.float32), **axes("heads", None, None))
+        self.b2 = nnx.Param(jnp.zeros((H, K), jnp.float32), **axes("heads", None))
+
+    def inner_start(self) -> tuple:
+        return self.W1[...], self.b1[...], self.W2[...], self.b2[...]

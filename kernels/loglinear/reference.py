@@ -58,19 +58,27 @@ def trailing_zeros(n: Int[Array, "..."]) -> Int[Array, "..."]:
     return jax.lax.population_count(jnp.bitwise_and(n, -n) - 1)
 
 
+def merge_levels(S: Float[Array, "B H L K V"], n: Int[Array, " B"]) -> Float[Array, "B H L K V"]:
+    """The Fenwick merge before position n: levels 0 .. u merge into level u = min(lssb(n) + 1, L - 1), the
+    levels below it emptied."""
+    L = S.shape[2]
+    up = jnp.minimum(trailing_zeros(n) + 1, L - 1)[:, None]  # (B, 1)
+    level = jnp.arange(L)[None]  # (1, L)
+    shape = (S.shape[0], 1, L) + (1,) * (S.ndim - 3)
+    merging = (level <= up).reshape(shape)  # (B, 1, L, 1, 1)
+    merged = jnp.sum(jnp.where(merging, S, 0.0), axis=2, keepdims=True)  # (B, H, 1, K, V)
+    return jnp.where(merging, jnp.where((level == up).reshape(shape), merged, 0.0), S)
+
+
 def loglinear_step(S: Float[Array, "B H L P N"], n: Int[Array, " B"], x: Float[Array, "B H P"],
                    dt: Float[Array, "B H"], A: Float[Array, " H"], B: Float[Array, "B G N"], C: Float[Array, "B G N"],
                    lam: Float[Array, "B H L"], D: Float[Array, " H"] | None = None):
     """One token at position n of its document: returns (S_t, n + 1, y_t), float32 states and output."""
     f32 = jnp.float32
-    H, L = x.shape[1], S.shape[2]
+    H = x.shape[1]
     x, dt, lam = x.astype(f32), dt.astype(f32), lam.astype(f32)
     B, C = heads_from_groups(B.astype(f32), H), heads_from_groups(C.astype(f32), H)  # (B, H, N)
-    up = jnp.minimum(trailing_zeros(n) + 1, L - 1)  # (B,) the level the lower buckets merge into
-    level = jnp.arange(L)[None]  # (1, L)
-    merging = (level <= up[:, None])[:, None, :, None, None]  # (B, 1, L, 1, 1)
-    merged = jnp.sum(jnp.where(merging, S, 0.0), axis=2, keepdims=True)  # (B, H, 1, P, N)
-    S = jnp.where(merging, jnp.where((level == up[:, None])[:, None, :, None, None], merged, 0.0), S)
+    S = merge_levels(S, n)
     S = jnp.exp(dt * A.astype(f32))[:, :, None, None, None] * S  # every bucket decays by a_t
     S = S.at[:, :, 0].add((dt[..., None] * x)[..., None] * B[:, :, None, :])  # level 0 = the token itself
     y = jnp.einsum("bhl,bhlpn,bhn->bhp", lam, S, C)

@@ -36,6 +36,28 @@ def decays(log_gate: Float[Array, "B H C"], mask: Bool[Array, "B C C"]) -> Float
     return jnp.exp(diff)
 
 
+def chunk_gates(log_eta: Float[Array, "B H C"], log_decay: Float[Array, "B H C"], m: Int[Array, "B C"],
+                st: Bool[Array, "B C"]):
+    """A chunk's kinds of token and its decays (module docstring), from the log gates, the mini-batch numbers m
+    and the document starts st: (restarted, carried, nxt (B, C); E, Phi (B, H, C, C); D, E_in, phi (B, H, C))."""
+    C = m.shape[1]
+    tril = jnp.tril(jnp.ones((C, C), bool))
+    doc = jnp.cumsum(st, axis=1)  # (B, C): documents started in this chunk at or before the token
+    same = tril & (doc[:, :, None] == doc[:, None, :])  # (B, C, C): l <= i in i's document
+    restarted = doc > 0
+    carried = (m == m[:, :1]) & ~restarted
+    nxt = ~carried & ~restarted
+    A, E = decays(log_decay, same), decays(log_eta, same)  # (B, H, C, C)
+    Phi = jnp.einsum("bhij,bhjl->bhil", A, E)
+    # decays from the chunk's entry (carried document) or from the document's start (W_0, S = 0)
+    first = jnp.argmax(same, axis=2)  # (B, C): the first token of i's document in the chunk
+    cx = jnp.cumsum(log_decay, axis=-1) - log_decay  # exclusive: D_i = exp(c_i - cx_first)
+    D = jnp.exp(jnp.cumsum(log_decay, axis=-1) - jnp.take_along_axis(cx, first[:, None], axis=-1))  # (B, H, C)
+    E_in = jnp.exp(jnp.cumsum(log_eta, axis=-1)) * ~restarted[:, None]  # (B, H, C): S_in -> S_i
+    phi = jnp.einsum("bhij,bhj->bhi", A, E_in)  # S_in -> M_i
+    return restarted, carried, nxt, E, Phi, D, E_in, phi
+
+
 def titans_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
                  theta: Float[Array, "B T H"], log_eta: Float[Array, "B T H"], log_decay: Float[Array, "B T H"],
                  W0: Float[Array, "H K V"], *, mini_batch_size: int, segment_ids: Int[Array, "B T"] | None = None,
@@ -51,7 +73,6 @@ def titans_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Floa
     heads = lambda a: heads_in_chunks(a, C)  # (n, B, H, C, ...)
     xs = (heads(q), heads(k), heads(v), heads(theta), heads(log_eta), heads(log_decay), in_chunks(p, C),
           in_chunks(m, C, -1), in_chunks(starts, C), last_tokens(T, C))
-    tril = jnp.tril(jnp.ones((C, C), bool))
     apply = lambda x, W_: jnp.einsum("bhck,bhkv->bhcv", x, W_)  # (B, H, C, V)
     outer = lambda w, x, r: jnp.einsum("bhc,bhck,bhcv->bhkv", w, x, r)  # sum_c w_c x_c^T r_c: (B, H, K, V)
     W0b = jnp.broadcast_to(W0, (B, H, K, V))
@@ -59,20 +80,8 @@ def titans_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Floa
     def body(carry, xs):
         W, M, S = carry
         q, k, v, theta, log_eta, log_decay, p, m, st, last = xs
-        doc = jnp.cumsum(st, axis=1)  # (B, C): documents started in this chunk at or before the token
-        same = tril & (doc[:, :, None] == doc[:, None, :])  # (B, C, C): l <= i in i's document
-        restarted = doc > 0
-        carried = (m == m[:, :1]) & ~restarted
-        nxt = ~carried & ~restarted
+        restarted, carried, nxt, E, Phi, D, E_in, phi = chunk_gates(log_eta, log_decay, m, st)
         col = lambda a: a[:, None, :, None]  # (B, C) -> (B, 1, C, 1)
-        A, E = decays(log_decay, same), decays(log_eta, same)  # (B, H, C, C)
-        Phi = jnp.einsum("bhij,bhjl->bhil", A, E)
-        # decays from the chunk's entry (carried document) or from the document's start (W_0, S = 0)
-        first = jnp.argmax(same, axis=2)  # (B, C): the first token of i's document in the chunk
-        cx = jnp.cumsum(log_decay, axis=-1) - log_decay  # exclusive: D_i = exp(c_i - cx_first)
-        D = jnp.exp(jnp.cumsum(log_decay, axis=-1) - jnp.take_along_axis(cx, first[:, None], axis=-1))  # (B, H, C)
-        E_in = jnp.exp(jnp.cumsum(log_eta, axis=-1)) * ~restarted[:, None]  # (B, H, C): S_in -> S_i
-        phi = jnp.einsum("bhij,bhj->bhi", A, E_in)  # S_in -> M_i
         # the carried mini-batch first: its residuals, and the anchor of the next one should it end here
         R_c = apply(k, W) - v
         sel = (carried & (p == C - 1)).astype(jnp.float32)  # (B, C): the carried mini-batch's last token, if here

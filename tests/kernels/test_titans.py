@@ -1,7 +1,9 @@
 """Titans' linear memory op: the chunk form against the token-by-token reference (outputs, final state,
 gradients w.r.t. every input and the initial state; T = 1 and T not a multiple of the mini-batch, packed
 documents, a state that stops mid-mini-batch, a call split mid-mini-batch); the first two mini-batches against
-an independent numpy loop of the paper's equations (float64); argument errors."""
+an independent numpy loop of the paper's equations (float64); argument errors. The deep (two-layer MLP) memory:
+its chunk form against its reference (the same checks in one test), its first two mini-batches against jax.grad of
+the loss, and the layer with memory_depth 2 through the mixer protocol."""
 
 import functools
 
@@ -9,8 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from kernels.titans import titans
+from layers import TitansMemory
+from tests.layers.conformance import check_mixer
 from tests.util import assert_close
 
 C = 4  # the mini-batch size of these tests
@@ -94,3 +99,66 @@ def test_bad_arguments():
         titans(*args, mini_batch_size=C, impl="pallas")
     with pytest.raises(ValueError, match="chunk_size=0"):
         titans(*args, mini_batch_size=0)
+
+
+def test_deep_memory_chunk_form_matches_reference():
+    """memory_depth 2: outputs, final state and gradients of the chunk form against the reference (packed, T = 19
+    from a state stopped mid-mini-batch); a call from the learned start split mid-mini-batch into calls of 6, 1
+    and 6 tokens; the reference's first two mini-batches against jax.grad of ||M(k) - v||^2."""
+    (q, k, v, theta, log_eta, log_decay, _), _ = inputs(2, 19, 2, 4, 4)
+    r = np.random.RandomState(3)
+    W0 = tuple(jnp.asarray(0.5 * r.standard_normal(s), jnp.float32) for s in ((2, 4, 8), (2, 8, 4)))
+    pair = lambda s: tuple(w + s * jnp.asarray(r.standard_normal((2, *w.shape)), jnp.float32) for w in W0)
+    floats = (pair(0.1), pair(0.2), tuple(0.1 * (p - w) for p, w in zip(pair(1.0), W0)))
+    args = [q, k, v, theta, log_eta, log_decay, W0]
+    ids = jnp.asarray([[0] * 2 + [1] * 9 + [2] * 8, [0] * 6 + [1] * 13], jnp.int32)
+    pos = jnp.asarray([1, 3], jnp.int32)
+
+    @functools.partial(jax.jit, static_argnames="mode")
+    def run(args, floats, *, mode):
+        def loss(args, floats):
+            o, S = titans(*args, mini_batch_size=C, initial_state=(*floats, pos), segment_ids=ids,
+                          output_final_state=True, mode=mode)
+            return jnp.sum(o * jnp.cos(o)) + sum(jnp.sum(s * jnp.sin(s)) for s in jax.tree.leaves(S[:3])), (o, S)
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(args, floats)
+
+    want_grads, want = run(args, floats, mode="recurrent")
+    grads, got = run(args, floats, mode="chunk")
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        assert_close(a, b, what=f"chunk output/state {i}")
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))):
+        assert_close(a, b, 1e-3, what=f"chunk gradient {i}")
+
+    call = jax.jit(lambda args, S, mode: titans(*args, mini_batch_size=C, initial_state=S, output_final_state=True,
+                                                mode=mode), static_argnums=2)
+    cut = lambda lo, hi: [a[:, lo:hi] for a in args[:6]] + args[6:]
+    o, S = call(cut(0, 13), None, "recurrent")
+    outs, S_split = [], None
+    for lo, hi in ((0, 6), (6, 7), (7, 13)):  # T = 1 in the middle
+        o_part, S_split = call(cut(lo, hi), S_split, "chunk")
+        outs.append(o_part)
+    assert_close(jnp.concatenate(outs, axis=1), o, what="three calls vs one")
+    for a, b in zip(jax.tree.leaves(S_split), jax.tree.leaves(S)):
+        assert_close(a, b, what="state after three calls")
+
+    @jax.jit
+    def by_autodiff(q, k, v, theta, log_eta, log_decay):  # row 0, two mini-batches, the paper's equations
+        memory = lambda Ws, x: jax.nn.gelu(x @ Ws[0], approximate=False) @ Ws[1]
+        out = []
+        for h in range(q.shape[2]):
+            M, S = (W0[0][h], W0[1][h]), (0.0, 0.0)
+            for b in range(2):
+                anchor = M
+                for t in range(b * C, (b + 1) * C):
+                    u = jax.grad(lambda Ws: jnp.sum((memory(Ws, k[0, t, h]) - v[0, t, h]) ** 2))(anchor)
+                    S = tuple(jnp.exp(log_eta[0, t, h]) * s - theta[0, t, h] * g for s, g in zip(S, u))
+                    M = tuple(jnp.exp(log_decay[0, t, h]) * m + s for m, s in zip(M, S))
+                    out.append(memory(M, q[0, t, h]))
+        return jnp.stack(out).reshape(q.shape[2], 2 * C, -1).swapaxes(0, 1)  # (2C, H, V)
+    assert_close(o[0, :2 * C], by_autodiff(*cut(0, 2 * C)[:6]), what="reference vs jax.grad")
+
+
+def test_deep_memory_layer_follows_the_mixer_protocol():
+    make = lambda **kw: TitansMemory(16, num_heads=2, mini_batch_size=4, conv_size=2, memory_depth=2,
+                                     rngs=nnx.Rngs(0), **kw)
+    check_mixer(make, 16)

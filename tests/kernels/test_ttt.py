@@ -1,7 +1,8 @@
 """TTT-Linear op: the dual form against the token-by-token reference (outputs, final state, gradients w.r.t.
 every input and the initial state; T = 1 and T not a multiple of the mini-batch, packed documents, a state
 that stops mid-mini-batch, a call split where no mini-batch ends); the first mini-batch against an independent
-numpy loop (the LayerNorm's Jacobian as a matrix, float64); argument errors."""
+numpy loop (the LayerNorm's Jacobian as a matrix, float64); argument errors. TTT-MLP: its dual form against its
+reference (the same checks in one test), and the reference's first mini-batch against jax.grad of the loss."""
 
 import functools
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.ttt import ttt_linear
+from kernels.ttt import ttt_linear, ttt_mlp
 from tests.util import assert_close
 
 C = 4  # the mini-batch size of these tests
@@ -94,3 +95,67 @@ def test_bad_arguments():
         ttt_linear(*args, mode="parallel")
     with pytest.raises(ValueError, match="impl='pallas'"):
         ttt_linear(*args, impl="pallas")
+
+
+def mlp_inputs(B, T, H, K, F, seed=0):
+    """TTT-MLP's arguments (q, k, v, eta, W1, b1, W2, b2, ln_w, ln_b, scale) and a state stopped mid-mini-batch."""
+    r = np.random.RandomState(seed)
+    n = lambda *s: r.standard_normal(s).astype(np.float32)
+    (q, k, v, eta, _, _, ln_w, ln_b, scale), _ = inputs(B, T, H, K, seed)
+    theta = (0.5 * n(H, K, F), 0.3 * n(H, F), 0.5 * n(H, F, K), 0.3 * n(H, K))
+    state = (*(w + 0.1 * n(B, *w.shape) for w in theta), *(0.1 * n(B, *w.shape) for w in theta),
+             np.asarray([1, 3][:B], np.int32))
+    return [q, k, v, eta, *map(jnp.asarray, theta), ln_w, ln_b, scale], tuple(map(jnp.asarray, state))
+
+
+def test_mlp_dual_form_matches_reference():
+    """TTT-MLP: outputs, final state and gradients of the dual form against the reference (packed, T = 19 from
+    a state stopped mid-mini-batch); a call from the learned start split mid-mini-batch into calls of 6, 1 and 6
+    tokens; the reference's first mini-batch against jax.grad of the loss (not the written-out backward)."""
+    args, state = mlp_inputs(2, 19, 2, 4, 8)
+    ids = jnp.asarray([[0] * 2 + [1] * 9 + [2] * 8, [0] * 6 + [1] * 13], jnp.int32)
+
+    @functools.partial(jax.jit, static_argnames="mode")
+    def run(args, floats, *, mode):
+        def loss(args, floats):
+            o, S = ttt_mlp(*args, initial_state=(*floats, state[8]), segment_ids=ids, output_final_state=True,
+                           mode=mode)
+            return jnp.sum(o * jnp.cos(o)) + sum(jnp.sum(s * jnp.sin(s)) for s in S[:8]), (o, *S)
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(args, floats)
+
+    want_grads, want = run(args, state[:8], mode="recurrent")
+    grads, got = run(args, state[:8], mode="chunk")
+    for name, a, b in zip("o W1 b1 W2 b2 gW1 gb1 gW2 gb2".split(), got, want):
+        assert_close(a, b, what=f"dual {name}")
+    np.testing.assert_array_equal(got[-1], want[-1])
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))):
+        assert_close(a, b, 1e-3, what=f"dual gradient {i}")
+
+    call = jax.jit(lambda args, S, mode: ttt_mlp(*args, initial_state=S, output_final_state=True, mode=mode),
+                   static_argnums=2)
+    cut = lambda lo, hi: [a[:, lo:hi] for a in args[:4]] + args[4:]
+    o, S = call(cut(0, 13), None, "recurrent")  # from the learned start: its first mini-batch is checked below
+    outs, S_split = [], None
+    for lo, hi in ((0, 6), (6, 7), (7, 13)):  # T = 1 in the middle
+        o_part, S_split = call(cut(lo, hi), S_split, "chunk")
+        outs.append(o_part)
+    assert_close(jnp.concatenate(outs, axis=1), o, what="three calls vs one")
+    for a, b in zip(S_split, S):
+        assert_close(a, b, what="state after three calls")
+
+    @jax.jit
+    def by_autodiff(args):  # the first mini-batch of row 0, each gradient by jax.grad at the start
+        q, k, v, eta, W1, b1, W2, b2, w, c, scale = (a[0] if a.ndim == 4 or a.ndim == 3 and i < 4 else a
+                                                     for i, a in enumerate(args))
+        out = []
+        for h in range(q.shape[1]):
+            ln = lambda z: w[h] * (z - z.mean()) / jnp.sqrt(z.var() + 1e-6) + c[h]
+            f = lambda th, x: jax.nn.gelu(x @ th[0] + th[1], approximate=True) @ th[2] + th[3]
+            start = (W1[h], b1[h], W2[h], b2[h])
+            G = jax.tree.map(jnp.zeros_like, start)
+            for t in range(C):
+                g = jax.grad(lambda th: 0.5 * jnp.sum((ln(f(th, k[t, h])) - (v[t, h] - k[t, h])) ** 2))(start)
+                G = jax.tree.map(lambda G, g: G + eta[t, h] * g, G, g)
+                out.append(q[t, h] + ln(f(jax.tree.map(lambda s, G: s - scale[t] * G, start, G), q[t, h])))
+        return jnp.stack(out).reshape(q.shape[1], C, -1).swapaxes(0, 1)  # (C, H, K)
+    assert_close(o[0, :C], by_autodiff(cut(0, C)), what="reference vs jax.grad")
