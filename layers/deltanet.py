@@ -163,7 +163,7 @@ class DeltaRuleMixer(SequenceMixer):
     def _convs(self) -> tuple:
         return (self.q_conv, self.k_conv, self.v_conv) if self.conv_size else (None, None, None)
 
-    def _mix(self, x, state: DeltaNetState, segment_ids, mode, steps: bool):
+    def _mix(self, x, state, segment_ids, mode, steps: bool):  # state: self.State
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.value_dim
         x = x.astype(self.dtype)
@@ -175,9 +175,15 @@ class DeltaRuleMixer(SequenceMixer):
         n = self.num_householder
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, n, H, K), v.reshape(B, T, n, H, V)
         op, args = self._recurrence(q, k, v, x, segment_ids, mode)
-        o, recurrent = stepwise(op, state.recurrent, *args) if steps else op(state.recurrent, *args)
+        o, carry = stepwise(op, self._carry(state), *args) if steps else op(self._carry(state), *args)
         y = self.o_proj(self._output(o, x).reshape(B, T, H * V))  # (B, T, D)
-        return y, (self.State.stepped if steps else self.State)(recurrent, *windows)
+        carry = carry if isinstance(carry, tuple) else (carry,)
+        return y, (self.State.stepped if steps else self.State)(*carry, *windows)
+
+    def _carry(self, state):
+        """What the op of `_recurrence` carries, from the layer's state: the delta-rule state (a subclass's op may
+        carry a tuple, the state's fields before the windows)."""
+        return state.recurrent
 
     def _recurrence(self, q, k, v, x, segment_ids, mode):
         """The state's op and its per-token inputs, (op(S, *args) -> (o, S), args), from the convolved q (B, T, H, K),

@@ -30,17 +30,16 @@ Departures, all named (and Gated DeltaNet's own, layers/deltanet.py):
   the recurrence for one token and steps=True, the parallel form for a prefill of T > 1 tokens. No Pallas kernel.
 """
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from kernels.loglinear_gdn import loglinear_gated_delta_rule
-from layers.conv import convolve, init_windows
+from layers.conv import init_windows
 from layers.deltanet import GatedDeltaNet, normalize_qk
 from layers.loglinear import FenwickLevels, LogLinearImpl, LogLinearMode
 from layers.options import NonNegInt, PosFloat, PosInt
-from layers.state import state, stepwise
+from layers.state import state
 
 
 @state
@@ -81,22 +80,8 @@ class LogLinearGatedDeltaNet(FenwickLevels, GatedDeltaNet):
         S = jnp.zeros((batch_size, self.num_heads, self._levels(max_len), self.head_dim, self.value_dim), jnp.float32)
         return self.State(S, jnp.zeros((batch_size,), jnp.int32), *init_windows(self._convs(), batch_size, self.dtype))
 
-    def _mix(self, x, state: LogLinearGatedDeltaNetState, segment_ids, mode, steps: bool):
-        # DeltaRuleMixer._mix with a (Fenwick states, count) carry in place of the one delta-rule state.
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.value_dim
-        x = x.astype(self.dtype)
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        (q, k, v), windows = convolve(self._convs(), (q, k, v), (state.conv_q, state.conv_k, state.conv_v),
-                                      segment_ids=segment_ids, steps=steps)
-        if not self.conv_size:  # SiLU alone, as the convolutions end with
-            q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
-        q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, 1, H, K), v.reshape(B, T, 1, H, V)  # one Householder step
-        op, args = self._recurrence(q, k, v, x, segment_ids, mode)
-        carry = (state.fenwick, state.count)
-        o, (S, n) = stepwise(op, carry, *args) if steps else op(carry, *args)
-        y = self.o_proj(self._output(o, x).reshape(B, T, H * V))  # (B, T, D)
-        return y, (self.State.stepped if steps else self.State)(S, n, *windows)
+    def _carry(self, state: LogLinearGatedDeltaNetState) -> tuple:
+        return state.fenwick, state.count
 
     def _recurrence(self, q, k, v, x, segment_ids, mode):
         """DeltaRuleMixer's hook: the log-linear op on a (Fenwick states, count) carry, with λ (B, T, H, max_levels)

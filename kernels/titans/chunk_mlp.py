@@ -23,7 +23,8 @@ from jaxtyping import Array, Float, Int
 from kernels import inner_mlp
 from kernels.minibatches import heads_in_chunks, in_chunks, last_tokens, layout
 from kernels.titans.chunk import chunk_gates
-from kernels.titans.reference_mlp import EXACT_GELU, entering_state, memory_rows, weight_terms
+from kernels.titans.reference import entering_state
+from kernels.titans.reference_mlp import EXACT_GELU, memory_rows, weight_terms
 
 
 def titans_mlp_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],

@@ -33,14 +33,15 @@ from jaxtyping import Array, Float, Int
 from kernels.segments import document_starts
 
 
-def entering_state(initial_state: tuple | None, W0: Float[Array, "H K V"], batch: int):
-    """(W, M, S, pos) before token 0, float32 (pos int32): `initial_state`, or W0 at position 0."""
+def entering_state(initial_state: tuple | None, W0: Float[Array, "H K V"] | tuple, batch: int):
+    """(W, M, S, pos) before token 0, float32 (pos int32): `initial_state`, or W0 at position 0; W0 the linear
+    memory's matrix or the deep memory's tuple of layers (each of W, M, S then a tuple alike)."""
+    f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
     if initial_state is not None:
         W, M, S, pos = initial_state
-        f32 = lambda a: a.astype(jnp.float32)
         return f32(W), f32(M), f32(S), pos.astype(jnp.int32)
-    W = jnp.broadcast_to(W0.astype(jnp.float32), (batch, *W0.shape))
-    return W, W, jnp.zeros_like(W), jnp.zeros((batch,), jnp.int32)
+    W = jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)), f32(W0))
+    return W, W, jax.tree.map(jnp.zeros_like, W), jnp.zeros((batch,), jnp.int32)
 
 
 def titans_step(state: tuple, q: Float[Array, "B H K"], k: Float[Array, "B H K"], v: Float[Array, "B H V"],
@@ -60,10 +61,11 @@ def titans_step(state: tuple, q: Float[Array, "B H K"], k: Float[Array, "B H K"]
 
 def titans_reference(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
                      theta: Float[Array, "B T H"], log_eta: Float[Array, "B T H"], log_decay: Float[Array, "B T H"],
-                     W0: Float[Array, "H K V"], *, mini_batch_size: int, segment_ids: Int[Array, "B T"] | None = None,
-                     initial_state: tuple | None = None):
-    """Scan of `titans_step` over time, a document start restarting from (W0, W0, 0, 0). Returns
-    (o (B, T, H, V) in q's dtype, (W, M, S, pos))."""
+                     W0: Float[Array, "H K V"] | tuple, *, mini_batch_size: int,
+                     segment_ids: Int[Array, "B T"] | None = None, initial_state: tuple | None = None,
+                     step=titans_step):
+    """Scan of `step` (titans_step, or the deep memory's) over time, a document start restarting from (W0, W0, 0,
+    0). Returns (o (B, T, H, V) in q's dtype, (W, M, S, pos))."""
     B, T = q.shape[:2]
     f32 = lambda a: a.astype(jnp.float32)
     fresh = entering_state(None, W0, B)
@@ -72,7 +74,7 @@ def titans_reference(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
     def body(state, xs):
         *x_t, start = xs
         state = jax.tree.map(lambda s, s0: jnp.where(start.reshape((B,) + (1,) * (s.ndim - 1)), s0, s), state, fresh)
-        o, state = titans_step(state, *x_t, mini_batch_size)
+        o, state = step(state, *x_t, mini_batch_size)
         return state, o
 
     time_major = lambda a: jnp.moveaxis(a, 1, 0)  # (T, B, ...)

@@ -15,24 +15,13 @@ Code names: the state (W, M, S, pos), W, M, S each a pair (layer 1 (B, H, K, F),
 pos (B,) int32; `W0` the pair of learned starts without B; the gates as reference.py.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels import inner_mlp
-from kernels.segments import document_starts
+from kernels.titans.reference import titans_reference
 
 EXACT_GELU = True  # titans-pytorch's torch F.gelu: the erf form
-
-
-def entering_state(initial_state: tuple | None, W0: tuple, batch: int):
-    """(W, M, S, pos) before token 0, float32 (pos int32): `initial_state`, or W0 at position 0."""
-    if initial_state is not None:
-        W, M, S, pos = initial_state
-        f32 = lambda ws: tuple(a.astype(jnp.float32) for a in ws)
-        return f32(W), f32(M), f32(S), pos.astype(jnp.int32)
-    W = tuple(jnp.broadcast_to(a.astype(jnp.float32), (batch, *a.shape)) for a in W0)
-    return W, W, tuple(map(jnp.zeros_like, W)), jnp.zeros((batch,), jnp.int32)
 
 
 def memory_rows(x: Float[Array, "*B C K"], v: Float[Array, "*B C V"], W: tuple):
@@ -68,20 +57,7 @@ def titans_mlp_reference(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
                          theta: Float[Array, "B T H"], log_eta: Float[Array, "B T H"],
                          log_decay: Float[Array, "B T H"], W0: tuple, *, mini_batch_size: int,
                          segment_ids: Int[Array, "B T"] | None = None, initial_state: tuple | None = None):
-    """Scan of `titans_mlp_step` over time, a document start restarting from (W0, W0, 0, 0). Returns
-    (o (B, T, H, V) in q's dtype, (W, M, S, pos))."""
-    B, T = q.shape[:2]
-    f32 = lambda a: a.astype(jnp.float32)
-    fresh = entering_state(None, W0, B)
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-
-    def body(state, xs):
-        *x_t, start = xs
-        state = jax.tree.map(lambda s, s0: jnp.where(start.reshape((B,) + (1,) * (s.ndim - 1)), s0, s), state, fresh)
-        o, state = titans_mlp_step(state, *x_t, mini_batch_size)
-        return state, o
-
-    time_major = lambda a: jnp.moveaxis(a, 1, 0)  # (T, B, ...)
-    xs = tuple(map(time_major, (f32(q), f32(k), f32(v), f32(theta), f32(log_eta), f32(log_decay), starts)))
-    state, o = jax.lax.scan(body, entering_state(initial_state, W0, B), xs)
-    return jnp.moveaxis(o, 0, 1).astype(q.dtype), state  # (B, T, H, V)
+    """titans_reference's scan of `titans_mlp_step`: (o (B, T, H, V) in q's dtype, (W, M, S, pos)), each of W, M,
+    S the pair of the memory's layers."""
+    return titans_reference(q, k, v, theta, log_eta, log_decay, W0, mini_batch_size=mini_batch_size,
+                            segment_ids=segment_ids, initial_state=initial_state, step=titans_mlp_step)
