@@ -11,11 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from kernels.titans import titans
-from layers import TitansMemory
-from tests.layers.conformance import check_mixer
 from tests.util import assert_close
 
 C = 4  # the mini-batch size of these tests
@@ -157,8 +154,3 @@ def test_deep_memory_chunk_form_matches_reference():
         return jnp.stack(out).reshape(q.shape[2], 2 * C, -1).swapaxes(0, 1)  # (2C, H, V)
     assert_close(o[0, :2 * C], by_autodiff(*cut(0, 2 * C)[:6]), what="reference vs jax.grad")
 
-
-def test_deep_memory_layer_follows_the_mixer_protocol():
-    make = lambda **kw: TitansMemory(16, num_heads=2, mini_batch_size=4, conv_size=2, memory_depth=2,
-                                     rngs=nnx.Rngs(0), **kw)
-    check_mixer(make, 16)

@@ -57,7 +57,7 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
                             "qk_norm": True, "conv_bias": True}),
     "ttt_linear": (16, {"num_heads": 2, "mini_batch_size": 4}),
     "ttt_mlp": (8, {"num_heads": 2, "mini_batch_size": 4}),
-    "titans": (16, {"num_heads": 2, "mini_batch_size": 4, "conv_size": 2}),
+    "titans": (16, {"num_heads": 2, "mini_batch_size": 4, "conv_size": 2, "memory_depth": 2}),  # depth 1: test_kinds
     "deltaformer": (16, {"num_heads": 4, "num_kv_heads": 2, "write_key": "separate", "qkv_bias": True,
                          "qk_norm": True}),
     "rwkv6_channel_mix": (32, {"hidden_dim": 64}),

@@ -30,14 +30,19 @@ SEG = jnp.asarray([[1] * PREFILL, [0] * PAD + [1] * (PREFILL - PAD)], jnp.int32)
 
 def outputs(model, tokens, packed, alone):
     """(each row's full pass alone, prefill + steps, packed row, documents alone); the passes in evaluation
-    mode, the decoding in the model's own, on from the prefill's state saved to the host and restored."""
+    mode, as one batch (each row a document of its own, but the packed one), the decoding in the model's
+    own, on from the prefill's state saved to the host and restored."""
     @nnx.jit
     def prefill_and_passes(model, tokens, packed, alone):
         evaluated = nnx.view(model, deterministic=True)
         rows_alone = jnp.stack([tokens[0], jnp.roll(tokens[1], -PAD)])  # row 1 after its padding, then that padding
-        seg = jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in enumerate(DOCS)])[None]
+        alone = jnp.pad(alone, ((0, 0), (0, T - alone.shape[1])), constant_values=1)  # causal: the tail is unread
+        seg = jnp.concatenate([jnp.zeros((2, T), jnp.int32),
+                               jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in enumerate(DOCS)])[None],
+                               jnp.zeros((len(DOCS), T), jnp.int32)])
+        passes = evaluated(jnp.concatenate([rows_alone, packed, alone]), segment_ids=seg)  # (2 + 1 + 3, T, V)
         prefill = model.decode(tokens[:, :PREFILL], model.init_state(tokens.shape[0], T), segment_ids=SEG)
-        return evaluated(rows_alone), prefill, evaluated(packed, segment_ids=seg), evaluated(alone)
+        return passes[:2], prefill, passes[2:3], passes[3:]
 
     @nnx.jit
     def decode_steps(model, state, tokens):
