@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from layers.attention import Attention
-from layers.gptq import Recorded, gptq_quantize
+from layers.gptq import Recorded, gptq_quantize, recording
 from layers.linear import Linear
 from layers.mlp import MLP
 from layers.moe import MoE
@@ -225,15 +225,20 @@ def input_statistics(model: LanguageModel, todo: list, tokens, who: str = "quant
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"{who}: calibration is {tokens.dtype}{list(tokens.shape)}; expected token ids (B, T)")
-    stats, kept = {}, []
+    kept = []
     for i, (m, name, in_ndim, *_) in enumerate(todo):
         if is_projection(model, todo[i]):
             kept.append((m, name, getattr(m, name)))  # the Param itself, with its metadata
-            setattr(m, name, nnx.Param(Recorded(kept[-1][2].get_value(), i, stats, in_ndim)))
-    nnx.view(model, deterministic=True)(tokens)
+            setattr(m, name, nnx.Param(Recorded(kept[-1][2].get_value(), i, in_ndim)))
+    with recording() as stats:
+        _evaluate(model, tokens)
+        jax.effects_barrier()  # every callback has run
     for m, name, param in kept:
         setattr(m, name, param)
     return stats
+
+
+_evaluate = nnx.jit(lambda model, tokens: nnx.view(model, deterministic=True)(tokens))  # one compile per model shape
 
 
 def input_hessians(model: LanguageModel, todo: list, tokens, who: str = "quantize") -> dict[int, np.ndarray]:

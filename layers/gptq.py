@@ -31,6 +31,7 @@ projection's H (all from the float model's activations, not layer after layer fr
 as the reference does).
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -119,20 +120,35 @@ def gptq_quantize(w: Float[Array, "In Out"], h: Float[Array, "In In"], bits: str
     return codes.astype(INT_DTYPE[storage]), scales.astype(SCALE_DTYPE[storage])
 
 
+_RECORDING: list[dict] = []  # the statistics of the `recording` blocks open, innermost last
+
+
+@contextlib.contextmanager
+def recording():
+    """A dict that every Recorded weight multiplied inside the block adds its inputs' statistics to, by its key.
+    Outside the weights' pytree (whose static part is only key and in_ndim), so one compiled program serves
+    every calibration of a model."""
+    _RECORDING.append({})
+    try:
+        yield _RECORDING[-1]
+    finally:
+        _RECORDING.pop()
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["base"], meta_fields=["key", "in_ndim"])
 @dataclasses.dataclass(frozen=True, eq=False)
 class Recorded(HeldWeight):
     """A weight (its logical shape: contraction axes, then output axes) that adds the statistics of each
-    input X (M, In) it multiplies to `stats[key]`, a dict of "xtx" (X^T X), "absmax" and "abssum" (max
-    and sum of |x| per input channel) and "rows" (float64 NumPy, through jax.debug.callback, so under
-    jit too)."""
+    input X (M, In) it multiplies to the open `recording`'s [key], a dict of "xtx" (X^T X), "absmax" and
+    "abssum" (max and sum of |x| per input channel) and "rows" (float64 NumPy, through jax.debug.callback, so
+    under jit too; sums, so the callbacks' order does not matter)."""
     base: Shaped[Array, "..."]
-    key: object  # where the sums go in `stats`
-    stats: dict
+    key: int  # where the sums go in the recording
     in_ndim: int = 1
 
     def _add(self, x2):
         x2 = np.asarray(x2, np.float64)
-        got = self.stats.setdefault(self.key, {"xtx": 0.0, "absmax": 0.0, "abssum": 0.0, "rows": 0})
+        got = _RECORDING[-1].setdefault(self.key, {"xtx": 0.0, "absmax": 0.0, "abssum": 0.0, "rows": 0})
         got["xtx"] = got["xtx"] + x2.T @ x2
         got["absmax"] = np.maximum(got["absmax"], np.abs(x2).max(0))
         got["abssum"] = got["abssum"] + np.abs(x2).sum(0)
