@@ -55,10 +55,11 @@ def titans_mlp_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
         W_n = tuple(at_sel(D) * m_ + at_sel(phi) * s + g for m_, s, g in zip(M, S, terms))
         # each row at its own kind's anchor: the three stacked on a leading axis, one picked per row
         W3 = tuple(jnp.stack(w) for w in zip(W, W_n, fresh))  # (3, B, H, ...)
-        one_hot = jnp.stack([carried, nxt, restarted])[:, :, None, :, None].astype(jnp.float32)  # (3, B, 1, C, 1)
-        rows = tuple(jnp.sum(one_hot * a, axis=0) for a in memory_rows(k, v, W3))  # Z1, dZ1, dZ2 (B, H, C, .)
-        P = Phi * theta[:, :, None, :]  # (B, H, C, C): Phi[i, l] theta_l
         col = lambda a: a[:, None, :, None]  # (B, C) -> (B, 1, C, 1)
+        kind = lambda a3: jnp.where(col(carried), a3[0], jnp.where(col(nxt), a3[1], a3[2]))  # (3, B, H, C, .)
+        rows = tuple(map(kind, memory_rows(k, v, W3)))  # Z1, dZ1, dZ2 (B, H, C, .): a select, so that an
+        # anchor a row does not use (a next mini-batch's, say) cannot reach it, even if it overflowed
+        P = Phi * theta[:, :, None, :]  # (B, H, C, C): Phi[i, l] theta_l
         base = lambda x, i: D[..., None] * jnp.where(col(restarted), x @ fresh[i], x @ M[i]) \
             + phi[..., None] * (x @ S[i])  # (B, H, C, .): D_i x_i M_in + phi_i x_i S_in
         Xb2 = gelu(inner_mlp.dual_read(q, k, rows[1], P, base(q, 0), bias=False))

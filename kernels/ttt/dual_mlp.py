@@ -65,8 +65,10 @@ def ttt_mlp_dual(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Floa
         theta_n = tuple(t - scale[-1] * (g + s) for t, g, s in zip(theta, G, sums))
         # each row at its own kind's start: the three starts stacked on a leading axis, one picked per row
         starts3 = tuple(jnp.stack(t) for t in zip(theta, theta_n, fresh))  # (3, B, H, ...)
-        one_hot = jnp.stack([carried, nxt, restarted])[:, :, None, :, None].astype(jnp.float32)  # (3, B, 1, C, 1)
-        kind = lambda a3: jnp.sum(one_hot * a3, axis=0)  # (3, B, H, C, F) -> (B, H, C, F)
+        c_, n_ = carried[:, None, :, None], nxt[:, None, :, None]  # (B, 1, C, 1)
+        kind = lambda a3: jnp.where(c_, a3[0], jnp.where(n_, a3[1], a3[2]))  # (3, B, H, C, F) -> (B, H, C, F):
+        # a select, not a sum of one-hot products: a start a row does not use (the next mini-batch's) cannot reach it
+        # even where it overflowed (it did under jit, the one-hot form giving NaN for every row)
         Z1, dZ1, dZ2 = map(kind, rows_at(starts3))  # (B, H, C, F | F | K)
         a = scale[p][:, None, :, None]  # (B, 1, C, 1): a_{p_i}
         P = a * eta[:, :, None, :] * (tril & (m[:, :, None] == m[:, None, :]))[:, None]  # (B, H, C, C)

@@ -159,3 +159,15 @@ def test_mlp_dual_form_matches_reference():
                 out.append(q[t, h] + ln(f(jax.tree.map(lambda s, G: s - scale[t] * G, start, G), q[t, h])))
         return jnp.stack(out).reshape(q.shape[1], C, -1).swapaxes(0, 1)  # (C, H, K)
     assert_close(o[0, :C], by_autodiff(cut(0, C)), what="reference vs jax.grad")
+
+
+def test_mlp_dual_form_under_jit_in_one_padded_mini_batch():
+    """The shape that broke the dual form under jit (NaN in every row, while eager was right): one mini-batch of
+    16 padded from 7 tokens, 4 heads of 32 (a config's), its next mini-batch's start selected away row by row."""
+    rng = np.random.default_rng(0)
+    H, K, F, T = 4, 32, 128, 7
+    r = lambda *s: jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32)
+    params = (r(H, K, F), r(H, F), r(H, F, K), r(H, K), 1 + r(H, K), r(H, K), jnp.linspace(1.0, 0.1, 16))
+    q, k, v, eta = r(2, T, H, K), r(2, T, H, K), r(2, T, H, K), jnp.abs(r(2, T, H))
+    run = lambda mode: jax.jit(lambda *a: ttt_mlp(*a, *params, mode=mode)[0])(q, k, v, eta)
+    assert_close(run("chunk"), run("recurrent"), 1e-4, "dual vs reference, jitted")
