@@ -6,7 +6,7 @@ mini-batch of C tokens all taken at its start (the paper's parallel training, Se
 the inner loop, its state and its chunk form):
 
     q = L2(SiLU(conv_q(W_q x))),  k = L2(SiLU(conv_k(W_k x))),  v = SiLU(conv_v(W_v x))  (causal depthwise convs)
-    theta_t = max_lr sigmoid(w_theta x_t + b_theta),  eta_t = sigmoid(w_eta x_t + b_eta),
+    theta_t = max_lr sigmoid(w_theta x_t + b_theta) / K,  eta_t = sigmoid(w_eta x_t + b_eta),
     alpha_t = sigmoid(w_alpha x_t + b_alpha)                                        (one of each per head)
     S_t = eta_t S_{t-1} - theta_t grad l(W_s; x_t),   M_t = (1 - alpha_t) M_{t-1} + S_t,   o_t = q_t M_t
     y_t = W_o [ RMSNorm(o_t) * SiLU(W_g x_t) ]        (per-head norm; RMSNorm alone without the output gate)
@@ -27,16 +27,17 @@ Departures, named: memory depth 1 or 2 only (the paper allows any L_M >= 1); the
 allows per token or per chunk; titans-pytorch computes eta and alpha per chunk from the chunk's mean input); o_t
 reads M_t, the memory after the token's own in-mini-batch update, as the paper's equations (titans-pytorch reads
 the memory as of the end of the previous chunk); no LayerNorm + residual around the memory model (titans-pytorch's
-default, from TTT) and no pre-norm inside the layer (the zoo's block has one); the loss is the paper's sum of
-squares (titans-pytorch: the mean over channels); mini-batches follow each document's own positions, restarting at
+default, from TTT) and no pre-norm inside the layer (the zoo's block has one); the loss is titans-pytorch's mean over
+the K channels (theta / K in the sum's gradient; the paper writes the sum, whose K times larger steps
+overflowed the trained memory past about 1,600 tokens); mini-batches follow each document's own positions, restarting at
 W0 at every document start (neither has packing); any T (a trailing partial mini-batch is unfinished, as decoding
 leaves it); initialisation: the zoo's Linear and ShortConvolution defaults, W0 Xavier-uniform per head as
 titans-pytorch's memory weights, gate biases 0 for theta and eta and -4 for alpha (alpha ~ 0.02: little forgetting
-at the start; neither source fixes them); max_lr 0.1 (measured: configs/titans.yaml after 250 steps reaches 1.833
-nats/byte with 0.1, 2.156 with 0.5).
-Known defect: the trained memory's recurrence can grow without bound past the trained length (momentum with
-little decay lets (M, S) leave the unit circle): non-finite outputs past about 1,600 tokens with max_lr 0.1
-and 760 with 0.5 after those 250 steps of 128 tokens, in both forms alike (docs/experiments.md).
+at the start; neither source fixes them); max_lr 0.1, titans-pytorch's (configs/titans.yaml after 250 steps:
+1.792 nats/byte).
+Past the trained length the memory stays finite but stops helping: configs/titans.yaml after 250 steps of 128
+tokens reads 1.79 nats/byte up to about 300 tokens, then climbs to a plateau near 4.0 from about 1,000 tokens to
+4,096 (docs/experiments.md).
 """
 
 from typing import Annotated
@@ -89,7 +90,7 @@ class TitansMemory(SequenceMixer):
     reading on ||k M - v||^2 by gradient descent with momentum eta_t and forgetting alpha_t, the gradients of each
     mini_batch_size tokens taken at the mini-batch's start; output q M_t, a per-head RMSNorm, a SiLU output gate
     (use_output_gate) and the output projection; num_heads must divide d_model; max_lr: the inner learning rate's
-    ceiling (theta = max_lr sigmoid(.)); conv_size: the short convolutions on q, k, v; norm_eps: the output
+    ceiling (theta = max_lr sigmoid(.) / head_dim); conv_size: the short convolutions on q, k, v; norm_eps: the output
     norm's; memory_depth: 1 the linear memory, 2 a two-layer MLP memory gelu(k M1) M2 of hidden width
     4 head_dim; mode ("recurrent" | "chunk") picks the training path's exact form; impl ("auto" | "reference" |
     "xla"); dtype: the compute dtype (parameters stay float32)."""
@@ -159,7 +160,7 @@ class TitansMemory(SequenceMixer):
         q, k, v = (a.reshape(B, T, H, K) for a in (q, k, v))  # (B, T, H, K)
         q, k = normalize_qk(q, "l2"), normalize_qk(k, "l2")
         z = self.gate_proj(x).astype(jnp.float32).reshape(B, T, 3, H)  # (B, T, 3, H): theta, eta, alpha logits
-        theta = self.max_lr * jax.nn.sigmoid(z[:, :, 0])
+        theta = self.max_lr * jax.nn.sigmoid(z[:, :, 0]) / self.head_dim  # the loss: a mean over the K channels
         log_eta, log_decay = jax.nn.log_sigmoid(z[:, :, 1]), jax.nn.log_sigmoid(-z[:, :, 2])  # log eta, log(1 - alpha)
         op = lambda S, q, k, v, theta, log_eta, log_decay: titans(
             q, k, v, theta, log_eta, log_decay, self.memory_start(), mini_batch_size=self.mini_batch_size,
