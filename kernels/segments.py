@@ -60,16 +60,18 @@ def scan_inputs(arrays: tuple, D: Array | None, segment_ids: Int[Array, "B T"] |
     return args, starts, entering_state(initial_state, state_shape)
 
 
-def scan_documents(step, state: Float[Array, "B ..."] | tuple, xs: tuple, segment_ids: Int[Array, "B T"] | None = None):
-    """lax.scan of `step(S, *x_t) -> (o_t, S)` over time, with S (an array or a tuple of them) set to zero
-    before the step at every document start. xs: arrays (B, T, ...), or None (passed to step as None). Returns
-    (o (B, T, ...), final S)."""
+def scan_documents(step, state: Float[Array, "B ..."] | tuple, xs: tuple, segment_ids: Int[Array, "B T"] | None = None,
+                   fresh: tuple | None = None):
+    """lax.scan of `step(S, *x_t) -> (o_t, S)` over time, with S (an array or a tuple of them) set to `fresh` (a
+    tree like S; zeros when None) before the step at every document start. xs: arrays (B, T, ...), or None (passed
+    to step as None). Returns (o (B, T, ...), final S)."""
     B, T = next(x for x in xs if x is not None).shape[:2]
     starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
+    fresh = jax.tree.map(jnp.zeros_like, state) if fresh is None else fresh
 
     def body(S, x_t):
         *x_t, start_t = x_t
-        S = jax.tree.map(lambda s: jnp.where(start_t.reshape((B,) + (1,) * (s.ndim - 1)), 0.0, s), S)  # zero at a start
+        S = jax.tree.map(lambda s, s0: jnp.where(start_t.reshape((B,) + (1,) * (s.ndim - 1)), s0, s), S, fresh)
         o_t, S = step(S, *x_t)
         return S, o_t
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import scan_documents
 
 
 def entering_state(initial_state: tuple | None, W0: Float[Array, "H K V"] | tuple, batch: int):
@@ -66,18 +66,10 @@ def titans_reference(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
                      step=titans_step):
     """Scan of `step` (titans_step, or the deep memory's) over time, a document start restarting from (W0, W0, 0,
     0). Returns (o (B, T, H, V) in q's dtype, (W, M, S, pos))."""
-    B, T = q.shape[:2]
+    B = q.shape[0]
     f32 = lambda a: a.astype(jnp.float32)
-    fresh = entering_state(None, W0, B)
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-
-    def body(state, xs):
-        *x_t, start = xs
-        state = jax.tree.map(lambda s, s0: jnp.where(start.reshape((B,) + (1,) * (s.ndim - 1)), s0, s), state, fresh)
-        o, state = step(state, *x_t, mini_batch_size)
-        return state, o
-
-    time_major = lambda a: jnp.moveaxis(a, 1, 0)  # (T, B, ...)
-    xs = tuple(map(time_major, (f32(q), f32(k), f32(v), f32(theta), f32(log_eta), f32(log_decay), starts)))
-    state, o = jax.lax.scan(body, entering_state(initial_state, W0, B), xs)
-    return jnp.moveaxis(o, 0, 1).astype(q.dtype), state  # (B, T, H, V)
+    step_t = lambda S, *x_t: step(S, *x_t, mini_batch_size)
+    xs = (f32(q), f32(k), f32(v), f32(theta), f32(log_eta), f32(log_decay))
+    o, S = scan_documents(step_t, entering_state(initial_state, W0, B), xs, segment_ids,
+                          fresh=entering_state(None, W0, B))
+    return o.astype(q.dtype), S  # (B, T, H, V)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.segments import document_starts
+from kernels.segments import scan_documents
 
 EPS = 1e-6  # flax LayerNorm's default, the official code's inner norm
 
@@ -87,19 +87,11 @@ def ttt_linear_reference(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"],
                          segment_ids: Int[Array, "B T"] | None = None, initial_state: tuple | None = None):
     """Scan of `ttt_linear_step` over time, a document start restarting from (W0, b0, 0, 0, 0). Returns
     (o (B, T, H, K) in q's dtype, (W, b, gW, gb, pos))."""
-    B, T = q.shape[:2]
+    B = q.shape[0]
     f32 = lambda a: a.astype(jnp.float32)
     W0, b0, ln_w, ln_b, scale = map(f32, (W0, b0, ln_w, ln_b, scale))
-    fresh = entering_state(None, W0, b0, B)
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-
-    def body(S, xs):
-        *x_t, start = xs
-        S = jax.tree.map(lambda s, s0: jnp.where(start.reshape((B,) + (1,) * (s.ndim - 1)), s0, s), S, fresh)
-        o, S = ttt_linear_step(S, *x_t, scale, ln_w, ln_b)
-        return S, o
-
-    time_major = lambda a: jnp.moveaxis(a, 1, 0)  # (T, B, ...)
-    S, o = jax.lax.scan(body, entering_state(initial_state, W0, b0, B),
-                        tuple(map(time_major, (f32(q), f32(k), f32(v), f32(eta), starts))))
-    return jnp.moveaxis(o, 0, 1).astype(q.dtype), S  # (B, T, H, K)
+    step_t = lambda S, *x_t: ttt_linear_step(S, *x_t, scale, ln_w, ln_b)
+    xs = (f32(q), f32(k), f32(v), f32(eta))
+    o, S = scan_documents(step_t, entering_state(initial_state, W0, b0, B), xs, segment_ids,
+                          fresh=entering_state(None, W0, b0, B))
+    return o.astype(q.dtype), S  # (B, T, H, K)

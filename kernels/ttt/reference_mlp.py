@@ -20,12 +20,11 @@ eta-weighted gradient sums of each, pos (B,) int32); `params0` the learned start
 `eta`, `scale`, `ln_w`, `ln_b` as reference.py.
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels import inner_mlp
-from kernels.segments import document_starts
+from kernels.segments import scan_documents
 from kernels.ttt.reference import layer_norm, loss_grad
 
 EXACT_GELU = False  # the official code's flax nn.gelu: the tanh approximation
@@ -67,19 +66,11 @@ def ttt_mlp_reference(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v:
                       segment_ids: Int[Array, "B T"] | None = None, initial_state: tuple | None = None):
     """Scan of `ttt_mlp_step` over time, a document start restarting from (params0, 0, 0). Returns
     (o (B, T, H, K) in q's dtype, (W1, b1, W2, b2, G1, g1, G2, g2, pos))."""
-    B, T = q.shape[:2]
+    B = q.shape[0]
     f32 = lambda a: a.astype(jnp.float32)
     params0, ln_w, ln_b, scale = tuple(map(f32, params0)), f32(ln_w), f32(ln_b), f32(scale)
-    fresh = entering_state(None, params0, B)
-    starts = jnp.zeros((B, T), bool) if segment_ids is None else document_starts(segment_ids)
-
-    def body(S, xs):
-        *x_t, start = xs
-        S = jax.tree.map(lambda s, s0: jnp.where(start.reshape((B,) + (1,) * (s.ndim - 1)), s0, s), S, fresh)
-        o, S = ttt_mlp_step(S, *x_t, scale, ln_w, ln_b)
-        return S, o
-
-    time_major = lambda a: jnp.moveaxis(a, 1, 0)  # (T, B, ...)
-    S, o = jax.lax.scan(body, entering_state(initial_state, params0, B),
-                        tuple(map(time_major, (f32(q), f32(k), f32(v), f32(eta), starts))))
-    return jnp.moveaxis(o, 0, 1).astype(q.dtype), S  # (B, T, H, K)
+    step_t = lambda S, *x_t: ttt_mlp_step(S, *x_t, scale, ln_w, ln_b)
+    xs = (f32(q), f32(k), f32(v), f32(eta))
+    o, S = scan_documents(step_t, entering_state(initial_state, params0, B), xs, segment_ids,
+                          fresh=entering_state(None, params0, B))
+    return o.astype(q.dtype), S  # (B, T, H, K)
