@@ -5,8 +5,8 @@ kernels/*/pallas.py or the TPU kernels of kernels/*/pallas_tpu.py; both run in i
 a layer_pattern mixes impls per entry, and a bad impl is a config error naming the dotted path.
 
 T = 21 leaves ragged tails after the kernels' chunks; the prefill of 17 tokens crosses one chunk, and
-the single-token steps run the kernels too, except for mamba and mamba2, which step with their plain
-step functions. RWKV-6 and RWKV-7 (whose official init zeroes W_o) run on perturbed weights.
+the single-token steps run the kernels too, except for the kinds of PLAIN_STEP, which step with their
+plain step functions. RWKV-6 and RWKV-7 (whose official init zeroes W_o) run on perturbed weights.
 """
 
 import jax
@@ -33,6 +33,17 @@ TINY = {
     "rwkv6": {"kind": "rwkv6", "head_dim": 16, "mix_lora_dim": 4, "decay_lora_dim": 4},
     "rwkv7": {"kind": "rwkv7", "head_dim": 16, "decay_lora_dim": 4, "icl_lora_dim": 4, "value_lora_dim": 4,
               "gate_lora_dim": 4},
+    # kinds on the kernels above: attention's (fox), GLA's (lightning, gsa, mamba3, mesanet's products), the
+    # delta rule's (comba, mom), RWKV-7's (gated_deltanet2)
+    "fox": {"kind": "fox", "num_heads": 4, "num_kv_heads": 2},
+    "lightning": {"kind": "lightning", "num_heads": 2},
+    "gsa": {"kind": "gsa", "num_heads": 2, "num_slots": 4},
+    "mamba3": {"kind": "mamba3", "state_size": 8, "head_dim": 16, "num_groups": 2},
+    "mamba3_mimo": {"kind": "mamba3", "state_size": 8, "head_dim": 16, "num_groups": 2, "mimo_rank": 2},
+    "mesanet": {"kind": "mesanet", "num_heads": 2, "cg_steps": 2},
+    "comba": {"kind": "comba", "num_heads": 2},
+    "mom": {"kind": "mom", "num_heads": 2, "num_memories": 3, "top_k": 2},
+    "gated_deltanet2": {"kind": "gated_deltanet2", "num_heads": 2},
 }
 T, PREFILL = 21, 17
 
@@ -67,10 +78,11 @@ def _model(kind, impl):
 
 
 # Retention, linear attention, SSD and WKV6 run GLA's kernels (with their own wrappers, which the GPU
-# family runs here); the TPU family runs once per kernel.
-GLA_KERNELS = ("retnet", "linear_attention", "mamba2", "rwkv6")
-CASES = [(kind, platform) for platform in ("gpu", "tpu") for kind in TINY
-         if platform == "gpu" or kind not in GLA_KERNELS]
+# family runs here), and the kinds after RWKV-7 in TINY the kernels of the kinds before them: the TPU
+# family runs once per kernel.
+PLAIN_STEP = ("mamba", "mamba2", "mamba3", "mamba3_mimo", "gsa", "mesanet", "gated_deltanet2")  # T = 1: a step function
+REUSED = ("retnet", "linear_attention", "mamba2", "rwkv6", *list(TINY)[list(TINY).index("rwkv7") + 1:])
+CASES = [(kind, platform) for platform in ("gpu", "tpu") for kind in TINY if platform == "gpu" or kind not in REUSED]
 
 
 @pytest.mark.parametrize("kind, platform", CASES)
@@ -91,7 +103,7 @@ def test_pallas_equals_reference_and_decodes(kind, platform, monkeypatch):
     assert family == platform
     logits, state = prefill(tokens[:, :PREFILL], state)
     step, family = _compiled(pallas, "decode", tokens[:, :1], state)
-    assert family == (None if kind in ("mamba", "mamba2") else platform)  # their T = 1 step: the plain step function
+    assert family == (None if kind in PLAIN_STEP else platform)
     pieces = [logits]
     for t in range(PREFILL, T):
         logits, state = step(tokens[:, t:t + 1], state)
@@ -126,7 +138,7 @@ def test_layer_rejects_bad_impl(kind):
 
     from zoo.registry import LAYER_OF, MIXERS
 
-    layer_cls = LAYER_OF[MIXERS[kind]]
-    kwargs = {k: v for k, v in TINY[kind].items() if k != "kind"}
+    kwargs = dict(TINY[kind])
+    layer_cls = LAYER_OF[MIXERS[kwargs.pop("kind")]]
     with pytest.raises(ValueError, match=r"impl='triton'; expected one of"):
         layer_cls(32, **kwargs, impl="triton", rngs=nnx.Rngs(0))
