@@ -31,6 +31,23 @@ def heads_in_chunks(a: Array, C: int) -> Array:
     return jnp.swapaxes(in_chunks(a.astype(jnp.float32), C), 2, 3)
 
 
+def row_kinds(m: Int[Array, "B C"], st: Bool[Array, "B C"]) -> tuple[Bool[Array, "B C"], ...]:
+    """A chunk's rows by the start their mini-batch reads, from the mini-batch numbers m and the document
+    starts st: (restarted: a document started in the chunk at or before the row, so the learned start;
+    carried: the scan's carried mini-batch; nxt: the carried document's next one), each (B, C)."""
+    restarted = jnp.cumsum(st, axis=1) > 0
+    carried = (m == m[:, :1]) & ~restarted
+    return restarted, carried, ~carried & ~restarted
+
+
+def by_kind(carried: Bool[Array, "B C"], nxt: Bool[Array, "B C"], a_c: Array, a_n: Array, a_0: Array) -> Array:
+    """Each row (axis 2 of (B, H, C, ...)) from its kind's array: the carried, next or restarted one. A select,
+    not a sum of one-hot products: an array a row does not read cannot reach it, not even where it overflowed
+    (the sum gave NaN in every row under jit)."""
+    c, n = carried[:, None, :, None], nxt[:, None, :, None]  # (B, 1, C, 1)
+    return jnp.where(c, a_c, jnp.where(n, a_n, a_0))
+
+
 def last_tokens(T: int, C: int) -> Int[Array, " n"]:
     """Each chunk's last real token (the last chunk may be padded)."""
     return jnp.full((-(-T // C),), C - 1, jnp.int32).at[-1].set((T - 1) % C)

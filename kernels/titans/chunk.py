@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kernels.minibatches import heads_in_chunks, in_chunks, last_tokens, layout
+from kernels.minibatches import by_kind, heads_in_chunks, in_chunks, last_tokens, layout, row_kinds
 from kernels.titans.reference import entering_state
 
 
@@ -44,9 +44,7 @@ def chunk_gates(log_eta: Float[Array, "B H C"], log_decay: Float[Array, "B H C"]
     tril = jnp.tril(jnp.ones((C, C), bool))
     doc = jnp.cumsum(st, axis=1)  # (B, C): documents started in this chunk at or before the token
     same = tril & (doc[:, :, None] == doc[:, None, :])  # (B, C, C): l <= i in i's document
-    restarted = doc > 0
-    carried = (m == m[:, :1]) & ~restarted
-    nxt = ~carried & ~restarted
+    restarted, carried, nxt = row_kinds(m, st)
     A, E = decays(log_decay, same), decays(log_eta, same)  # (B, H, C, C)
     Phi = jnp.einsum("bhij,bhjl->bhil", A, E)
     # decays from the chunk's entry (carried document) or from the document's start (W_0, S = 0)
@@ -88,8 +86,7 @@ def titans_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Floa
         w_n = -2.0 * theta * jnp.einsum("bi,bhil->bhl", sel, Phi)  # (B, H, C)
         at_sel = lambda a: jnp.einsum("bi,bhi->bh", sel, a)[..., None, None]  # (B, H, 1, 1)
         W_n = at_sel(D) * M + at_sel(phi) * S + outer(w_n, k, R_c)
-        kind = lambda a_c, a_n, a_0: jnp.where(col(carried), a_c, jnp.where(col(nxt), a_n, a_0))
-        R = kind(R_c, apply(k, W_n) - v, apply(k, W0b) - v)  # (B, H, C, V): k_l W_s - v_l at each anchor
+        R = by_kind(carried, nxt, R_c, apply(k, W_n) - v, apply(k, W0b) - v)  # (B, H, C, V): k_l W_s - v_l, each anchor
         base = jnp.where(col(restarted), apply(q, W0b), apply(q, M))  # q_i M_in
         P = Phi * jnp.einsum("bhik,bhlk->bhil", q, k) * theta[:, :, None, :]  # (B, H, C, C)
         o = D[..., None] * base + phi[..., None] * apply(q, S) - 2.0 * jnp.einsum("bhil,bhlv->bhiv", P, R)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels import inner_mlp
-from kernels.minibatches import heads_in_chunks, in_chunks, last_tokens, layout
+from kernels.minibatches import by_kind, heads_in_chunks, in_chunks, last_tokens, layout
 from kernels.titans.chunk import chunk_gates
 from kernels.titans.reference import entering_state
 from kernels.titans.reference_mlp import EXACT_GELU, memory_rows, weight_terms
@@ -55,10 +55,8 @@ def titans_mlp_chunk(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
         W_n = tuple(at_sel(D) * m_ + at_sel(phi) * s + g for m_, s, g in zip(M, S, terms))
         # each row at its own kind's anchor: the three stacked on a leading axis, one picked per row
         W3 = tuple(jnp.stack(w) for w in zip(W, W_n, fresh))  # (3, B, H, ...)
+        rows = tuple(by_kind(carried, nxt, *a3) for a3 in memory_rows(k, v, W3))  # Z1, dZ1, dZ2 (B, H, C, .)
         col = lambda a: a[:, None, :, None]  # (B, C) -> (B, 1, C, 1)
-        kind = lambda a3: jnp.where(col(carried), a3[0], jnp.where(col(nxt), a3[1], a3[2]))  # (3, B, H, C, .)
-        rows = tuple(map(kind, memory_rows(k, v, W3)))  # Z1, dZ1, dZ2 (B, H, C, .): a select, so that an
-        # anchor a row does not use (a next mini-batch's, say) cannot reach it, even if it overflowed
         P = Phi * theta[:, :, None, :]  # (B, H, C, C): Phi[i, l] theta_l
         base = lambda x, i: D[..., None] * jnp.where(col(restarted), x @ fresh[i], x @ M[i]) \
             + phi[..., None] * (x @ S[i])  # (B, H, C, .): D_i x_i M_in + phi_i x_i S_in

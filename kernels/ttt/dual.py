@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels.minibatches import heads_in_chunks, in_chunks, last_tokens, layout
+from kernels.minibatches import by_kind, heads_in_chunks, in_chunks, last_tokens, layout, row_kinds
 from kernels.ttt.reference import entering_state, layer_norm, loss_grad
 
 
@@ -54,21 +54,18 @@ def ttt_linear_dual(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: F
     def body(carry, xs):
         W, b, gW, gb = carry
         q, k, v, eta, p, m, st, last = xs
-        restarted = jnp.cumsum(st, axis=1) > 0  # (B, C): a document started here at or before the token
-        carried = (m == m[:, :1]) & ~restarted
-        nxt = ~carried & ~restarted
+        restarted, carried, nxt = row_kinds(m, st)  # (B, C)
         # the carried mini-batch first: its gradients, and the start of the next one should it end here
         d_c = grad(apply(k, W, b), q, k, v)
         w_c = eta * carried[:, None]  # (B, H, C)
         W_n = W - scale[-1] * (gW + outer(w_c, k, d_c))
         b_n = b - scale[-1] * (gb + jnp.einsum("bhc,bhcj->bhj", w_c, d_c))
-        kind = lambda a_c, a_n, a_0: jnp.where(carried[:, None, :, None], a_c,
-                                               jnp.where(nxt[:, None, :, None], a_n, a_0))
-        d = grad(kind(apply(k, W, b), apply(k, W_n, b_n), apply(k, W0b, b0b)), q, k, v)  # (B, H, C, K)
+        d = grad(by_kind(carried, nxt, apply(k, W, b), apply(k, W_n, b_n), apply(k, W0b, b0b)), q, k, v)  # (B, H, C, K)
         same = tril & (m[:, :, None] == m[:, None, :])  # (B, C, C): j <= i in i's mini-batch
         A = (jnp.einsum("bhik,bhjk->bhij", q, k) + 1) * eta[:, :, None, :] * same[:, None]  # (B, H, C, C)
         sums = jnp.einsum("bhij,bhjk->bhik", A, d) + carried[:, None, :, None] * apply(q, gW, gb)
-        z = kind(apply(q, W, b), apply(q, W_n, b_n), apply(q, W0b, b0b)) - scale[p][:, None, :, None] * sums
+        z = by_kind(carried, nxt, apply(q, W, b), apply(q, W_n, b_n), apply(q, W0b, b0b)) \
+            - scale[p][:, None, :, None] * sums
         o = q + ln(z)
         # the carry: the last real token's mini-batch, its start and sums, ended if it is at p = C - 1
         at = lambda a: jax.lax.dynamic_index_in_dim(a, last, axis=1, keepdims=False)  # (B,)

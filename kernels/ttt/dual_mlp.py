@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels import inner_mlp
-from kernels.minibatches import heads_in_chunks, in_chunks, last_tokens, layout
+from kernels.minibatches import by_kind, heads_in_chunks, in_chunks, last_tokens, layout, row_kinds
 from kernels.ttt.reference import layer_norm, loss_grad
 from kernels.ttt.reference_mlp import EXACT_GELU, entering_state
 
@@ -50,9 +50,7 @@ def ttt_mlp_dual(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Floa
     def body(carry, xs):
         theta, G = carry[:4], carry[4:]
         q, k, v, eta, p, m, st, last = xs
-        restarted = jnp.cumsum(st, axis=1) > 0  # (B, C): a document started here at or before the token
-        carried = (m == m[:, :1]) & ~restarted
-        nxt = ~carried & ~restarted
+        restarted, carried, nxt = row_kinds(m, st)  # (B, C)
 
         def rows_at(theta_a):  # every row's Z1, dl/dZ1, dl/dZ2 at the start(s) theta_a
             Z1, Z2 = inner_mlp.forward(k, theta_a, EXACT_GELU)
@@ -65,10 +63,7 @@ def ttt_mlp_dual(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Floa
         theta_n = tuple(t - scale[-1] * (g + s) for t, g, s in zip(theta, G, sums))
         # each row at its own kind's start: the three starts stacked on a leading axis, one picked per row
         starts3 = tuple(jnp.stack(t) for t in zip(theta, theta_n, fresh))  # (3, B, H, ...)
-        c_, n_ = carried[:, None, :, None], nxt[:, None, :, None]  # (B, 1, C, 1)
-        kind = lambda a3: jnp.where(c_, a3[0], jnp.where(n_, a3[1], a3[2]))  # (3, B, H, C, F) -> (B, H, C, F):
-        # a select, not a sum of one-hot products: a start a row does not use (the next mini-batch's) cannot reach it
-        # even where it overflowed (it did under jit, the one-hot form giving NaN for every row)
+        kind = lambda a3: by_kind(carried, nxt, *a3)  # (3, B, H, C, F) -> (B, H, C, F)
         Z1, dZ1, dZ2 = map(kind, rows_at(starts3))  # (B, H, C, F | F | K)
         a = scale[p][:, None, :, None]  # (B, 1, C, 1): a_{p_i}
         P = a * eta[:, :, None, :] * (tril & (m[:, :, None] == m[:, None, :]))[:, None]  # (B, H, C, C)
