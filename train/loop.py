@@ -329,7 +329,10 @@ def _non_finite(cfg: Config, state: State, m: dict, step: int, checkpoints: Chec
     """A non-finite loss or gradient: stop the run (train.on_nonfinite=stop) or count the step as skipped."""
     if cfg.train.on_nonfinite == "stop":
         latest = checkpoints.latest()
-        log(f"step {step}: non-finite loss or gradient (loss={float(m['loss'])}); stopping. "
+        bad = [jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value")
+               for p, ok in jax.tree_util.tree_flatten_with_path(m["finite_grads"])[0] if not ok]
+        grads = f"; non-finite gradient of {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}" if bad else ""
+        log(f"step {step}: non-finite loss or gradient (loss={float(m['loss'])}{grads}); stopping. "
             f"The last good checkpoint is step {latest} in {checkpoints.run_dir}/checkpoints")
         sys.exit(1)
     state.skipped += 1

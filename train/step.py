@@ -95,6 +95,7 @@ def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None
         updates, opt_state = tx.update(grads, opt_state, params)
         loss, grad_norm = loss_sum / count, optax.tree.norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+                   "finite_grads": jax.tree.map(lambda g: jnp.isfinite(g).all(), grads),  # named when a step fails
                    "layers": jax.tree.map(lambda x: x / k, layer_metrics)}
         return optax.apply_updates(params, updates), rest, opt_state, metrics
 

@@ -118,6 +118,7 @@ def test_nonfinite_loss_stops_naming_the_step(tmp_path):
     with pytest.raises(SystemExit) as e:
         run(tiny(tmp_path, lr=1e30, warmup_steps=0, grad_clip=0.0), tmp_path / "run", log=lines.append)
     assert e.value.code == 1 and any("non-finite" in line and "step" in line for line in lines)
+    assert "non-finite gradient of blocks.0.ffn.w_down, " in lines[-1], lines[-1]  # the leaves, by name
     skipped = run(tiny(tmp_path, lr=1e30, warmup_steps=0, grad_clip=0.0, on_nonfinite="skip", steps=6,
                        sample_tokens=0), tmp_path / "skip", log=lambda _: None)
     assert skipped["skipped"] >= 1
