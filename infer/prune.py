@@ -110,7 +110,7 @@ def shrink(model: LanguageModel, *, heads: float = 0.0, channels: float = 0.0, e
     stats = {} if calibration is None else _statistics(model, calibration, bool(heads or channels or state),
                                                        bool(experts))
     tree = nnx.to_pure_dict(nnx.state(model))
-    mixers, ffn = list(model.cfg.mixers()), model.cfg.ffn
+    mixers, ffns = list(model.cfg.mixers()), list(model.cfg.ffns())
     for name, share, i, part in units:
         module = getattr(model.blocks[i], part)
         picks, changes = UNITS[name][type(module)](module, stats, share)
@@ -119,13 +119,12 @@ def shrink(model: LanguageModel, *, heads: float = 0.0, channels: float = 0.0, e
             node = functools.reduce(lambda d, k: d.get(k) or {}, parents, tree["blocks"][i][part])
             if node.get(leaf) is not None:
                 node[leaf] = jnp.take(node[leaf], jnp.asarray(index), axis=axis)
-        if part == "mixer":
-            mixers[i] = dataclasses.replace(mixers[i], **changes)
-        else:
-            ffn = dataclasses.replace(ffn, **changes)
-    pattern = model.cfg.layer_pattern
-    cfg = dataclasses.replace(model.cfg, ffn=ffn, **(
-        {"layer_pattern": tuple(mixers[:len(pattern)])} if pattern else {"mixer": mixers[0]}))
+        configs = mixers if part == "mixer" else ffns
+        configs[i] = dataclasses.replace(configs[i], **changes)
+    pattern, ffn_pattern = model.cfg.layer_pattern, model.cfg.ffn_pattern
+    cfg = dataclasses.replace(
+        model.cfg, **({"layer_pattern": tuple(mixers[:len(pattern)])} if pattern else {"mixer": mixers[0]}),
+        **({"ffn_pattern": tuple(ffns[:len(ffn_pattern)])} if ffn_pattern else {"ffn": ffns[0]}))
     small = LanguageModel(cfg, rngs=nnx.Rngs(0))
     target = nnx.state(small)
     nnx.replace_by_pure_dict(target, tree)

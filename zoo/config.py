@@ -63,7 +63,9 @@ class ModelConfig:
     is trained for, null = train.seq_len: the longest training sequence, and where attention's
     long_context choice starts at inference); mixer (the sequence mixer, picked by `kind`); ffn (the
     FFN, picked by `kind`; none: no FFN); layer_pattern (optional list of mixer configs, repeated over
-    the layers; replaces `mixer`); tie_embeddings (LM head shares the embedding matrix); norm (the
+    the layers; replaces `mixer`); ffn_pattern (optional list of FFN configs, repeated over the layers
+    the same way; replaces `ffn`: DeepSeek-V3's first dense layers, Jamba's MoE every other layer, a layer
+    without FFN among others); tie_embeddings (LM head shares the embedding matrix); norm (the
     blocks', final and exit norms: rms, or layer: LayerNorm with a bias, as RWKV); embed_norm (a norm of
     the embeddings before block 0, RWKV's ln0); norm_eps; dtype (compute dtype;
     parameters stay float32); exits (optional early exits: the model.exits keys below); residual (the
@@ -80,6 +82,7 @@ class ModelConfig:
     mixer: Any = None
     ffn: Any = None
     layer_pattern: tuple | None = None
+    ffn_pattern: tuple | None = None
     tie_embeddings: bool = True
     norm: Literal["rms", "layer"] = "rms"
     embed_norm: bool = False
@@ -92,8 +95,15 @@ class ModelConfig:
 
     def mixers(self) -> tuple:
         """The mixer config of each layer."""
-        pattern = self.layer_pattern or (self.mixer,)
-        return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
+        return _repeat(self.layer_pattern or (self.mixer,), self.num_layers)
+
+    def ffns(self) -> tuple:
+        """The FFN config of each layer."""
+        return _repeat(self.ffn_pattern or (self.ffn,), self.num_layers)
+
+
+def _repeat(pattern: tuple, n: int) -> tuple:
+    return tuple(pattern[i % len(pattern)] for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -274,22 +284,30 @@ class Config:
 def build_model(data, path: str) -> ModelConfig:
     """The checked ModelConfig of a `model` section (a dict), with `path` naming it in errors."""
     data = dict(data or {})
-    mixer, ffn, pattern = data.pop("mixer", None), data.pop("ffn", None), data.pop("layer_pattern", None)
-    exits = data.pop("exits", None)
+    mixer, ffn, exits = data.pop("mixer", None), data.pop("ffn", None), data.pop("exits", None)
+    pattern = _pattern(data.pop("layer_pattern", None), mixer, MIXERS, f"{path}.layer_pattern", f"{path}.mixer",
+                       "mixer")
+    ffn_pattern = _pattern(data.pop("ffn_pattern", None), ffn, FFNS, f"{path}.ffn_pattern", f"{path}.ffn", "FFN")
     cfg = build(ModelConfig, data, path)
-    if pattern is not None and mixer is not None:
-        raise ValueError(f"{path}.layer_pattern: give either model.mixer or model.layer_pattern, not both")
-    if pattern is not None:
-        if not isinstance(pattern, list) or not pattern:
-            raise ValueError(f"{path}.layer_pattern: expected a non-empty list of mixer configs")
-        pattern = tuple(build_kind(MIXERS, m, f"{path}.layer_pattern[{i}]") for i, m in enumerate(pattern))
     cfg = dataclasses.replace(
-        cfg, layer_pattern=pattern,
+        cfg, layer_pattern=pattern, ffn_pattern=ffn_pattern,
         mixer=None if pattern else build_kind(MIXERS, mixer or {"kind": "attention"}, f"{path}.mixer"),
-        ffn=build_kind(FFNS, ffn or {"kind": "mlp"}, f"{path}.ffn"),
+        ffn=None if ffn_pattern else build_kind(FFNS, ffn or {"kind": "mlp"}, f"{path}.ffn"),
         exits=None if exits is None else build(ExitsConfig, exits, f"{path}.exits"))
     check_model(cfg, path)
     return cfg
+
+
+def _pattern(pattern, single, table, path: str, single_path: str, what: str) -> tuple | None:
+    """The built configs of model.layer_pattern or model.ffn_pattern (`path`), None when not given; `single`
+    is the one config it replaces (model.mixer or model.ffn, at `single_path`)."""
+    if pattern is None:
+        return None
+    if single is not None:
+        raise ValueError(f"{path}: give either {single_path} or {path}, not both")
+    if not isinstance(pattern, (list, tuple)) or not pattern:
+        raise ValueError(f"{path}: expected a non-empty list of {what} configs")
+    return tuple(build_kind(table, c, f"{path}[{i}]") for i, c in enumerate(pattern))
 
 
 def check_model(cfg: ModelConfig, path: str = "model"):
@@ -301,7 +319,10 @@ def check_model(cfg: ModelConfig, path: str = "model"):
     if any(carries) and not carries[0]:
         raise ValueError(f"{where[0]}: RWKV-7's value residual takes its values from layer 0, so layer 0 "
                          "must be an rwkv7 layer")
-    cfg.ffn.check(cfg.d_model, f"{path}.ffn")
+    ffn_where = [f"{path}.ffn_pattern[{i}]" for i in range(len(cfg.ffn_pattern))] if cfg.ffn_pattern \
+        else [f"{path}.ffn"]
+    for p, f in zip(ffn_where, cfg.ffn_pattern or (cfg.ffn,)):
+        f.check(cfg.d_model, p)
     if cfg.exits is not None:
         _check_exits(cfg.exits, cfg.num_layers, f"{path}.exits")
         if cfg.head != "lm":

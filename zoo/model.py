@@ -2,6 +2,9 @@
 
     h = x + mixer(norm(x));  y = h + ffn(norm(h))      (y = h with ffn: none, Mamba's blocks)
 
+Each block's mixer and FFN are its layer's of `model.layer_pattern` / `model.ffn_pattern` (or the one
+`model.mixer` / `model.ffn`).
+
 `model.residual` replaces the two `+` (layers/residual.py, docs/residual.md): mHC widens the stream to
 n copies mixed by a doubly stochastic matrix around each sublayer, AttnRes gives each sublayer a
 softmax over the embedding and earlier outputs. The walk carries that stream (`enter_residual`) and
@@ -148,12 +151,12 @@ class LanguageModel(nnx.Module):
                                embedding_init=nnx.initializers.normal(0.02),
                                embedding_metadata=axes("vocab", "embed"), rngs=rngs)
         model_kwargs = lambda i: dict(layer_id=i, num_layers=cfg.num_layers, max_seq_len=cfg.max_seq_len)
-        sublayers = 1 if cfg.ffn.KIND == "none" else 2
+        sublayers = [1 if f.KIND == "none" else 2 for f in cfg.ffns()]
         self.blocks = nnx.List([
             Block(make_layer(m, cfg.d_model, dtype=dtype, rngs=rngs, **model_kwargs(i)),
-                  make_layer(cfg.ffn, cfg.d_model, dtype=dtype, rngs=rngs, **model_kwargs(i)),
-                  lambda: norm_of(cfg), connections(cfg, i * sublayers, sublayers))
-            for i, m in enumerate(cfg.mixers())])
+                  make_layer(f, cfg.d_model, dtype=dtype, rngs=rngs, **model_kwargs(i)),
+                  lambda: norm_of(cfg), connections(cfg, sum(sublayers[:i]), sublayers[i]))
+            for i, (m, f) in enumerate(zip(cfg.mixers(), cfg.ffns()))])
         self.residual_read = DepthAttention(cfg.d_model, eps=cfg.norm_eps) if cfg.residual.kind == "attnres" \
             else None  # AttnRes: the final norm's input, a last read over depth
         self.embed_norm = norm_of(cfg) if cfg.embed_norm else None

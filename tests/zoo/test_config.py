@@ -4,6 +4,7 @@ import pytest
 
 from zoo import load_config
 from zoo.config import Config, from_dict
+from zoo.schema import to_dict
 
 CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
 DEFAULT = Path(__file__).parents[2] / "configs" / "transformer.yaml"
@@ -22,6 +23,12 @@ def test_overrides_reach_nested_keys():
                                    "model.mixer.window=null", "data.val_docs=[hamlet]"])
     assert (cfg.model.num_layers, cfg.model.mixer.num_kv_heads, cfg.train.lr) == (2, 1, 1e-3)
     assert cfg.data.val_docs == ("hamlet",) and cfg.model.mixer.window is None
+
+
+def test_an_ffn_pattern_repeats_over_the_layers_and_round_trips():
+    cfg = from_dict({"model": {"num_layers": 5, "ffn_pattern": [{"kind": "mlp", "hidden_dim": 64}, {"kind": "none"}]}})
+    assert [f.KIND for f in cfg.model.ffns()] == ["mlp", "none", "mlp", "none", "mlp"] and cfg.model.ffn is None
+    assert from_dict(to_dict(cfg)) == cfg
 
 
 @pytest.mark.parametrize("data,field", [
@@ -116,6 +123,10 @@ def test_a_config_that_is_not_a_mapping_is_refused_by_file(tmp_path, text):
     ({"model": {"mixer": {"kind": ["attention"]}}}, "model.mixer.kind: unknown kind ['attention']"),
     ({"model": {"layer_pattern": [{"kind": "attention"}, "gla"]}}, "model.layer_pattern[1]: expected a mapping with"),
     ({"model": {"layer_pattern": "attention"}}, "model.layer_pattern: expected a non-empty list of mixer configs"),
+    ({"model": {"ffn_pattern": "mlp"}}, "model.ffn_pattern: expected a non-empty list of FFN configs"),
+    ({"model": {"ffn_pattern": [{"kind": "mlp"}, "moe"]}}, "model.ffn_pattern[1]: expected a mapping with"),
+    ({"model": {"ffn": {"kind": "mlp"}, "ffn_pattern": [{"kind": "mlp"}]}},
+     "model.ffn_pattern: give either model.ffn or model.ffn_pattern, not both"),
     ({"model": {"exits": [1, 2]}}, "model.exits: expected a mapping of keys (layers, weights"),
     ({"data": {"task": ["mqar"]}}, "data.task: expected a mapping with a kind key (one of mqar"),
     ({"data": {"tokenizer": "bpe"}}, "data.tokenizer: expected a mapping of keys (kind, vocab_size"),

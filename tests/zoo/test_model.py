@@ -64,7 +64,9 @@ def test_untied_head_and_bfloat16_compute():
     {"layer_pattern": [{"kind": "attention", "num_heads": 4, "num_kv_heads": 2},
                        {"kind": "gated_deltanet", "num_heads": 2, "head_dim": 8}]},
     {"mixer": {"kind": "rwkv7", "head_dim": 16}, "ffn": {"kind": "rwkv7_channel_mix"}},  # v_first, a stateful FFN
-], ids=["attention+gated_deltanet", "rwkv7"])
+    {"num_layers": 3, "ffn_pattern": [{"kind": "mlp"}, {"kind": "moe", "num_experts": 4, "dispatch": "dropless"},
+                                      {"kind": "none"}]},  # an FFN per layer
+], ids=["attention+gated_deltanet", "rwkv7", "ffn_pattern"])
 def test_rollback_continues_as_the_kept_tokens(model_kw):
     """A verify chunk of K tokens decoded with steps=True (the logits of a plain decode), rolled back
     by a different number of tokens per row, goes on as if each row had decoded only the tokens it

@@ -34,21 +34,22 @@ def tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
 def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     """The config.json of a zoo model `save` can write; a ValueError naming what it cannot."""
     m, f = cfg.mixer, cfg.ffn
+    uniform = m is not None and f is not None  # one mixer and one FFN config for every layer
     if cfg.exits is not None or cfg.head != "lm" or cfg.residual.kind != "standard":
         raise ValueError("zoo.hf.save: early exits, model.head other than lm and model.residual other than standard "
                          "have no transformers equivalent")
     if (cfg.norm, cfg.embed_norm) != ("rms", False) and m.KIND != "rwkv7":
         raise ValueError("zoo.hf.save: LayerNorm blocks (model.norm: layer) and model.embed_norm have a Hugging Face "
                          "form only in fla's RWKV-7 layout")
-    if not cfg.layer_pattern and m.KIND in ("mamba", "mamba2") and f.KIND == "none":
+    if uniform and m.KIND in ("mamba", "mamba2") and f.KIND == "none":
         return mamba.hf_config(cfg, param_shapes)
-    if not cfg.layer_pattern and m.KIND == "gla" and f.KIND == "mlp":
+    if uniform and m.KIND == "gla" and f.KIND == "mlp":
         return gla.hf_config(cfg, param_shapes)
-    if not cfg.layer_pattern and m.KIND == "rwkv7" and f.KIND == "rwkv7_channel_mix":
+    if uniform and m.KIND == "rwkv7" and f.KIND == "rwkv7_channel_mix":
         return rwkv7.hf_config(cfg, param_shapes)
-    if cfg.layer_pattern or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
+    if not uniform or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
         raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, mamba / mamba2 mixers with ffn "
                          "none, gla with mlp or rwkv7 with its channel mix (fla's layouts) have a Hugging Face "
                          "architecture; this model has mixers "
-                         f"{sorted({x.KIND for x in cfg.mixers()})} and ffn {f.KIND}")
+                         f"{sorted({x.KIND for x in cfg.mixers()})} and ffns {sorted({x.KIND for x in cfg.ffns()})}")
     return llama.hf_config(cfg, param_shapes)
