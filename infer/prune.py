@@ -86,9 +86,9 @@ def shrink(model: LanguageModel, *, heads: float = 0.0, channels: float = 0.0, e
     calibration). A unit whose output (or, for a state channel, read) weights are zero has importance 0,
     so removing it leaves the function as it was.
 
-    Refused: attention with per-head masks (head_masks: the config gives every layer the same masks), the
-    other kinds' heads (RWKV, the other delta rules, MLA, ...), MoE's shared experts and expert widths, a
-    share that no layer of the model has."""
+    Refused: attention with per-head masks (head_masks: the config gives every layer the same masks), Gated
+    DeltaNet's grouped value heads (num_v_heads), the other kinds' heads (RWKV, the other delta rules, MLA,
+    ...), MoE's shared experts and expert widths, a share that no layer of the model has."""
     shares = {"heads": heads, "channels": channels, "experts": experts, "state": state}
     for name, share in shares.items():
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
@@ -214,6 +214,9 @@ def _state_heads(m, stats: dict, share: float, V: int) -> np.ndarray:
 
 
 def _delta_heads(m: GatedDeltaNet, stats: dict, share: float):
+    if m.num_v_heads != m.num_heads:
+        raise ValueError(f"shrink: heads= on Gated DeltaNet with grouped value heads (num_v_heads={m.num_v_heads}, "
+                         f"num_heads={m.num_heads}: Qwen3-Next's layout) is not supported; a head there is a group")
     K, V = m.head_dim, m.value_dim
     kept = _state_heads(m, stats, share, V)
     k, v = _units(kept, K), _units(kept, V)
@@ -242,8 +245,9 @@ def _mlp_channels(m: MLP, stats: dict, share: float):
     down = _array(m.w_down)
     xtx = stats.get((id(m), "w_down"))
     norm = lambda w: np.linalg.norm(_array(w), axis=0)
+    gate = norm(m.w_up) if m.w_gate is None else norm(m.w_gate)  # relu2 (no gate): h = relu(u.x)^2, the up norm twice
     scores = np.diag(xtx) * (down ** 2).sum(1) if xtx is not None else \
-        norm(m.w_gate) * norm(m.w_up) * np.linalg.norm(down, axis=1)
+        gate * norm(m.w_up) * np.linalg.norm(down, axis=1)
     kept = _top(scores, share, "channels")
     return {"w_gate": (1, kept), "w_up": (1, kept), "w_down": (0, kept)}, dict(hidden_dim=len(kept))
 

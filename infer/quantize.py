@@ -199,7 +199,7 @@ def matrices(model: LanguageModel) -> list[tuple]:
     embedding table, (V, D): the head's (D, V) transposed) and the exit heads."""
     modules = [m for _, m in nnx.iter_modules(model)]
     todo = [(m, name, *rule[2:], False) for m in modules for rule in RULES if isinstance(m, rule[0])
-            for name in rule[1]]
+            for name in rule[1] if getattr(m, name) is not None]  # an MLP without gate (relu2) has no w_gate
     todo.append((model, "head", 1, 0, True, False) if model.head is not None else
                 (model.embed, "embedding", 1, 0, True, True))
     if model.exit_layers and model.exit_heads is not None:

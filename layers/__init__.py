@@ -37,6 +37,7 @@ from layers.deltanet import (
 )
 from layers.deltanet2 import Comba, GatedDeltaNet2
 from layers.fox import ForgettingAttention, FoXCache
+from layers.gated_conv import GatedConv, GatedConvState
 from layers.gla import GatedLinearAttention, GLAState
 from layers.gsa import GatedSlotAttention, GSAState
 from layers.hgrn2 import HGRN2, HGRN2State

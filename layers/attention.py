@@ -56,7 +56,9 @@ Options of the 2025-2026 hybrids (docs/families/attention.md has the symbol map 
   ("head", one gate per head) or (D, H, K) ("channel"). Qwen3-Next's q_proj (D -> H * 2K) holds per head
   [query (K) | gate (K)]: its weight, transposed and viewed (D, H, 2K), is [wq | w_out_gate] on the last axis.
 - `rope_fraction` (transformers' partial_rotary_factor): the rotary on the first int(K * rope_fraction) dims of
-  each head only (layers/rotary.py), with rope_scaling's frequencies over those dims.
+  each head only (layers/rotary.py), with rope_scaling's frequencies over those dims; 0: no rotary at all, the
+  attention layers of Jamba and Nemotron-H, which take their order from the recurrent layers beside them
+  (no positional encoding: the layer sees its keys as a set, masked causally).
 - `differential` (Ye et al. 2024, Differential Transformer, arXiv 2410.05258): head h's query and key are
   two halves of K/2 = d dims, [Q1 | Q2] and [K1 | K2]; its value keeps all K = 2d dims, and
       o_h = (1 - λ_init) RMSNorm_w((softmax(Q1 K1^T / √d) - λ softmax(Q2 K2^T / √d)) V),
@@ -193,10 +195,11 @@ class Attention(SequenceMixer):
     head's query and key before the rotary, with eps norm_eps (Qwen3); output_gate: None, "head" or "channel", each
     head's output times sigmoid(x W_g) before the output projection, one gate per head or per channel (Gated
     Attention, Qwen3-Next); rope_fraction: the rotary turns the first int(head_dim * rope_fraction) dims of each head,
-    the rest stay unrotated (transformers' partial_rotary_factor); differential: Differential Transformer attention,
-    each head the difference of two softmax maps (its query and key split in halves) with a learnt λ, then RMSNorm
-    (head_dim even; layer_id, the model's, sets λ_init); impl ("auto" | "reference" | "xla" | "pallas") picks the op's
-    implementation on every path; dtype: the compute dtype (parameters stay float32)."""
+    the rest stay unrotated (transformers' partial_rotary_factor), 0 none at all (no positional encoding: Jamba,
+    Nemotron-H); differential: Differential Transformer attention, each head the difference of two softmax maps (its
+    query and key split in halves) with a learnt λ, then RMSNorm (head_dim even; layer_id, the model's, sets
+    λ_init); impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the
+    compute dtype (parameters stay float32)."""
     grows_with_context = True  # the KV cache holds max_len slots (every other mixer's state is fixed)
     kv_cache = None  # the cache's storage, read by init_state: None (compute dtype) or "int8"
 
@@ -206,7 +209,7 @@ class Attention(SequenceMixer):
                  rope_base: PosFloat = 10000.0, rope_scaling: RopeScaling | None = None, qkv_bias: bool = False,
                  qk_norm: bool = False, norm_eps: PosFloat = 1e-6,
                  output_gate: Annotated[str | None, OneOf(None, "head", "channel")] = None,
-                 rope_fraction: Annotated[float, Range(0, 1, lo_open=True)] = 1.0, differential: bool = False,
+                 rope_fraction: Annotated[float, Range(0, 1)] = 1.0, differential: bool = False,
                  long_context: Annotated[str, OneOf("window", "full")] = "window", max_seq_len: int | None = None,
                  layer_id: int = 0, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "Attention")
@@ -256,11 +259,11 @@ class Attention(SequenceMixer):
         if layer_id < 0:
             raise ValueError(f"layer_id={layer_id}; expected >= 0 (the layer's 0-based depth)")
         qk = K // 2 if differential else K
-        self.rotary_dim = int(qk * rope_fraction) if 0 < rope_fraction <= 1 else 0
-        if self.rotary_dim < 2 or self.rotary_dim % 2:
+        self.rotary_dim = int(qk * rope_fraction) if 0 <= rope_fraction <= 1 else -1
+        if rope_fraction != 0 and (self.rotary_dim < 2 or self.rotary_dim % 2):
             raise ValueError(f"rope_fraction={rope_fraction} rotates int({qk} * {rope_fraction}) = {self.rotary_dim} "
-                             f"dims of each {'half ' if differential else ''}query; expected 0 < rope_fraction <= 1 "
-                             "giving an even number >= 2")
+                             f"dims of each {'half ' if differential else ''}query; expected 0 (no rotary) or 0 < "
+                             "rope_fraction <= 1 giving an even number >= 2")
         return qk
 
     def _band(self, masks):
@@ -279,7 +282,8 @@ class Attention(SequenceMixer):
             q, k = (a.reshape(B, T, -1, K // 2) for a in (q, k))  # (B, T, 2H|2G, K/2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        rotary = lambda a: apply_rotary(a, positions, self.rope_base, self.rope_scaling, self.rotary_dim)
+        rotary = lambda a: apply_rotary(a, positions, self.rope_base, self.rope_scaling, self.rotary_dim) \
+            if self.rotary_dim else a
         q, k = (rotary(a).reshape(B, T, -1, K) for a in (q, k))  # (B, T, H|G, K)
         # On a mesh: heads split over `tensor`, rows over the batch axes (no-op on one device).
         q = constrain(q, ("batch", None, "heads", None))

@@ -15,14 +15,20 @@ Gated DeltaNet (Mamba-2's decay): alpha_t = exp(-exp(A_log) * softplus(w_a . x_t
 norm = L2, output gate on; A = exp(A_log) ~ U(0, 16] and dt = softplus(dt_bias) log-uniform in
 [1e-3, 1e-1] (floored at 1e-4) at initialisation, as in the official code.
 
-Code names: `num_heads` H, `head_dim` K (query/key width per head), `expand_v` V / K,
+Code names: `num_heads` H, `head_dim` K (query/key width per head), `expand_v` V / K, `num_v_heads` HV
+(Gated DeltaNet: value heads, default H; each query/key head serves HV / H consecutive value heads),
 `b_proj` w_beta, `a_proj` w_a, `g_proj` W_g, `o_norm` the per-head output RMSNorm (weights shared
 across heads, as in fla), `impl` the op's implementation ("auto", "reference", "xla" or "pallas", see
 kernels/delta_rule) on every path: the training call, a multi-token decode and the single-token
 step; impl="pallas" runs the Pallas kernels, whose chunk is their own block size (mode and
 chunk_size are then unused): the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()).
-Decode state: the H x K x V delta-rule state plus the last conv_size - 1 inputs of each short
+Decode state: the HV x K x V delta-rule state plus the last conv_size - 1 inputs of each short
 convolution (fla's `conv_state`).
+
+Grouped value heads (Gated DeltaNet's `num_v_heads`, Qwen3-Next's linear_num_value_heads > linear_num_key_heads,
+fla's GVA): q and k have H heads, v, beta, the decay, the output gate and the state HV; after the L2 norm each
+query/key head is repeated for HV / H consecutive value heads (head j reads q, k head j // (HV / H)), as
+transformers' Qwen3-Next does.
 
 Kimi Delta Attention (KDA; Kimi Team, 2025, "Kimi Linear: An Expressive, Efficient Attention
 Architecture", and fla's `KimiDeltaAttention`): Gated DeltaNet with a decay per key channel and a
@@ -32,9 +38,10 @@ low-rank decay and output gate:
     S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1} + beta_t k_t v_t^T          (decay, then update)
     y_t = W_o [RMSNorm(o_t) * sigmoid(W_g2 W_g1 x_t + b_g)]
 
-W_f1 (d_model x V) and W_f2 (V x H K) are `f_down`, `f_up`; W_g1, W_g2 (with bias b_g) `g_down`,
-`g_up`; A = exp(A_log) ~ U(1, 16] per head, dt_bias per key channel (H K), as fla. impl="pallas" runs
-the delta-rule Pallas kernels with the per-channel gate, as for the other kinds (kernels/delta_rule).
+W_f1 (d_model x V) and W_f2 (V x H K) are `f_down`, `f_up`; W_g1, W_g2 (with bias b_g, fla's; none with
+gate_bias=False, transformers' Kimi Linear) `g_down`, `g_up`; A = exp(A_log) ~ U(1, 16] per head,
+dt_bias per key channel (H K), as fla. impl="pallas" runs the delta-rule Pallas kernels with the
+per-channel gate, as for the other kinds (kernels/delta_rule).
 
 Gated DeltaProduct (Siems et al., 2025, "DeltaProduct: Improving State-Tracking in Linear RNNs via
 Householder Products", and fla's `GatedDeltaProduct`): n = num_householder delta-rule steps per
@@ -54,8 +61,8 @@ as fla and the paper's best models) doubles beta to (0, 2), so I - beta k k^T ha
 Departures, all named: the key width is set by `head_dim` (default d_model / num_heads) instead of
 fla DeltaNet's `expand_k` (the same width at the default expand_k = 1); `conv_size=0` replaces fla's
 `use_short_conv=False` (SiLU without convolution, as fla does then); no `allow_neg_eigval` on
-DeltaNet and Gated DeltaNet, no grouped value heads (`num_v_heads`) and no qk activations other than
-SiLU. KDA: head_dim defaults to d_model / num_heads (fla: 128) and has no `safe_gate` / `lower_bound`
+DeltaNet and Gated DeltaNet, grouped value heads (`num_v_heads`) on Gated DeltaNet only and no qk activations
+other than SiLU. KDA: head_dim defaults to d_model / num_heads (fla: 128) and has no `safe_gate` / `lower_bound`
 (fla's clamp of the gate for its M = 16 tensor-core path).
 """
 
@@ -79,10 +86,10 @@ from layers.state import state, stepwise
 
 @state
 class DeltaNetState:
-    recurrent: Float[Array, "B H K V"]  # (B, H, K, V) float32 delta-rule state
-    conv_q: Float[Array, "B W H*K"] | None  # (B, conv_size - 1, H*K); None when conv_size = 0
-    conv_k: Float[Array, "B W H*K"] | None  # (B, conv_size - 1, H*K)
-    conv_v: Float[Array, "B W H*V"] | None  # (B, conv_size - 1, H*V)
+    recurrent: Float[Array, "B HV K V"]  # (B, HV, K, V) float32 delta-rule state, one per value head
+    conv_q: Float[Array, "B W HK"] | None  # (B, conv_size - 1, H*K); None when conv_size = 0
+    conv_k: Float[Array, "B W HK"] | None  # (B, conv_size - 1, H*K)
+    conv_v: Float[Array, "B W HV*V"] | None  # (B, conv_size - 1, HV*V)
 
 
 def normalize_qk(x: Float[Array, "*B K"], kind: str) -> Float[Array, "*B K"]:
@@ -111,15 +118,18 @@ def decay_params(rngs, num_A: int, num_dt: int, A_low: float):
 
 class DeltaRuleMixer(SequenceMixer):
     """The body the layers share; subclasses add their gate parameters and `_gates(x) -> (beta, g)`:
-    beta (B, T, n*H) float32 for n = num_householder keys per token, g (B, T, H), (B, T, H, K) or None."""
+    beta (B, T, n*HV) float32 for n = num_householder keys per token, g (B, T, HV), (B, T, HV, K) or None."""
 
     State = DeltaNetState
 
     def __init__(self, d_model, *, num_heads, head_dim, expand_v, conv_size, use_output_gate, qk_norm,
-                 norm_eps, mode, chunk_size, impl, dtype, rngs, num_householder=1):
+                 norm_eps, mode, chunk_size, impl, dtype, rngs, num_householder=1, num_v_heads=None):
         name = type(self).__name__
         if num_heads < 1 or d_model < 1:
             raise ValueError(f"{name}: num_heads={num_heads} and d_model={d_model} must be positive")
+        HV = num_heads if num_v_heads is None else num_v_heads
+        if HV < 1 or HV % num_heads:
+            raise ValueError(f"{name}: num_v_heads={num_v_heads} must be a positive multiple of num_heads={num_heads}")
         if head_dim is None:
             if d_model % num_heads:
                 raise ValueError(f"{name}: num_heads={num_heads} does not divide d_model={d_model}")
@@ -136,7 +146,7 @@ class DeltaRuleMixer(SequenceMixer):
         check_mode(mode, chunk_size, name)
         check_impl(impl, name)
         H, K, V = num_heads, head_dim, int(value_dim)
-        self.d_model, self.num_heads, self.head_dim, self.value_dim = d_model, H, K, V
+        self.d_model, self.num_heads, self.num_v_heads, self.head_dim, self.value_dim = d_model, H, HV, K, V
         self.conv_size, self.qk_norm, self.dtype = conv_size, qk_norm, dtype
         self.mode, self.chunk_size, self.impl = mode, chunk_size, impl
         n = self.num_householder = num_householder
@@ -146,18 +156,18 @@ class DeltaRuleMixer(SequenceMixer):
                               kernel_metadata=axes(*names))
 
         self.q_proj, self.k_proj = linear(d_model, H * K), linear(d_model, n * H * K)
-        self.v_proj = linear(d_model, n * H * V)
+        self.v_proj = linear(d_model, n * HV * V)
         if conv_size:
             self.q_conv = ShortConvolution(H * K, conv_size, rngs=rngs)
             self.k_conv = ShortConvolution(n * H * K, conv_size, rngs=rngs)
-            self.v_conv = ShortConvolution(n * H * V, conv_size, rngs=rngs)
-        self.g_proj = linear(d_model, H * V) if use_output_gate else None
+            self.v_conv = ShortConvolution(n * HV * V, conv_size, rngs=rngs)
+        self.g_proj = linear(d_model, HV * V) if use_output_gate else None
         self.o_norm = GatedRMSNorm(V, eps=norm_eps) if use_output_gate else RMSNorm(V, eps=norm_eps)
-        self.o_proj = linear(H * V, d_model, ROWS)
+        self.o_proj = linear(HV * V, d_model, ROWS)
 
     def init_state(self, batch_size: int, max_len: int = 0) -> DeltaNetState:
         """A zero state; max_len is accepted and ignored (the state does not grow with context)."""
-        recurrent = jnp.zeros((batch_size, self.num_heads, self.head_dim, self.value_dim), jnp.float32)
+        recurrent = jnp.zeros((batch_size, self.num_v_heads, self.head_dim, self.value_dim), jnp.float32)
         return self.State(recurrent, *init_windows(self._convs(), batch_size, self.dtype))
 
     def _convs(self) -> tuple:
@@ -165,7 +175,7 @@ class DeltaRuleMixer(SequenceMixer):
 
     def _mix(self, x, state, segment_ids, mode, steps: bool):  # state: self.State
         B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.value_dim
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.value_dim
         x = x.astype(self.dtype)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         (q, k, v), windows = convolve(self._convs(), (q, k, v), (state.conv_q, state.conv_k, state.conv_v),
@@ -173,10 +183,10 @@ class DeltaRuleMixer(SequenceMixer):
         if not self.conv_size:  # SiLU alone, as the convolutions end with
             q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
         n = self.num_householder
-        q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, n, H, K), v.reshape(B, T, n, H, V)
+        q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, n, H, K), v.reshape(B, T, n, HV, V)
         op, args = self._recurrence(q, k, v, x, segment_ids, mode)
         o, carry = stepwise(op, self._carry(state), *args) if steps else op(self._carry(state), *args)
-        y = self.o_proj(self._output(o, x).reshape(B, T, H * V))  # (B, T, D)
+        y = self.o_proj(self._output(o, x).reshape(B, T, HV * V))  # (B, T, D)
         carry = carry if isinstance(carry, tuple) else (carry,)
         return y, (self.State.stepped if steps else self.State)(*carry, *windows)
 
@@ -187,15 +197,18 @@ class DeltaRuleMixer(SequenceMixer):
 
     def _recurrence(self, q, k, v, x, segment_ids, mode):
         """The state's op and its per-token inputs, (op(S, *args) -> (o, S), args), from the convolved q (B, T, H, K),
-        k (B, T, n, H, K), v (B, T, n, H, V) and the layer's input x: the delta rule of kernels/delta_rule."""
+        k (B, T, n, H, K), v (B, T, n, HV, V) and the layer's input x: the delta rule of kernels/delta_rule."""
         q, k = normalize_qk(q, self.qk_norm), normalize_qk(k, self.qk_norm)
-        beta, g = self._gates(x)  # beta (B, T, n*H) float32; g (B, T, H), (B, T, H, K) or None
+        if self.num_v_heads != self.num_heads:  # grouped value heads: q, k head j // r serves value head j
+            r = self.num_v_heads // self.num_heads
+            q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=3)  # (B, T, HV, K), (B, T, n, HV, K)
+        beta, g = self._gates(x)  # beta (B, T, n*HV) float32; g (B, T, HV), (B, T, HV, K) or None
         op = lambda S, q, k, v, beta, g: delta_product(
             q, k, v, beta, g, segment_ids=segment_ids, initial_state=S, output_final_state=True, mode=mode,
             chunk_size=self.chunk_size, impl=self.impl)  # kernels/delta_rule/product.py; n = 1: delta_rule
         return op, (q, k, v, beta.reshape(*k.shape[:4]), g)
 
-    def _output(self, o: Float[Array, "B T H V"], x: Float[Array, "B T D"]) -> Float[Array, "B T H V"]:
+    def _output(self, o: Float[Array, "B T HV V"], x: Float[Array, "B T D"]) -> Float[Array, "B T HV V"]:
         """The per-head output norm, gated by SiLU(W_g x) when there is an output gate."""
         if self.g_proj is None:
             return self.o_norm(o)
@@ -226,37 +239,42 @@ class DeltaNet(DeltaRuleMixer):
 
 
 class GatedDeltaNet(DeltaRuleMixer):
-    """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024): the delta rule with a Mamba-2 decay; head_dim, expand_v,
-    conv_size, use_output_gate, norm_eps as DeltaNet's; mode ("recurrent" | "chunk" | "parallel") picks the training
-    path's exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's
-    implementation on every path; dtype: the compute dtype (parameters stay float32)."""
+    """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024): the delta rule with a Mamba-2 decay; num_heads: the query/key
+    heads; num_v_heads: the value heads (None = num_heads; a multiple of it: each query/key head serves num_v_heads /
+    num_heads consecutive value heads, Qwen3-Next's linear_num_value_heads), each with its own beta, decay, gate and
+    state; head_dim, expand_v, conv_size, use_output_gate, norm_eps as DeltaNet's; mode ("recurrent" | "chunk" |
+    "parallel") picks the training path's exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" |
+    "pallas") picks the op's implementation on every path; dtype: the compute dtype (parameters stay float32)."""
 
-    def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None, expand_v: PosFloat = 2.0,
-                 conv_size: NonNegInt = 4, use_output_gate: bool = True, norm_eps: PosFloat = 1e-5,
-                 mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, *, num_heads: PosInt = 4, num_v_heads: PosInt | None = None,
+                 head_dim: PosInt | None = None, expand_v: PosFloat = 2.0, conv_size: NonNegInt = 4,
+                 use_output_gate: bool = True, norm_eps: PosFloat = 1e-5, mode: Mode = "chunk", chunk_size: PosInt = 64,
+                 impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=use_output_gate, qk_norm="l2", norm_eps=norm_eps, mode=mode,
-                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs)
-        H = num_heads
-        self.a_proj, self.b_proj = gate_proj(d_model, H, dtype, rngs), gate_proj(d_model, H, dtype, rngs)
-        self.A_log, self.dt_bias = decay_params(rngs, H, H, A_low=0.0)
+                         chunk_size=chunk_size, impl=impl, dtype=dtype, rngs=rngs, num_v_heads=num_v_heads)
+        HV = self.num_v_heads
+        self.a_proj, self.b_proj = gate_proj(d_model, HV, dtype, rngs), gate_proj(d_model, HV, dtype, rngs)
+        self.A_log, self.dt_bias = decay_params(rngs, HV, HV, A_low=0.0)
 
     def _gates(self, x):
-        a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...]  # (B, T, H)
+        a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...]  # (B, T, HV)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a)  # log alpha_t
         return jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)), g
 
 
 class KimiDeltaAttention(DeltaRuleMixer):
     """Kimi Delta Attention (Kimi Team 2025, Kimi Linear): the gated delta rule with a decay per key channel from a
-    low-rank projection, sigmoid output gate (module docstring); allow_neg_eigval: beta in (0, 2); head_dim, expand_v,
-    conv_size, norm_eps as DeltaNet's; mode ("recurrent" | "chunk" | "parallel") picks the training path's exact form,
-    chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path;
-    dtype: the compute dtype (parameters stay float32)."""
+    low-rank projection, sigmoid output gate (module docstring); allow_neg_eigval: beta in (0, 2); gate_bias: the output
+    gate's bias (fla's; False: transformers' Kimi Linear has none); head_dim, expand_v, conv_size, norm_eps as
+    DeltaNet's; mode ("recurrent" | "chunk" | "parallel") picks the training path's exact form, chunk_size its chunk;
+    impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the compute dtype
+    (parameters stay float32)."""
 
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None, expand_v: PosFloat = 1.0,
-                 conv_size: NonNegInt = 4, allow_neg_eigval: bool = False, norm_eps: PosFloat = 1e-5,
-                 mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+                 conv_size: NonNegInt = 4, allow_neg_eigval: bool = False, gate_bias: bool = True,
+                 norm_eps: PosFloat = 1e-5, mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(d_model, num_heads=num_heads, head_dim=head_dim, expand_v=expand_v, conv_size=conv_size,
                          use_output_gate=False, qk_norm="l2", norm_eps=norm_eps, mode=mode, chunk_size=chunk_size,
                          impl=impl, dtype=dtype, rngs=rngs)
@@ -264,7 +282,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
         linear = lambda i, o, names, bias=False: Linear(i, o, use_bias=bias, dtype=dtype, rngs=rngs,
                                                         kernel_metadata=axes(*names), bias_metadata=axes(names[1]))
         self.f_down, self.f_up = linear(d_model, V, ("embed", None)), linear(V, H * K, (None, "heads"))
-        self.g_down, self.g_up = linear(d_model, V, ("embed", None)), linear(V, H * V, (None, "heads"), bias=True)
+        self.g_down, self.g_up = linear(d_model, V, ("embed", None)), linear(V, H * V, (None, "heads"), bias=gate_bias)
         self.b_proj = gate_proj(d_model, H, dtype, rngs)
         self.A_log, self.dt_bias = decay_params(rngs, H, H * K, A_low=1.0)
         self.allow_neg_eigval = allow_neg_eigval

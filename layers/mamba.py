@@ -30,6 +30,11 @@ training call and a multi-token decode; the single-token step is always the plai
 `selective_scan_step` (the op has no impl there). impl="reference" runs the token-by-token scan
 whatever the mode; impl="pallas" runs the Pallas kernels (mode and chunk_size then unused):
 the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()).
+
+Option of Jamba (Lieber et al., 2024, arXiv 2403.19887; transformers' JambaMambaMixer): `inner_norms`
+puts an RMSNorm with a weight (eps `norm_eps`) on each of Δ_low, B_t and C_t right after W_x, before
+W_dt and the scan (`dt_norm`, `b_norm`, `c_norm`, the checkpoints' dt_layernorm, b_layernorm,
+c_layernorm), which Jamba added to keep the activations of its larger models stable.
 """
 
 import math
@@ -45,6 +50,7 @@ from kernels.selective_scan import selective_scan, selective_scan_step
 from layers.conv import ShortConvolution
 from layers.linear import Linear
 from layers.mixer import SequenceMixer
+from layers.norm import RMSNorm
 from layers.options import Impl, NonNegInt, OneOf, PosFloat, PosInt
 from layers.sharding import ROWS, axes
 from layers.state import state, stepwise
@@ -68,13 +74,14 @@ class Mamba(SequenceMixer):
     causal conv of conv_size taps, Δ through a dt_rank projection, "auto" = ceil(d_model / 16), initialised log-uniform
     in [dt_min, dt_max], at least dt_init_floor); mode picks the exact scan, auto the fastest for the backend (recurrent
     on CPU), chunk_size the chunk form's chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's
-    implementation on every path; dtype: the compute dtype (parameters stay float32)."""
+    implementation on every path; inner_norms: an RMSNorm (eps norm_eps) on each of Δ_low, B and C after x_proj
+    (Jamba); dtype: the compute dtype (parameters stay float32)."""
 
     def __init__(self, d_model: int, *, state_size: PosInt = 16, expand: PosInt = 2, conv_size: NonNegInt = 4,
                  dt_rank: PosInt | Annotated[str, OneOf("auto")] = "auto", dt_min: PosFloat = 0.001,
                  dt_max: PosFloat = 0.1, dt_init_floor: PosFloat = 1e-4,
                  mode: Annotated[str, OneOf("auto", *MODES)] = "auto", chunk_size: PosInt = 64, impl: Impl = "auto",
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 inner_norms: bool = False, norm_eps: PosFloat = 1e-6, dtype=jnp.float32, rngs: nnx.Rngs):
         if d_model < 1 or state_size < 1 or expand < 1:
             raise ValueError(f"Mamba: d_model={d_model}, state_size={state_size} and expand={expand} must be >= 1")
         if dt_rank == "auto":
@@ -108,6 +115,8 @@ class Mamba(SequenceMixer):
                                **axes("heads", None))
         self.D = nnx.Param(jnp.ones((Di,), jnp.float32), **axes("heads"))
         self.out_proj = linear(Di, d_model, ROWS)
+        self.dt_norm, self.b_norm, self.c_norm = (RMSNorm(n, eps=norm_eps) for n in (R, N, N)) if inner_norms \
+            else (None, None, None)
 
     step_mode, prefill_mode = "step", "auto"  # decode: `step` for one token and steps=True
 
@@ -126,6 +135,8 @@ class Mamba(SequenceMixer):
         else:
             u, conv = jax.nn.silu(u), None
         dt_low, B, C = jnp.split(self.x_proj(u), [R, R + N], axis=-1)  # (B, T, R), (B, T, N), (B, T, N)
+        if self.dt_norm is not None:
+            dt_low, B, C = self.dt_norm(dt_low), self.b_norm(B), self.c_norm(C)
         delta = jax.nn.softplus(self.dt_proj(dt_low).astype(jnp.float32) + self.dt_bias[...])  # (B, T, Di)
         A = -jnp.exp(self.A_log[...])  # (Di, N)
         if mode == "step":

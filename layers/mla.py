@@ -7,12 +7,12 @@ by the heads, so decoding caches L + R numbers per token instead of a KV cache's
     k^R = RoPE(x W_KR)                               (B, T, R)     R = rope_dim (d_h^R), one for all heads
     c_q = RMSNorm(x W_DQ)                            (B, T, Lq)    Lq = q_lora_rank (d_c'); null: c_q = x, no norm
     [q^C_h ; q^R_h] = c_q W_UQ_h,   q^R_h <- RoPE(q^R_h)
-    o_h = sum_j softmax_j([q^C_h ; q^R_h] . [k^C_hj ; k^R_j] / sqrt(K + R)) v_hj,   y = [o_1 .. o_H] W_O
+    o_h = sum_j softmax_j(s [q^C_h ; q^R_h] . [k^C_hj ; k^R_j]) v_hj,   y = [o_1 .. o_H] W_O
 
-Code names: wdq (W_DQ; None when q_lora_rank is null), wuq (W_UQ, or W_Q on x itself), wdkv, wkr, wuk,
-wuv, wo; `latent` is [c_kv ; k^R] (B, T, L + R). The training path (`__call__`) is ordinary attention
-of q, k of width K + R and values of width V through kernels.attention.attention (the Pallas flash
-kernels where picked).
+with s = (K + R)^-1/2. Code names: wdq (W_DQ; None when q_lora_rank is null), wuq (W_UQ, or W_Q on x
+itself), wdkv, wkr, wuk, wuv, wo; `latent` is [c_kv ; k^R] (B, T, L + R). The training path
+(`__call__`) is ordinary attention of q, k of width K + R and values of width V through
+kernels.attention.attention (the Pallas flash kernels where picked).
 
 Decoding caches only the latent of each token, LatentCache.kv (B, S, L + R). With `absorb` (the
 default) no key or value of a head is ever made: q^C_h . k^C_hj = (q^C_h W_UK_h^T) . c_kv_j, so each
@@ -32,14 +32,21 @@ count inside a document, each row has its own index (B,) for speculative rollbac
 trained context `long_context` "window" (the default) lets a query see only the last max_seq_len
 tokens, "full" every earlier one; `window` is a sliding window (the smaller holds).
 
-Departures from DeepSeek-V2: no YaRN (its long-context extension also multiplies the softmax scale by
-mscale^2; here the scale is (K + R)^-1/2 and rope_base plain); rotary in the rotate-half layout of
-layers/rotary.py where DeepSeek's checkpoints rotate interleaved pairs (a fixed permutation of the
-rotary columns of W_UQ and W_KR: the same functions); W_DKV and W_KR are two parameters (DeepSeek's
-kv_a_proj_with_mqa is them side by side); no biases. Parameters carry their logical sharding axes:
-heads over `tensor`, the model width over `fsdp`, the latents whole.
+`rope_scaling` (layers/rotary.py: linear, llama3 or yarn) stretches the rotary of q^R and k^R for a
+longer context, as Attention's; with yarn and its mscale_all_dim, s is also multiplied by
+mscale(factor, mscale_all_dim)^2 (mscale(f, m) = 0.1 m ln f + 1 for f > 1), DeepSeek-V2/V3's YaRN
+(transformers' yarn_apply_mscale). Dynamic NTK is refused (it changes with the running length).
+`rotary=False` leaves q^R and k^R unrotated (NoPE: Kimi Linear's MLA; the shared R channels stay).
+
+Departures from DeepSeek-V2: rotary in the rotate-half layout of layers/rotary.py where DeepSeek's
+checkpoints rotate interleaved pairs (a fixed permutation of the rotary columns of W_UQ and W_KR: the
+same functions; zoo/hf/deepseek.py permutes them); W_DKV and W_KR are two parameters (DeepSeek's
+kv_a_proj_with_mqa is them side by side), and so are W_UK and W_UV (its kv_b_proj); no biases.
+Parameters carry their logical sharding axes: heads over `tensor`, the model width over `fsdp`, the
+latents whole.
 """
 
+import math
 from typing import Annotated
 
 import jax.numpy as jnp
@@ -53,9 +60,16 @@ from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
 from layers.options import Impl, OneOf, PosFloat, PosInt
-from layers.rotary import apply_rotary
+from layers.rotary import RopeScaling, apply_rotary
 from layers.sharding import axes, constrain
 from layers.state import cache_counters, empty_cache, state
+
+
+def yarn_softmax_factor(scaling: RopeScaling | None) -> float:
+    """DeepSeek's YaRN factor on the softmax scale: mscale(factor, mscale_all_dim)^2, 1 without it."""
+    if scaling is None or scaling.type != "yarn" or not scaling.mscale_all_dim or scaling.factor <= 1:
+        return 1.0
+    return (0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0) ** 2
 
 
 # A stepped cache keeps its slots once (final): a row never reads past its index.
@@ -79,14 +93,18 @@ class MultiHeadLatentAttention(SequenceMixer):
     (None = d_model / num_heads); v_head_dim: its value width (None = head_dim); q_lora_rank: queries through a
     normalised latent of that width (None = one projection); absorb: decode with W_UK folded into the query and W_UV
     into the output (False = keys and values expanded from the cache, the reference); window, long_context, rope_base,
-    norm_eps as Attention's (norm_eps: the latents' RMSNorms); impl ("auto" | "reference" | "xla" | "pallas") picks the
-    op's implementation on every path; dtype: the compute dtype (parameters stay float32)."""
+    norm_eps as Attention's (norm_eps: the latents' RMSNorms); rope_scaling: the rotary's scaling for a longer context
+    (linear, llama3 or yarn, whose mscale_all_dim also scales the softmax as DeepSeek's); rotary: False = no rotary on
+    the rope_dim channels (NoPE, Kimi Linear); impl ("auto" | "reference" |
+    "xla" | "pallas") picks the op's implementation on every path; dtype: the compute dtype (parameters stay
+    float32)."""
     grows_with_context = True  # the cache holds max_len slots, of L + R numbers each
 
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None,
                  v_head_dim: PosInt | None = None, rope_dim: PosInt | None = None, kv_lora_rank: PosInt | None = None,
                  q_lora_rank: PosInt | None = None, window: PosInt | None = None, rope_base: PosFloat = 10000.0,
-                 norm_eps: PosFloat = 1e-6, long_context: Annotated[str, OneOf("window", "full")] = "window",
+                 rope_scaling: RopeScaling | None = None, rotary: bool = True, norm_eps: PosFloat = 1e-6,
+                 long_context: Annotated[str, OneOf("window", "full")] = "window",
                  absorb: bool = True, max_seq_len: int | None = None, impl: Impl = "auto", dtype=jnp.float32,
                  rngs: nnx.Rngs):
         check_impl(impl, "MultiHeadLatentAttention")
@@ -106,13 +124,19 @@ class MultiHeadLatentAttention(SequenceMixer):
         if R < 2 or R % 2:
             raise ValueError(f"rope_dim={R}; expected an even number >= 2 (the rotary turns pairs of channels"
                              + ("; head_dim / 2 is its default)" if rope_dim is None else ")"))
+        if rope_scaling is not None and not rotary:
+            raise ValueError("rope_scaling: set with rotary=False, which turns nothing")
+        if rope_scaling is not None and rope_scaling.type == "dynamic":
+            raise ValueError("rope_scaling: type 'dynamic' is not supported by mla (its frequencies follow the "
+                             "running length); expected linear, llama3 or yarn")
         H, Lq = num_heads, q_lora_rank
         self.d_model, self.num_heads, self.head_dim, self.v_head_dim = d_model, H, K, V
         self.rope_dim, self.kv_lora_rank, self.q_lora_rank = R, L, Lq
         if long_context == "window" and max_seq_len is not None:
             window = max_seq_len if window is None else min(window, max_seq_len)
         self.window, self.rope_base, self.absorb, self.impl, self.dtype = window, rope_base, absorb, impl, dtype
-        self.scale = (K + R) ** -0.5  # DeepSeek's softmax scale: the width of a head's q . k
+        self.rope_scaling, self.rotary = rope_scaling, rotary
+        self.scale = (K + R) ** -0.5 * yarn_softmax_factor(rope_scaling)  # DeepSeek's: the width of a head's q . k
         param = lambda shape, *names: nnx.Param(nnx.initializers.normal(shape[0] ** -0.5)(rngs.params(), shape),
                                                 **axes(*names))
         if Lq is None:
@@ -134,12 +158,15 @@ class MultiHeadLatentAttention(SequenceMixer):
         c = x if self.wdq is None else self.q_norm(project(x, self._w(self.wdq)))  # (B, T, D | Lq)
         q = constrain(project(c, self._w(self.wuq)), ("batch", None, "heads", None))  # (B, T, H, K + R)
         K = self.head_dim
-        return q[..., :K], apply_rotary(q[..., K:], positions, self.rope_base)
+        return q[..., :K], self._rotary(q[..., K:], positions)
+
+    def _rotary(self, x, positions):
+        return apply_rotary(x, positions, self.rope_base, self.rope_scaling) if self.rotary else x
 
     def _latent(self, x, positions):
         """[c_kv ; k^R] (B, T, L + R): what the cache keeps of each token."""
         c = self.kv_norm(project(x, self._w(self.wdkv)))  # (B, T, L)
-        kr = apply_rotary(project(x, self._w(self.wkr))[:, :, None], positions, self.rope_base)  # (B, T, 1, R)
+        kr = self._rotary(project(x, self._w(self.wkr))[:, :, None], positions)  # (B, T, 1, R)
         return jnp.concatenate([c, kr[:, :, 0]], axis=-1)
 
     def _expand(self, latent):

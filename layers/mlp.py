@@ -1,5 +1,11 @@
-"""SwiGLU feed-forward (Shazeer, 2020): y = W_down (silu(W_gate x) * W_up x)."""
+"""Feed-forward: SwiGLU (Shazeer, 2020), y = W_down (silu(W_gate x) * W_up x), the default.
 
+Options: `activation` "relu2" is the non-gated squared-ReLU MLP of Primer (So et al., 2021) and
+Nemotron-H, y = W_down relu(W_up x)^2, without W_gate (its default width 4 d_model: the parameters of
+SwiGLU's default width).
+"""
+
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +13,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from layers.linear import project
-from layers.options import PosInt
+from layers.options import OneOf, PosInt
 from layers.shapes import check_input
 from layers.sharding import axes
 
@@ -25,20 +31,25 @@ class NoFFN(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU MLP; hidden_dim None = 8/3 d_model rounded up to 32; dtype: the compute dtype (parameters stay
-    float32)."""
+    """SwiGLU MLP; hidden_dim None = 8/3 d_model rounded up to 32 (4 d_model for relu2); activation: swiglu, or relu2
+    = W_down relu(W_up x)^2 without a gate (Primer, Nemotron-H); dtype: the compute dtype (parameters stay float32)."""
 
-    def __init__(self, d_model: int, *, hidden_dim: PosInt | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
-        F = hidden_dim or default_hidden_dim(d_model)
+    def __init__(self, d_model: int, *, hidden_dim: PosInt | None = None,
+                 activation: Annotated[str, OneOf("swiglu", "relu2")] = "swiglu", dtype=jnp.float32, rngs: nnx.Rngs):
+        if activation not in ("swiglu", "relu2"):
+            raise ValueError(f"MLP: activation={activation!r}; expected 'swiglu' or 'relu2'")
+        F = hidden_dim or (default_hidden_dim(d_model) if activation == "swiglu" else 4 * d_model)
         self.dtype = dtype
         into, out = axes("embed", "mlp"), axes("mlp", "embed")  # Megatron: columns in, rows out
-        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)), **into)
+        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)), **into) \
+            if activation == "swiglu" else None
         self.w_up = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)), **into)
         self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (F, d_model)), **out)
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
-        check_input(x, self.w_gate.shape[0], None, "MLP")
+        check_input(x, self.w_up.shape[0], None, "MLP")
         x = x.astype(self.dtype)
         w = lambda p: p[...].astype(self.dtype)
-        h = jax.nn.silu(project(x, w(self.w_gate))) * project(x, w(self.w_up))
+        up = project(x, w(self.w_up))
+        h = jnp.square(jax.nn.relu(up)) if self.w_gate is None else jax.nn.silu(project(x, w(self.w_gate))) * up
         return project(h, w(self.w_down))

@@ -5,10 +5,13 @@ balancing (DeepSeek-V3, 2024), capacity-based or dropless (grouped-matmul, MegaB
 2022) dispatch.
 
 For the N = B*T tokens x_n (rows of `xf`), router logits l = x W_r in float32 (`logits`, (N, E)),
-p = softmax(l) (`probs`). Each expert e is a SwiGLU MLP (layers/mlp.py) with stacked weights
+scores p = softmax(l) (`scoring="softmax"`, the default) or p = sigmoid(l) (`scoring="sigmoid"`,
+DeepSeek-V3's affinities; `scores`). Each expert e is a SwiGLU MLP (layers/mlp.py) with stacked weights
 `w_gate`, `w_up` (E, D, F) and `w_down` (E, F, D):  FFN_e(x) = (silu(x W_g^e) * x W_u^e) W_d^e.
 
-    y_n = sum_{e in S_n} g_{n,e} FFN_e(x_n)  +  sum_{s < num_shared_experts} FFN_s^shared(x_n)
+    y_n = routed_scale * sum_{e in S_n} g_{n,e} FFN_e(x_n)  +  sum_{s < num_shared_experts} FFN_s^shared(x_n)
+
+(routed_scale: DeepSeek-V3's routed_scaling_factor, 1 by default.)
 
 The shared experts are one MLP of width num_shared_experts * F (`shared`), which is exactly the sum of
 that many width-F experts, or of width shared_hidden_dim when set; with shared_gate (Qwen2-MoE) their
@@ -24,6 +27,11 @@ Token choice (`router="topk"`), S_n = the k = top_k experts of the selection sco
       gates already sum to 1, `renormalize` does not apply).
   top_k=1 with gates that sum to 1 (renormalized or topk_then_softmax) gives g == 1 and no gradient
   to the router from the task loss, so that configuration is refused: use router="switch".
+  With sigmoid scores only score-then-choose applies (score_order="softmax_then_topk", the p above).
+Group-limited choice (DeepSeek-V3's node-limited routing, `num_groups` > 1, topk and switch): the E
+  experts form num_groups equal groups in index order; a group's score is the sum of its two highest
+  selection scores (p_n + b; its one score for groups of one expert), the `top_groups` best groups of
+  each token are kept and TopK above picks among their experts only (the others' scores are -inf).
 Switch (`router="switch"`, top_k must be 1): S_n = argmax(p_n + b), g = p_{n,S_n} (not renormalized,
   so the router learns through the gate); score_order and renormalize do not apply.
 Expert choice (`router="expert_choice"`): each expert picks its C highest-scoring tokens of the whole
@@ -55,14 +63,16 @@ Outside training, dispatch is always dropless. Which assignments capacity drops 
   GShard/Switch's fixed buffers; dropless: MegaBlocks). A training-mode call with T == 1 is dropless
   too.
 
-Losses (sown, float32). f_e = (assignments routed to e before dropping) / (N k), P_e = mean_n p_{n,e}:
+Losses (sown, float32). f_e = (assignments routed to e before dropping) / (N k), P_e = mean_n p_{n,e}
+  (with sigmoid scores p normalised to sum 1 per token, DeepSeek-V3's s'; so in the entropy too):
   balance_loss = E sum_e f_e P_e (Switch's loss with all k choices counted, = DeepSeek's L_ExpBal /
       alpha; = 1 under uniform routing, f = P = 1/E, where Switch's loss is minimised);
   z_loss = mean_n (logsumexp_e l_{n,e})^2 (ST-MoE, Zoph et al., 2022);
   aux_loss = balance_loss_weight * balance_loss [only with balance="aux_loss"] + z_loss_weight * z_loss.
-balance="bias" (DeepSeek-V3): a per-expert bias b (`RouterBias`, not a Param) is added to the scores
-  for selection only (never to the gates) and, after each training forward, b_e += bias_update_rate *
-  sign(mean_e(load) - load_e), load = tokens_per_expert, outside the gradient.
+balance="bias" (DeepSeek-V3): a per-expert bias b (`RouterBias`, not a Param; a checkpoint's
+  e_score_correction_bias) is added to the scores for selection only (never to the gates) and, after
+  each training forward, b_e += bias_update_rate * sign(mean_e(load) - load_e), load =
+  tokens_per_expert, outside the gradient.
 Router jitter (Switch): in training, the router's input (not the experts') is multiplied by
   U(1 - router_jitter, 1 + router_jitter), drawn from the "jitter" stream of `rngs` (else "default").
 
@@ -94,11 +104,12 @@ step). flax 0.12.8 warns that sow outside `nnx.capture` is deprecated; `y, moe =
 nnx.capture(model, nnx.Intermediate)(x)` returns the same State. Evaluate with `model.eval()` after
 the merge (no bias update, no sow).
 
-Departures: DeepSeek-V3 uses sigmoid affinities, we use the softmax scores above (the bias is added to
-whichever score selects); GShard's random dispatch of second choices is not done; the router weight
-is N(0, 0.1/D) (Switch's reduced scale, not truncated); f_e counts all k choices (Switch/GShard count
-the first choice only); the bias updates once per forward call (per micro-batch under accumulation);
-Shazeer et al.'s noisy top-k gating is not implemented (jitter is the only router noise).
+Departures: the bias is added to whichever score selects (softmax or sigmoid; DeepSeek-V3 uses sigmoid
+affinities); DeepSeek-V3's balance loss is per sequence, ours per call (all N tokens); GShard's random
+dispatch of second choices is not done; the router weight is N(0, 0.1/D) (Switch's reduced scale, not
+truncated); f_e counts all k choices (Switch/GShard count the first choice only); the bias updates once
+per forward call (per micro-batch under accumulation); Shazeer et al.'s noisy top-k gating is not
+implemented (jitter is the only router noise).
 """
 
 import math
@@ -116,6 +127,7 @@ from layers.sharding import axes, constrain
 
 ROUTERS = ("topk", "switch", "expert_choice")
 SCORE_ORDERS = ("softmax_then_topk", "topk_then_softmax")
+SCORINGS = ("softmax", "sigmoid")
 DISPATCHES = ("capacity", "dropless")
 BALANCES = ("aux_loss", "bias", "none")
 
@@ -156,8 +168,10 @@ class MoE(nnx.Module):
     (Switch loss, balance_loss_weight), bias (DeepSeek-V3, loss-free, bias_update_rate) or none; z_loss_weight: the
     router z-loss; router_jitter: multiplicative noise on the router's input in training; shared experts
     (num_shared_experts, DeepSeekMoE; shared_hidden_dim: their own width, None = num_shared_experts x hidden_dim;
-    shared_gate: a sigmoid gate on them per token, Qwen2-MoE). hidden_dim None = the dense width / active experts (same
-    active params); dtype: the compute dtype (parameters stay float32)."""
+    shared_gate: a sigmoid gate on them per token, Qwen2-MoE); scoring: softmax or sigmoid (DeepSeek-V3) router scores;
+    num_groups, top_groups: each token chooses among the experts of its top_groups best of num_groups expert groups
+    (DeepSeek-V3; None = all); routed_scale: a factor on the routed experts' sum. hidden_dim None = the dense width /
+    active experts (same active params); dtype: the compute dtype (parameters stay float32)."""
 
     def __init__(self, d_model: int, *, num_experts: PosInt = 8, top_k: PosInt = 2, hidden_dim: PosInt | None = None,
                  router: Annotated[str, OneOf("topk", "switch", "expert_choice")] = "topk",
@@ -168,9 +182,12 @@ class MoE(nnx.Module):
                  balance_loss_weight: NonNegFloat = 0.01, z_loss_weight: NonNegFloat = 0.001,
                  bias_update_rate: NonNegFloat = 0.001,
                  router_jitter: Annotated[float, Range(0, 1, hi_open=True)] = 0.0,
-                 shared_hidden_dim: PosInt | None = None, shared_gate: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+                 shared_hidden_dim: PosInt | None = None, shared_gate: bool = False,
+                 scoring: Annotated[str, OneOf("softmax", "sigmoid")] = "softmax", num_groups: PosInt = 1,
+                 top_groups: PosInt | None = None, routed_scale: PosFloat = 1.0, dtype=jnp.float32, rngs: nnx.Rngs):
         for name, value, valid in (("router", router, ROUTERS), ("score_order", score_order, SCORE_ORDERS),
-                                   ("dispatch", dispatch, DISPATCHES), ("balance", balance, BALANCES)):
+                                   ("dispatch", dispatch, DISPATCHES), ("balance", balance, BALANCES),
+                                   ("scoring", scoring, SCORINGS)):
             _choose(name, value, valid)
         if num_experts < 1:
             raise ValueError(f"MoE: num_experts={num_experts} must be >= 1" + (
@@ -199,12 +216,26 @@ class MoE(nnx.Module):
             raise ValueError("MoE: balance_loss_weight, z_loss_weight and bias_update_rate must be >= 0")
         if not 0 <= router_jitter < 1:
             raise ValueError(f"MoE: router_jitter={router_jitter} must be in [0, 1)")
+        if scoring == "sigmoid" and router == "topk" and score_order == "topk_then_softmax":
+            raise ValueError("MoE: score_order='topk_then_softmax' is a softmax over the chosen logits; sigmoid "
+                             "scoring chooses on its scores (score_order='softmax_then_topk')")
+        top_groups = num_groups if top_groups is None else top_groups
+        if num_groups < 1 or num_experts % num_groups or not 1 <= top_groups <= num_groups:
+            raise ValueError(f"MoE: num_groups={num_groups} must divide num_experts={num_experts}, and top_groups="
+                             f"{top_groups} must be between 1 and num_groups")
+        if top_k > top_groups * (num_experts // num_groups) or num_groups > 1 and router == "expert_choice":
+            raise ValueError(f"MoE: num_groups={num_groups} limits each token's top_k={top_k} experts to its "
+                             f"top_groups={top_groups} groups of {num_experts // num_groups} (token choice only)")
+        if routed_scale <= 0:
+            raise ValueError(f"MoE: routed_scale={routed_scale} must be > 0")
         E, F = num_experts, hidden_dim or default_expert_dim(d_model, top_k + num_shared_experts)
         self.num_experts, self.top_k, self.hidden_dim = E, top_k, F
         self.router, self.score_order, self.renormalize, self.dispatch = router, score_order, renormalize, dispatch
         self.capacity_factor, self.num_shared_experts, self.balance = capacity_factor, num_shared_experts, balance
         self.balance_loss_weight, self.z_loss_weight = balance_loss_weight, z_loss_weight
         self.bias_update_rate, self.router_jitter, self.dtype = bias_update_rate, router_jitter, dtype
+        self.scoring, self.num_groups, self.top_groups = scoring, num_groups, top_groups
+        self.routed_scale = routed_scale
         self.deterministic = False
         into, out = axes("expert", "embed", "mlp"), axes("expert", "mlp", "embed")
         self.w_router = nnx.Param(nnx.initializers.normal((0.1 / d_model) ** 0.5)(rngs.params(), (d_model, E)),
@@ -252,16 +283,28 @@ class MoE(nnx.Module):
         h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", tiled, wg)) * jnp.einsum("tmd,tdf->tmf", tiled, wu)
         return jnp.einsum("tmf,tfd->tmd", h, wd).reshape(n_tiles * tile, D)[dest]
 
-    def _token_choice(self, logits, probs, k, order, renormalize):
+    def _token_choice(self, logits, scores, k, order, renormalize):
         """Experts (N, k) int32 and gates (N, k) float32 of each token."""
-        select = logits if order == "topk_then_softmax" else probs
+        select = logits if order == "topk_then_softmax" else scores
         if self.balance == "bias":
             select = select + self.bias[...]  # selection only: the gates below never see the bias
+        if self.num_groups > 1:
+            select = self._in_top_groups(select)
         _, experts = jax.lax.top_k(select, k)  # (N, k)
         if order == "topk_then_softmax":
             return experts, jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1)
-        gates = jnp.take_along_axis(probs, experts, axis=-1)
+        gates = jnp.take_along_axis(scores, experts, axis=-1)
         return experts, gates / jnp.sum(gates, -1, keepdims=True) if renormalize else gates
+
+    def _in_top_groups(self, select):
+        """The selection scores (N, E) with -inf outside each token's top_groups groups (DeepSeek-V3's
+        group score: the sum of a group's two best scores)."""
+        N, E, G = *select.shape, self.num_groups
+        grouped = select.reshape(N, G, E // G)
+        group_score = jnp.sum(jax.lax.top_k(grouped, min(2, E // G))[0], axis=-1)  # (N, G)
+        _, best = jax.lax.top_k(group_score, self.top_groups)  # (N, top_groups)
+        keep = jnp.zeros((N, G), bool).at[jnp.arange(N)[:, None], best].set(True)
+        return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
 
     def _dispatch(self, xf, experts, gates, dropless):
         """Token-choice dispatch and combine; returns y (N, D) float32, load (E,), dropped fraction."""
@@ -286,11 +329,11 @@ class MoE(nnx.Module):
         y = jnp.sum((w[:, None] * y_assign.astype(jnp.float32)).reshape(k, N, D), axis=0)
         return y, load.astype(jnp.float32), 1.0 - jnp.mean(kept.astype(jnp.float32))
 
-    def _expert_choice(self, xf, probs):
+    def _expert_choice(self, xf, scores):
         """Each expert takes its top-C tokens of all N; returns y (N, D) float32, load, dropped."""
         N, D = xf.shape
         C = expert_capacity(N, self.num_experts, self.top_k, self.capacity_factor)
-        g, idx = jax.lax.top_k(probs.T, C)  # (E, C) gates and token indices
+        g, idx = jax.lax.top_k(scores.T, C)  # (E, C) gates and token indices
         out = self._experts_batched(xf[idx]).astype(jnp.float32)  # (E, C, D)
         y = jnp.zeros((N, D), jnp.float32).at[idx.reshape(-1)].add((g[..., None] * out).reshape(-1, D))
         picked = jnp.zeros((N,), bool).at[idx.reshape(-1)].set(True)
@@ -307,16 +350,18 @@ class MoE(nnx.Module):
             eps = self.router_jitter
             xr = xr * jax.random.uniform(self.jitter_rngs(), xr.shape, jnp.float32, 1 - eps, 1 + eps)
         logits = xr @ self.w_router[...]  # (N, E) float32
-        probs = jax.nn.softmax(logits, axis=-1)
+        scores = (jax.nn.softmax if self.scoring == "softmax" else jax.nn.sigmoid)(logits)
         if self.router == "expert_choice" and not self.deterministic and T > 1:
-            y, load, dropped = self._expert_choice(xf, probs)
+            y, load, dropped = self._expert_choice(xf, scores)
         else:
             topk = self.router == "topk"
             k = self.top_k if self.router != "switch" else 1
             order = self.score_order if topk else "softmax_then_topk"
-            experts, gates = self._token_choice(logits, probs, k, order, self.renormalize and topk)
+            experts, gates = self._token_choice(logits, scores, k, order, self.renormalize and topk)
             dropless = self.dispatch == "dropless" or self.deterministic or T == 1
             y, load, dropped = self._dispatch(xf, experts, gates, dropless)
+        if self.routed_scale != 1:
+            y = y * self.routed_scale
         y = y.reshape(B, T, D).astype(self.dtype)
         if self.num_shared_experts:
             shared = self.shared(x)
@@ -324,19 +369,22 @@ class MoE(nnx.Module):
                 shared = shared * jax.nn.sigmoid(x_gate @ self.w_shared_gate[...]).reshape(B, T, 1).astype(shared.dtype)
             y = y + shared
         if not self.deterministic:
-            self._record(logits, probs, load, dropped)
+            self._record(logits, scores, load, dropped)
         return y
 
-    def _record(self, logits, probs, load, dropped):
+    def _record(self, logits, scores, load, dropped):
         """Training-only side effects: the sown losses/metrics and the balancing-bias update."""
         E = self.num_experts
         load = jax.lax.stop_gradient(load)
+        probs = scores if self.scoring == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)  # sum 1
         balance_loss = E * jnp.sum(load / jnp.sum(load) * jnp.mean(probs, axis=0))
         z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
         aux = self.z_loss_weight * z_loss
         if self.balance == "aux_loss":
             aux = aux + self.balance_loss_weight * balance_loss
-        entropy = -jnp.mean(jnp.sum(probs * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+        log_p = jax.nn.log_softmax(logits, axis=-1) if self.scoring == "softmax" else \
+            jax.nn.log_sigmoid(logits) - jnp.log(jnp.sum(scores, -1, keepdims=True))
+        entropy = -jnp.mean(jnp.sum(probs * log_p, axis=-1))
         self.sow(nnx.Intermediate, "moe", {
             "aux_loss": aux, "balance_loss": balance_loss, "z_loss": z_loss, "tokens_per_expert": load,
             "dropped_fraction": jax.lax.stop_gradient(dropped), "router_entropy": jax.lax.stop_gradient(entropy),

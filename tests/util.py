@@ -1,10 +1,15 @@
 """Shared test helpers."""
 
 import contextlib
+import json
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+HF_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"  # written by transformers: make_fixtures.py
 
 
 def rel_err(a, b) -> float:
@@ -45,6 +50,42 @@ def tiny_model(mixer=None, seed=0, **model):
     from zoo import LanguageModel
 
     return LanguageModel(tiny_config(mixer, **model), rngs=nnx.Rngs(seed))
+
+
+def edited_config(cfg, edit):
+    """The ModelConfig `cfg` rebuilt after `edit(section)` changes its dict form (zoo.schema.to_dict) in place."""
+    from zoo.config import build_model
+    from zoo.schema import to_dict
+
+    section = to_dict(cfg)
+    edit(section)
+    return build_model(section, "model")
+
+
+def assert_save_refuses(cfg, message, path):
+    """zoo.hf.save refuses a model of `cfg` with a ValueError matching `message` before it reads a weight: the model
+    is abstract (nnx.eval_shape), its parameters and state shapes alone."""
+    import pytest
+    from flax import nnx
+
+    import zoo.hf
+    from zoo.model import LanguageModel
+
+    model = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=message):
+        zoo.hf.save(model, path)
+
+
+def hf_fixture(tmp_path, case, **changes):
+    """A copy of the Hugging Face fixture folder tests/fixtures/hf/<case> in tmp_path, with config.json's fields
+    set to `changes` (a None removes the field)."""
+    folder = tmp_path / case
+    shutil.copytree(HF_FIXTURES / case, folder)
+    if changes:
+        f = folder / "config.json"
+        edited = {**json.loads(f.read_text()), **changes}
+        f.write_text(json.dumps({k: v for k, v in edited.items() if v is not None}))
+    return folder
 
 
 def forward(model, tokens, segment_ids=None):

@@ -245,7 +245,9 @@ def _start_weights(cfg: Config, state: State, mesh: Mesh, teacher: tuple | None)
     distill, shardings, said = cfg.train.distill, state.shardings[0], []
     if cfg.model.init_from is not None:
         from zoo.hf import read_params
-        state.params = read_params(cfg.model.init_from, cfg.model, state.params, shardings)
+        both = read_params(cfg.model.init_from, cfg.model, nnx.merge_state(state.params, state.rest),
+                           nnx.merge_state(shardings, state.shardings[1]))  # the rest: an MoE's router bias
+        state.params, state.rest = both.filter(nnx.Param), both.filter(nnx.Not(nnx.Param))
         said.append(f"starting from the weights of {cfg.model.init_from}")
     if distill is not None and distill.start_from is not None:
         state.params = start_from(distill.start_from, cfg, mesh, shardings)

@@ -10,6 +10,7 @@ from zoo.registry import ffn, mixer
 mixer("attention", layers.Attention)
 mixer("fox", layers.ForgettingAttention)
 mixer("base_conv", layers.BaseConv)
+mixer("gated_conv", layers.GatedConv)
 mixer("mla", layers.MultiHeadLatentAttention)
 mixer("moba", layers.MoBA)
 mixer("nsa", layers.NativeSparseAttention)

@@ -79,6 +79,21 @@ def test_shrink_drops_zero_heads_and_channels_and_the_smaller_model_is_an_ordina
     assert rel_err(pieces, forward(small, cal)) < 1e-4
 
 
+def test_shrink_drops_relu2_channels_by_their_weights_alone():
+    """Nemotron-H's MLP (relu2, no gate) ranked without calibration: its up and down norms."""
+    model = tiny_model(d_model=32, num_layers=1, ffn={"kind": "mlp", "activation": "relu2", "hidden_dim": 64})
+    model.blocks[0].ffn.w_down[...] = model.blocks[0].ffn.w_down[...].at[::4].set(0)
+    small = infer.shrink(model, channels=0.25)
+    cal = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    assert small.cfg.ffn.hidden_dim == 48 and rel_err(forward(small, cal), forward(model, cal)) < 1e-6
+
+
+def test_shrink_refuses_the_heads_of_grouped_value_heads():
+    model = tiny_model({"kind": "gated_deltanet", "num_heads": 2, "num_v_heads": 4}, num_layers=1)
+    with pytest.raises(ValueError, match="grouped value heads"):
+        infer.shrink(model, heads=0.5)
+
+
 def test_shrink_gqa_keeps_every_group_and_an_expert_removed_is_one_never_chosen():
     model = tiny_model({"kind": "attention", "num_heads": 4, "num_kv_heads": 2}, d_model=64, num_layers=1,
                        ffn={"kind": "moe", "num_experts": 8, "top_k": 2, "balance": "bias"})

@@ -146,6 +146,7 @@ def test_head_masks_are_checked():
 
 
 HYBRID = {  # the 2025-2026 hybrids' options on, small: every one in each case, GQA, a ring or a scaled rotary
+    "no-rope-ring": dict(num_heads=4, num_kv_heads=2, rope_fraction=0.0, window=3, ring_spare=5),  # Jamba, Nemotron-H
     "differential-ring": dict(num_heads=4, num_kv_heads=2, differential=True, output_gate="head", rope_fraction=0.5,
                               qk_norm=True, window=3, sinks=1, ring_spare=5),
     "gated-partial-yarn": dict(num_heads=2, num_kv_heads=1, output_gate="channel", rope_fraction=0.25, qkv_bias=True,
@@ -225,7 +226,7 @@ def test_partial_rotary_turns_the_first_dims_and_passes_the_rest():
 
 def test_hybrid_options_are_checked():
     make = lambda **kw: Attention(32, num_heads=4, rngs=nnx.Rngs(0), **kw)
-    for bad in (0.0, 1.5):
+    for bad in (-0.5, 1.5):
         with pytest.raises(ValueError, match=f"rope_fraction={bad}"):
             make(rope_fraction=bad)
     with pytest.raises(ValueError, match=r"rope_fraction=0.375 rotates int\(8 \* 0.375\) = 3"):
@@ -236,6 +237,28 @@ def test_hybrid_options_are_checked():
         make(differential=True, head_dim=9)
     with pytest.raises(ValueError, match="output_gate='sigmoid'"):
         make(output_gate="sigmoid")
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_rope_fraction_zero_has_no_positions(impl):
+    """rope_fraction=0 (Jamba, Nemotron-H): no positional encoding, so the last token's output is the same whatever
+    the order of the tokens before it, on every impl (pallas: interpret mode on CPU), in the full pass and in a
+    prefill then one decode step; with the rotary the order shows."""
+    x = randn(9, (1, 7, 32))
+    shuffled = x[:, jnp.array([3, 0, 5, 1, 4, 2, 6])]
+    make = lambda f: Attention(32, num_heads=4, num_kv_heads=2, rope_fraction=f, impl=impl, rngs=nnx.Rngs(0))
+
+    @nnx.jit
+    def run(layer, x, shuffled):
+        y, state = layer.decode(shuffled[:, :6], layer.init_state(1, 8))
+        return layer(x)[:, -1], layer(shuffled)[:, -1], layer.decode(shuffled[:, 6:], state)[0][:, 0]
+
+    full, again, step = run(make(0.0), x, shuffled)
+    assert make(0.0).rotary_dim == 0
+    assert_close(again, full, 1e-5, "shuffled prefix")
+    assert_close(step, full, 1e-5, "prefill + decode step")
+    rotary, shuffled_rotary, _ = run(make(1.0), x, shuffled)
+    assert float(jnp.abs(rotary - shuffled_rotary).max()) > 1e-3
 
 
 def test_differential_and_gate_on_the_pallas_kernels():

@@ -38,7 +38,7 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
     "rwkv7": (32, {"head_dim": 16, "decay_lora_dim": 4, "icl_lora_dim": 4, "value_lora_dim": 4,
                    "gate_lora_dim": 4}),
     "deltanet": (16, {"num_heads": 2}),
-    "gated_deltanet": (16, {"num_heads": 2, "head_dim": 4}),
+    "gated_deltanet": (16, {"num_heads": 2, "num_v_heads": 4, "head_dim": 4}),
     "kda": (16, {"num_heads": 2, "head_dim": 4, "expand_v": 2.0, "allow_neg_eigval": True}),
     "gated_deltaproduct": (16, {"num_heads": 2, "head_dim": 4, "num_householder": 3}),
     "gated_deltanet2": (16, {"num_heads": 2, "head_dim": 4, "expand_v": 2.0, "allow_neg_eigval": True}),

@@ -1,6 +1,7 @@
 """The delta-rule layers: what is specific to them (the protocol of each runs in test_conformance.py):
 DeltaNet without a short convolution, with the output gate, beta = 1 and sum-normalised q, k; Gated
-DeltaProduct without its gate, conv and output gate; constructor errors."""
+DeltaNet with grouped value heads; Gated DeltaProduct without its gate, conv and output gate;
+constructor errors."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ from flax import nnx
 
 from kernels import MODES
 from layers.deltanet import DeltaNet, GatedDeltaNet, GatedDeltaProduct, KimiDeltaAttention
-from tests.layers.conformance import B, check_mixer
+from tests.layers.conformance import B, T, check_mixer, randn
+from tests.util import assert_close
 
 D = 16
 
@@ -20,6 +22,23 @@ def test_deltanet_variant():
     check_mixer(make, D, MODES)
     state = jax.eval_shape(lambda: make().init_state(B, 128))
     assert state.conv_q is None and state.recurrent.shape == (B, 2, 8, 8)
+
+
+def test_gated_deltanet_grouped_value_heads():
+    """num_v_heads = 2 num_heads (the protocol with it runs in test_conformance.py) equals a Gated DeltaNet of
+    num_v_heads query/key heads whose q, k projections and convolutions give value head j the query/key head
+    j // 2 (transformers' repeat_interleave in Qwen3-Next)."""
+    make = lambda heads, seed: GatedDeltaNet(D, num_heads=heads, num_v_heads=4, head_dim=4, expand_v=1.5,
+                                             chunk_size=8, rngs=nnx.Rngs(seed))
+    grouped, full = make(2, 0), make(4, 1)
+    params = dict(nnx.to_flat_state(nnx.state(grouped, nnx.Param)))
+    repeat = lambda w: jnp.repeat(w.reshape(*w.shape[:-1], 2, 4), 2, axis=-2).reshape(*w.shape[:-1], 16)  # (.., H*K)
+    for path, v in nnx.to_flat_state(nnx.state(full, nnx.Param)):
+        w = params[path][...]
+        v.set_value(repeat(w) if path[0] in ("q_proj", "k_proj", "q_conv", "k_conv") else w)
+    x = jnp.asarray(randn(0, (B, T, D)))
+    assert grouped.init_state(B).recurrent.shape == (B, 4, 4, 6)
+    assert_close(*nnx.jit(lambda a, b, x: (a(x), b(x)))(grouped, full, x))
 
 
 def test_deltaproduct_variant():
@@ -37,6 +56,8 @@ def test_bad_shapes():
         GatedDeltaNet(16, mode="fused_recurrent", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="qk_norm"):
         DeltaNet(16, qk_norm="l1", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_v_heads=3 must be a positive multiple of num_heads=2"):
+        GatedDeltaNet(16, num_heads=2, num_v_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_householder=0"):
         GatedDeltaProduct(16, num_householder=0, rngs=nnx.Rngs(0))
 
@@ -46,3 +67,15 @@ def test_kda_takes_the_pallas_kernels():
     checked in tests/kernels/test_delta_rule_pallas*.py and, in a model, tests/zoo/test_impl.py)."""
     mixer = KimiDeltaAttention(D, num_heads=2, impl="pallas", rngs=nnx.Rngs(0))
     assert "pallas_call" in str(jax.make_jaxpr(lambda x: mixer(x))(jnp.zeros((B, 20, D))))
+
+
+def test_kda_without_gate_bias_is_kda_with_a_zero_one():
+    """gate_bias=False (transformers' Kimi Linear) has no output-gate bias: the function of a zero bias."""
+    plain = KimiDeltaAttention(D, num_heads=2, gate_bias=False, chunk_size=8, rngs=nnx.Rngs(0))
+    biased = KimiDeltaAttention(D, num_heads=2, chunk_size=8, rngs=nnx.Rngs(1))
+    assert plain.g_up.bias is None
+    params = dict(nnx.to_flat_state(nnx.state(plain, nnx.Param)))
+    for path, v in nnx.to_flat_state(nnx.state(biased, nnx.Param)):
+        v.set_value(params[path][...] if path in params else jnp.zeros(v.shape))
+    x = jnp.asarray(randn(0, (B, T, D)))
+    assert_close(*nnx.jit(lambda a, b, x: (a(x), b(x)))(plain, biased, x))

@@ -59,5 +59,23 @@ def test_invalid_arguments(kwargs, message):
         Mamba(D, rngs=nnx.Rngs(0), **kwargs)
 
 
-def test_variant():
-    check_mixer(lambda **kw: make(conv_size=0, **kw), D, MODES)
+@pytest.mark.parametrize("variant", [dict(conv_size=0), dict(inner_norms=True, norm_eps=1e-5)])
+def test_variant(variant):
+    check_mixer(lambda **kw: make(**variant, **kw), D, MODES)
+
+
+def test_inner_norms_are_rms_norms_of_dt_b_and_c():
+    """inner_norms (Jamba): Δ_low, B and C each pass an RMSNorm with its weight after x_proj; scaling x_proj's
+    output for B and C by any factor then changes nothing, and a norm weight of 2 on C doubles the scan's C·h part."""
+    layer = make(inner_norms=True, norm_eps=1e-12)  # eps ~ 0: the scale of B and C leaves nothing
+    assert layer.dt_norm.weight.shape == (1,) and layer.b_norm.weight.shape == layer.c_norm.weight.shape == (4,)
+    assert layer.c_norm.eps == 1e-12 and make().dt_norm is None
+    x = X[:1, :6]
+    y = layer(x)
+    R = layer.dt_rank
+    layer.x_proj.kernel[...] = layer.x_proj.kernel[...].at[:, R:].multiply(7.0)  # B, C scaled: normed away
+    np.testing.assert_allclose(layer(x), y, atol=1e-5, rtol=1e-5)
+    layer.D[...] = jnp.zeros_like(layer.D[...])
+    no_skip = layer(x)
+    layer.c_norm.weight[...] = 2 * layer.c_norm.weight[...]
+    np.testing.assert_allclose(layer(x), 2 * no_skip, atol=1e-5, rtol=1e-5)

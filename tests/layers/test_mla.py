@@ -11,11 +11,13 @@ import pytest
 from flax import nnx
 
 from layers import Attention, LatentCache, MultiHeadLatentAttention
+from layers.rotary import RopeScaling, rope_frequencies
 from tests.util import assert_close, assert_tree_close, randn
 from zoo.config import from_dict
 
 D, H, K, V, R, L = 32, 2, 16, 8, 4, 10
 B, T, P, CHUNK = 2, 13, 5, 4  # odd T: a prefill of P, a chunk of CHUNK with a document start, then steps
+YARN = RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=4, mscale=0.7, mscale_all_dim=0.5)
 
 
 def make(**kw):
@@ -36,9 +38,10 @@ def decoded(layer, x, seg):
     return jnp.concatenate(ys, axis=1)
 
 
-@pytest.mark.parametrize("window,q_lora_rank", [(None, None), (4, 6)])
-def test_absorbed_decode_equals_naive_decode_equals_the_training_path(window, q_lora_rank):
-    layer = make(window=window, q_lora_rank=q_lora_rank)
+@pytest.mark.parametrize("window,q_lora_rank,rope", [(None, None, {}), (4, 6, {"rope_scaling": YARN}),
+                                                     (None, 6, {"rotary": False})])
+def test_absorbed_decode_equals_naive_decode_equals_the_training_path(window, q_lora_rank, rope):
+    layer = make(window=window, q_lora_rank=q_lora_rank, **rope)
     x = randn(0, (B, T, D))
     seg = jnp.zeros((B, T), jnp.int32).at[0, 3:].set(1).at[1, P + 2:].set(1)
     graphdef, params = nnx.split(layer)
@@ -57,17 +60,24 @@ def test_absorbed_decode_equals_naive_decode_equals_the_training_path(window, q_
     assert_close(absorbed, full, 1e-5, "absorbed decode vs training path")
 
 
-def test_training_path_is_the_papers_equations():
-    """Per head, written out in numpy: softmax([q^C ; q^R] . [k^C ; k^R] / sqrt(K + R)) v, causal."""
-    layer = make(q_lora_rank=6)
+@pytest.mark.parametrize("rope_scaling,rotary", [(None, True), (YARN, True), (None, False)])
+def test_training_path_is_the_papers_equations(rope_scaling, rotary):
+    """Per head, written out in numpy: softmax(s [q^C ; q^R] . [k^C ; k^R]) v, causal, s = (K + R)^-1/2; with
+    yarn, its frequencies and cos/sin factor m on the rotary and DeepSeek's mscale(factor, mscale_all_dim)^2 on s;
+    rotary=False: q^R and k^R unrotated."""
+    layer = make(q_lora_rank=6, rope_scaling=rope_scaling, rotary=rotary)
     x = np.asarray(randn(1, (1, 7, D)))
     p = {n: np.asarray(getattr(layer, n)[...]) for n in ("wdq", "wuq", "wdkv", "wkr", "wuk", "wuv", "wo")}
     rms = lambda a: a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + 1e-6)  # the norms' weights are ones
+    inv_freq, m = rope_frequencies(R, 10000.0, rope_scaling)
+    scale = (K + R) ** -0.5 * ((0.1 * 0.5 * np.log(4.0) + 1) ** 2 if rope_scaling else 1)
 
     def rope(a, pos):  # rotate-half, a (T, ..., R)
+        if not rotary:
+            return a
         half = a.shape[-1] // 2
-        ang = pos[:, None] * 10000.0 ** (-np.arange(half) * 2 / a.shape[-1])  # (T, R/2)
-        cos, sin = np.cos(ang), np.sin(ang)
+        ang = pos[:, None] * inv_freq  # (T, R/2)
+        cos, sin = m * np.cos(ang), m * np.sin(ang)
         if a.ndim == 3:
             cos, sin = cos[:, None], sin[:, None]
         a1, a2 = a[..., :half], a[..., half:]
@@ -81,7 +91,7 @@ def test_training_path_is_the_papers_equations():
     o = []
     for h in range(H):
         k = np.concatenate([c_kv @ p["wuk"][:, h], k_r], -1)  # (T, K + R)
-        s = q[:, h] @ k.T / np.sqrt(K + R) + np.triu(np.full((7, 7), -np.inf), 1)
+        s = scale * q[:, h] @ k.T + np.triu(np.full((7, 7), -np.inf), 1)
         w = np.exp(s - s.max(-1, keepdims=True))
         o.append((w / w.sum(-1, keepdims=True)) @ (c_kv @ p["wuv"][:, h]))  # (T, V)
     want = np.einsum("THV,HVD->TD", np.stack(o, 1), p["wo"])
@@ -135,6 +145,7 @@ def test_gradients_reach_every_parameter_with_a_full_query_projection():
     ("head_dim", 2, "model.mixer.rope_dim: 1; expected an even number >= 2 (the rotary turns pairs of channels; "
                     "head_dim / 2 is its default)"),
     ("long_context", "none", "model.mixer.long_context"),
+    ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "model.mixer.rope_scaling: type 'dynamic' is not supported"),
 ])
 def test_bad_config_values_are_refused_by_dotted_path(key, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -143,6 +154,7 @@ def test_bad_config_values_are_refused_by_dotted_path(key, value, message):
 
 def test_bad_layer_arguments_are_refused():
     for kw, message in [(dict(kv_lora_rank=0), "kv_lora_rank=0"), (dict(rope_dim=5), "rope_dim=5"),
-                        (dict(num_heads=3, head_dim=None), "num_heads=3"), (dict(long_context="x"), "long_context")]:
+                        (dict(num_heads=3, head_dim=None), "num_heads=3"), (dict(long_context="x"), "long_context"),
+                        (dict(rotary=False, rope_scaling=YARN), "rope_scaling: set with rotary=False")]:
         with pytest.raises(ValueError, match=message):
             make(**kw)

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from layers.mlp import MLP
-from layers.moe import MoE, RouterBias, default_expert_dim, expert_capacity, total_aux_loss
+from layers.moe import DISPATCHES, MoE, RouterBias, default_expert_dim, expert_capacity, total_aux_loss
 from tests.util import assert_close, assert_tree_close, randn
 
 # flax 0.12.8 deprecates sow outside nnx.capture; the layer documents both ways of collecting.
@@ -78,10 +78,11 @@ def test_identical_experts_equal_the_dense_mlp():
 
 
 def test_dropless_equals_capacity_when_nothing_is_dropped():
-    models = [moe(router=rt, top_k=k, dispatch=d, capacity_factor=E / k)
-              for rt, k in (("topk", 2), ("switch", 1)) for d in ("capacity", "dropless")]
+    deepseek = dict(scoring="sigmoid", num_groups=2, top_groups=1, routed_scale=2.0, balance="bias")
+    models = [moe(router=rt, top_k=k, dispatch=d, capacity_factor=E / k, **kw)
+              for rt, k, kw in (("topk", 2, {}), ("switch", 1, {}), ("topk", 2, deepseek)) for d in DISPATCHES]
     ys, sown, grads = run(models, X, R)
-    for i in (0, 2):
+    for i in (0, 2, 4):
         assert sown[i]["dropped_fraction"] == 0
         assert_close(ys[i], ys[i + 1], 1e-5, "outputs")
         assert_tree_close(grads[i], grads[i + 1], 1e-5, "grads")
@@ -241,6 +242,34 @@ def test_shared_experts_are_always_on():
     assert nnx.eval_shape(lambda: MoE(256, num_shared_experts=1, rngs=nnx.Rngs(0))).hidden_dim == 240
 
 
+def test_sigmoid_group_limited_choice_is_deepseek_v3s_router():
+    """scoring sigmoid, num_groups / top_groups, a bias in the choice only, renormalize and routed_scale, against
+    DeepSeek-V3's router written out in numpy (transformers' DeepseekV3TopkRouter)."""
+    kw = dict(num_experts=8, top_k=3, scoring="sigmoid", num_groups=4, top_groups=2, balance="bias")
+    models = [moe(**kw, renormalize=n, routed_scale=2.5, seed=4) for n in (True, False)] + [moe(**kw, seed=4)]
+    bias = np.asarray(randn(6, (8,))) * 0.3
+    for m in models:
+        m.bias[...] = jnp.asarray(bias)
+        m.eval()
+    ys, _, _ = run(models, X)
+    xf = np.asarray(X).reshape(-1, D)
+    s = 1 / (1 + np.exp(-(xf @ np.asarray(models[0].w_router[...]))))  # (N, E)
+    choice = (s + bias).reshape(-1, 4, 2)  # (N, groups, experts per group)
+    best = np.argsort(-np.sort(choice, -1)[..., -2:].sum(-1), -1)[:, :2]  # each token's top 2 groups by top-2 sums
+    masked = np.full_like(choice, -np.inf)
+    np.put_along_axis(masked, best[..., None], np.take_along_axis(choice, best[..., None], 1), 1)
+    experts = np.argsort(-masked.reshape(-1, 8), -1)[:, :3]  # (N, k)
+    assert not np.array_equal(np.sort(experts), np.sort(np.argsort(-(s + bias), -1)[:, :3], -1))  # groups matter
+    outs = np.take_along_axis(np.asarray(expert_outputs(models[0], jnp.asarray(xf))), experts[..., None], 1)
+    g = np.take_along_axis(s, experts, -1)  # (N, k): the gates never see the bias
+    renormalized = g / g.sum(-1, keepdims=True)
+    for y, gates in ((ys[0], 2.5 * renormalized), (ys[1], 2.5 * g), (ys[2], renormalized)):
+        assert_close(y.reshape(-1, D), np.einsum("nk,nkd->nd", gates, outs), 1e-5, "DeepSeek-V3 routing")
+    models[0].train()  # training: the metrics use the scores normalised per token (DeepSeek-V3's s')
+    _, (sown,), _ = run(models[:1], X)
+    assert_close(sown["router_probs"], (s / s.sum(-1, keepdims=True)).mean(0), 1e-6, "P_e of sigmoid scores")
+
+
 def test_sow_recipe_under_jit_and_grad():
     m = moe(balance="bias")
     graphdef, params, rest = nnx.split(m, nnx.Param, ...)
@@ -284,6 +313,7 @@ def test_every_router_score_order_and_dispatch_runs():
     configs += [dict(router="switch", top_k=1, dispatch=d, balance="bias") for d in ("capacity", "dropless")]
     configs += [dict(router="expert_choice", balance="none")]  # dispatch does not apply to expert choice
     configs += [dict(num_shared_experts=1, router_jitter=0.1, dtype=jnp.bfloat16)]
+    configs += [dict(scoring="sigmoid", num_groups=2, top_groups=1, routed_scale=2.0, dispatch=d) for d in DISPATCHES]
     ys, sown, grads = run([moe(**cfg) for cfg in configs], X, R)
     for cfg, y, s, g in zip(configs, ys, sown, grads):
         assert y.shape == X.shape and y.dtype == cfg.get("dtype", jnp.float32), cfg
@@ -304,6 +334,11 @@ def test_every_router_score_order_and_dispatch_runs():
     (dict(top_k=1), "gets no gradient"),
     (dict(router="expert_choice", balance="bias"), "balance='bias' does nothing"),
     (dict(router_jitter=1.0), "router_jitter=1.0 must be in"),
+    (dict(scoring="sigmoid", score_order="topk_then_softmax"), "sigmoid scoring chooses on its scores"),
+    (dict(num_groups=3), "num_groups=3 must divide num_experts=4"),
+    (dict(num_groups=2, top_groups=3), "top_groups=3 must be between 1 and num_groups"),
+    (dict(num_groups=4, top_groups=1), "num_groups=4 limits each token's top_k=2 experts to its top_groups=1 groups"),
+    (dict(router="expert_choice", num_groups=2), "(token choice only)"),
 ])
 def test_bad_configs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):

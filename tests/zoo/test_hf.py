@@ -8,7 +8,6 @@ the file and the tensor or field.
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -19,10 +18,10 @@ from flax import nnx
 
 import infer
 import zoo.hf
-from tests.util import decode_in_pieces, forward
+from tests.util import HF_FIXTURES as FIXTURES
+from tests.util import decode_in_pieces, forward, hf_fixture
 from zoo import safetensors
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
 PROMPTS = ["From fairest creatures", "thy sweet self"]  # as make_fixtures.py
 
@@ -62,18 +61,36 @@ def test_dynamic_rope_is_loaded_within_its_context_and_refused_past_it():
         infer.generate(model, [[1, 2, 3]], max_new_tokens=297)
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2_moe", "qwen3_moe", "mamba2", "fla_gla", "fla_rwkv7"])
-def test_save_then_load_is_the_identity(case, tmp_path):
+# case: the config.json fields save writes where they differ from the fixture's (or which the case is about)
+IDENTITY = {
+    "llama": {}, "qwen2": {}, "qwen2_moe": {}, "qwen3_moe": {}, "mamba2": {}, "fla_gla": {}, "fla_rwkv7": {},
+    "jamba": {},  # the layer and FFN patterns written back as attn/expert layer periods
+    "nemotron_h": {"hybrid_override_pattern": "M-*-MM-*"},  # the zoo blocks written back as the pattern's layers
+    "lfm2": {"intermediate_size": 96, "block_auto_adjust_ff_dim": False},  # the MLP width as it is, not re-derived
+    "deepseek_v3": {},  # MLA with a query latent, the dense-then-MoE FFNs, the correction bias
+    "deepseek_v3_q_proj": {},  # MLA with q_proj (no query latent)
+    "kimi_linear": {},  # KDA and MLA layers, the correction bias
+}
+
+
+@pytest.mark.parametrize("case, written", IDENTITY.items(), ids=list(IDENTITY))
+def test_save_then_load_is_the_identity(case, written, tmp_path):
+    """save(load(folder)) writes the folder's tensors bit for bit, and loading that gives the same config,
+    tokenizer and whole state: the parameters and any other variable, such as an MoE's RouterBias (DeepSeek-V3's
+    and Kimi Linear's correction bias)."""
     model, tok = zoo.hf.load(FIXTURES / case)
     zoo.hf.save(model, tmp_path, tok)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert {k: saved.get(k) for k in written} == written
     ours, theirs = (safetensors.SafetensorsFile(d / "model.safetensors") for d in (tmp_path, FIXTURES / case))
     assert sorted(ours.keys()) == sorted(theirs.keys())
     for name in theirs.keys():
         np.testing.assert_array_equal(ours.get(name), theirs.get(name), err_msg=name)
     again, tok2 = zoo.hf.load(tmp_path)
     assert again.cfg == model.cfg and tok2.eos_id == tok.eos_id
-    leaves = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
-    assert all(np.array_equal(a, b) for a, b in zip(leaves(model), leaves(again), strict=True))
+    state = lambda m: nnx.to_flat_state(nnx.state(m))
+    for (path, a), (path2, b) in zip(state(model), state(again), strict=True):
+        assert path == path2 and type(a) is type(b) and np.array_equal(a[...], b[...]), path
 
 
 def test_bfloat16_load_stays_close():
@@ -84,20 +101,8 @@ def test_bfloat16_load_stays_close():
     assert np.abs(logits - expected["logits"]).max() < 0.25
 
 
-def _copy(tmp_path, case="llama"):
-    shutil.copytree(FIXTURES / case, tmp_path / case)
-    return tmp_path / case
-
-
-def _edit_config(folder, **changes):
-    """Set config.json fields; a None removes the field."""
-    f = folder / "config.json"
-    edited = {**json.loads(f.read_text()), **changes}
-    f.write_text(json.dumps({k: v for k, v in edited.items() if v is not None}))
-
-
 def test_broken_folders_name_what_is_wrong(tmp_path):
-    folder = _copy(tmp_path)
+    folder = hf_fixture(tmp_path, "llama")
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[:-100])  # truncated
@@ -130,10 +135,8 @@ def test_broken_folders_name_what_is_wrong(tmp_path):
     ("fla_gla", dict(num_kv_heads=1), "num_kv_heads=1 is not supported"),
 ])
 def test_unsupported_configs_are_refused_naming_the_field(tmp_path, case, changes, message):
-    folder = _copy(tmp_path, case)
-    _edit_config(folder, **changes)
     with pytest.raises(ValueError, match=message):
-        zoo.hf.load(folder)
+        zoo.hf.load(hf_fixture(tmp_path, case, **changes))
 
 
 @pytest.mark.parametrize("config,overrides,message", [
@@ -142,6 +145,7 @@ def test_unsupported_configs_are_refused_naming_the_field(tmp_path, case, change
     ("transformer", ["model.norm=layer"], "LayerNorm blocks .* only in fla's RWKV-7 layout"),
     ("diff_attention", [], "output_gate, differential and rope_fraction have no architecture"),
     ("mhc", [], "model.residual other than standard"),
+    ("moe", ["model.ffn.scoring=sigmoid"], "an MoE saves as Mixtral .* only with .* softmax scoring"),
 ])
 def test_save_refuses_what_has_no_hugging_face_form(tmp_path, config, overrides, message):
     cfg = zoo.load_config(f"configs/{config}.yaml", ["model.num_layers=1", "model.d_model=32", *overrides])
@@ -221,7 +225,7 @@ def test_load_places_each_tensor_on_the_mesh(tmp_path):
 
 
 def test_a_sharded_checkpoint_loads_like_one_file(tmp_path):
-    folder = _copy(tmp_path)
+    folder = hf_fixture(tmp_path, "llama")
     f = safetensors.SafetensorsFile(folder / "model.safetensors")
     names = sorted(f.keys())
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
@@ -241,10 +245,24 @@ def test_a_sharded_checkpoint_loads_like_one_file(tmp_path):
         zoo.hf.load(folder)
 
 
-@pytest.mark.parametrize("case", ["mamba", "qwen3"])
-def test_prefill_then_decode_equals_the_full_pass(case):
-    """ffn: none (Mamba's blocks) and qk_norm take the decode path too."""
+# case: where decoding cuts the fixture's ids (None: a prefill of 10, then one token at a time)
+DECODE = {
+    "mamba": None,  # ffn: none (Mamba's blocks)
+    "qwen3": None,  # qk_norm
+    "jamba": None,  # Mamba's state and convolution window beside attention's cache, the MoE
+    "nemotron_h": None,  # Mamba-2's state and convolution window beside attention's cache
+    "lfm2": [5, 6, 7, 12, 13],  # both mixers: the conv window and the KV cache with qk_norm and rotary
+    "deepseek_v3": None,  # the absorbed latent-cache decode with yarn and the MoE's routing
+    "kimi_linear": None,  # KDA's recurrent state and convolution windows and MLA's latent cache
+    # the DeltaNet states and convolution windows, and the gated attention's cache, from a prefill of 12 to the
+    # next 12 (one shape: one compile; the greedy tokens above, equal to transformers', come from single steps)
+    "qwen3_next": [12],
+}
+
+
+@pytest.mark.parametrize("case, cuts", DECODE.items(), ids=list(DECODE))
+def test_prefill_then_decode_equals_the_full_pass(case, cuts):
     ids = jnp.asarray(np.load(FIXTURES / case / "expected.npz")["ids"], jnp.int32)
     model, _ = zoo.hf.load(FIXTURES / case)
-    steps, _ = decode_in_pieces(model, ids, cuts=list(range(10, ids.shape[1])))  # prefill 10, then one at a time
+    steps, _ = decode_in_pieces(model, ids, cuts=cuts or list(range(10, ids.shape[1])))
     np.testing.assert_allclose(steps, forward(model, ids), atol=2e-4)

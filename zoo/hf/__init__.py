@@ -17,7 +17,21 @@ Architectures (config.json `architectures`), with the zoo options each needs:
 - GLAForCausalLM and RWKV7ForCausalLM in the layout of flash-linear-attention's model hub
   (fla-hub/gla-*, fla-hub/rwkv7-*): GLA mixer (its short convolutions when use_short_conv) and SwiGLU
   MLP blocks; RWKV-7 time and channel mix in LayerNorm blocks (model.norm: layer, embed_norm for the
-  first block's pre_norm), as fla's blocks compute them.
+  first block's pre_norm), as fla's blocks compute them;
+- Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM (text; qwen3_next.py): gated_deltanet
+  (num_v_heads) and gated attention (output_gate channel, qk_norm, rope_fraction) layers by layer_types, with
+  Qwen3-Next's MoE and its gated shared expert (Qwen3.5: an MLP, or the MoE always renormalised);
+  zero-centred RMSNorm weights read as 1 + w; mtp.* skipped;
+- DeepseekV3ForCausalLM (deepseek.py): MLA blocks, dense-then-MoE FFNs (model.ffn_pattern; sigmoid
+  group-limited routing with the correction bias as the MoE's RouterBias, routed scale, ungated shared
+  experts), yarn with DeepSeek's softmax mscale; KimiLinearForCausalLM (kimi_linear.py): KDA and NoPE MLA
+  layers with the same MoE;
+- JambaForCausalLM (jamba.py): mamba (inner_norms) and attention (rope_fraction 0) layers by
+  attn_layer_period / offset, SwiGLU MLP or MoE (softmax top-k, not renormalised) by expert_layer_period /
+  offset; NemotronHForCausalLM (nemotron_h.py): hybrid_override_pattern's "M" (mamba2) and "*" (attention
+  without positions) layers, each with the "-" layer after it (relu2 MLP) as one zoo block, or ffn none;
+- Lfm2ForCausalLM (lfm2.py): gated_conv and attention (qk_norm) layers by layer_types, SwiGLU MLPs of the
+  width transformers derives.
 Anything else is refused naming the architecture and this list, and a config.json setting the zoo
 cannot honour (a rope type, a bias, an activation) is refused naming the field.
 
@@ -28,14 +42,15 @@ loaded attention sees every earlier token (long_context: full), as transformers 
 
 `save` writes the same layout back from any zoo model made only of these pieces (attention mixers
 with MLP or MoE FFNs; mamba or mamba2 mixers with ffn none; gla with an MLP; rwkv7 with its channel
-mix), choosing the architecture from its options; transformers (fla for GLA, RWKV-7) reads it with
-the same logits (checked by the fixture scripts). The loaded model is in eval mode (model.train()
-before fine-tuning).
+mix; the hybrids' layer and FFN patterns above), choosing the architecture from its options;
+transformers (fla for GLA, RWKV-7) reads it with the same logits (checked by the fixture scripts). The
+loaded model is in eval mode (model.train() before fine-tuning).
 
 Layout: folder.py reads and writes a folder whatever its architecture; architectures.py picks the
-module of each architecture (llama.py: the Llama-style and MoE families, mamba.py, gla.py, rwkv7.py),
-which knows its config.json fields, its tensor names and the config.json it saves; convert.py holds
-what those modules share.
+module of each architecture (llama.py: the Llama-style and MoE families, mamba.py, gla.py, rwkv7.py,
+and the hybrids' qwen3_next.py, deepseek.py, kimi_linear.py, jamba.py, nemotron_h.py, lfm2.py), which
+knows its config.json fields, its tensor names and the config.json it saves; convert.py holds what
+those modules share.
 """
 
 from zoo.hf.architectures import ARCHITECTURES, architecture, hf_config, model_config

@@ -2,9 +2,9 @@
 zoo config of a config.json, the tensor table of a model, and the config.json a model saves as."""
 
 from zoo.config import ModelConfig, build_model
-from zoo.hf import gla, llama, mamba, rwkv7
+from zoo.hf import deepseek, gla, jamba, kimi_linear, lfm2, llama, mamba, nemotron_h, qwen3_next, rwkv7
 
-MODULES = (llama, mamba, gla, rwkv7)
+MODULES = (llama, mamba, gla, rwkv7, lfm2, jamba, qwen3_next, nemotron_h, deepseek, kimi_linear)
 ARCHITECTURES = {arch: family for module in MODULES for arch, family in module.ARCHITECTURES.items()}
 MODULE_OF = {arch: module for module in MODULES for arch in module.ARCHITECTURES}
 
@@ -31,6 +31,12 @@ def tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
     return MODULE_OF[arch].tensors(cfg, arch)
 
 
+def ignored(arch: str) -> tuple[str, ...]:
+    """Name prefixes of checkpoint tensors the architecture's model has no use for, as transformers skips
+    them too (Qwen3-Next's multi-token-prediction head, mtp.*)."""
+    return getattr(MODULE_OF[arch], "IGNORED_PREFIXES", ())
+
+
 def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     """The config.json of a zoo model `save` can write; a ValueError naming what it cannot."""
     m, f = cfg.mixer, cfg.ffn
@@ -38,9 +44,23 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     if cfg.exits is not None or cfg.head != "lm" or cfg.residual.kind != "standard":
         raise ValueError("zoo.hf.save: early exits, model.head other than lm and model.residual other than standard "
                          "have no transformers equivalent")
-    if (cfg.norm, cfg.embed_norm) != ("rms", False) and m.KIND != "rwkv7":
+    if (cfg.norm, cfg.embed_norm) != ("rms", False) and getattr(m, "KIND", None) != "rwkv7":
         raise ValueError("zoo.hf.save: LayerNorm blocks (model.norm: layer) and model.embed_norm have a Hugging Face "
                          "form only in fla's RWKV-7 layout")
+    kinds = {x.KIND for x in cfg.mixers()}
+    if kinds == {"mla"}:
+        return deepseek.hf_config(cfg, param_shapes)
+    if "kda" in kinds:
+        return kimi_linear.hf_config(cfg, param_shapes)
+    if "gated_conv" in kinds and kinds <= {"gated_conv", "attention"}:
+        return lfm2.hf_config(cfg, param_shapes)
+    if "gated_deltanet" in kinds or any(x.KIND == "attention" and x.output_gate == "channel" for x in cfg.mixers()):
+        return qwen3_next.hf_config(cfg, param_shapes)  # Gated DeltaNet and / or gated attention
+    if "mamba" in kinds and (not uniform or f.KIND != "none" or m.inner_norms):  # Jamba's layers, or its mamba
+        return jamba.hf_config(cfg, param_shapes)
+    if "mamba2" in kinds and not (uniform and f.KIND == "none") or any(  # Nemotron-H's layers, or its MLP
+            getattr(x, "activation", None) == "relu2" for x in cfg.ffns()):
+        return nemotron_h.hf_config(cfg, param_shapes)
     if uniform and m.KIND in ("mamba", "mamba2") and f.KIND == "none":
         return mamba.hf_config(cfg, param_shapes)
     if uniform and m.KIND == "gla" and f.KIND == "mlp":
@@ -49,7 +69,8 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
         return rwkv7.hf_config(cfg, param_shapes)
     if not uniform or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
         raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, mamba / mamba2 mixers with ffn "
-                         "none, gla with mlp or rwkv7 with its channel mix (fla's layouts) have a Hugging Face "
-                         "architecture; this model has mixers "
+                         "none, gla with mlp, rwkv7 with its channel mix (fla's layouts), gated_conv with attention "
+                         "and mlp (LFM2), mamba with attention (Jamba) or mamba2 with attention and relu2 mlp "
+                         "(Nemotron-H) have a Hugging Face architecture; this model has mixers "
                          f"{sorted({x.KIND for x in cfg.mixers()})} and ffns {sorted({x.KIND for x in cfg.ffns()})}")
     return llama.hf_config(cfg, param_shapes)

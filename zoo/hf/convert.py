@@ -3,7 +3,9 @@ and the zoo's parameters, and reading and refusing config.json values.
 
 A tensor table (each family's `tensors`) is a list of rows (zoo parameter path, checkpoint names,
 names' arrays -> the zoo array, zoo array -> the arrays); `one`, `same`, `linear` and `conv` make the
-last two for a parameter that is one checkpoint tensor.
+last two for a parameter that is one checkpoint tensor. Where checkpoint tensors fuse several zoo
+parameters (Qwen3-Next's in_proj_qkvz), a row's path is a list of paths, names' arrays -> one array
+per path, and the arrays of the paths (as arguments) -> the checkpoint's.
 """
 
 one = lambda to, back: (lambda a: to(a[0]), lambda w: [back(w)])  # one checkpoint tensor <-> one parameter

@@ -11,7 +11,7 @@ from flax import nnx
 
 from zoo import safetensors
 from zoo.config import ModelConfig
-from zoo.hf.architectures import architecture, hf_config, model_config, tensors
+from zoo.hf.architectures import architecture, hf_config, ignored, model_config, tensors
 from zoo.model import DTYPES, LanguageModel
 from zoo.schema import to_dict
 from zoo.sharding import state_shardings
@@ -46,19 +46,36 @@ def _open_checkpoint(folder: Path) -> dict[str, safetensors.SafetensorsFile]:
     return {name: f for name in f.keys()}
 
 
+def _variables(cfg: ModelConfig, arch: str) -> set[tuple]:
+    """The paths of the model's variables that the checkpoint holds (the tensor table's)."""
+    return {p for row in tensors(cfg, arch) for p in (row[0] if isinstance(row[0], list) else [row[0]])}
+
+
+def stored(cfg: ModelConfig, arch: str):
+    """An nnx filter of what a checkpoint holds: the parameters, and the state the tensor table names
+    besides them (an MoE's RouterBias: DeepSeek-V3's e_score_correction_bias)."""
+    named = _variables(cfg, arch)
+    return nnx.Any(nnx.Param, lambda path, _: tuple(path) in named)
+
+
 def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
-    """`params` (an nnx.State of the model `cfg` makes, abstract or not) with every value read from the
-    checkpoint in folder `path`, one tensor at a time, cast to `dtype` (default: each parameter's own)
-    and placed with `shardings` (an nnx.State of NamedShardings like params) when given."""
+    """`params` (an nnx.State of the model `cfg` makes, abstract or not, holding what `stored` picks) with
+    every value read from the checkpoint in folder `path`, one tensor at a time, cast to `dtype` (default:
+    each parameter's own) and placed with `shardings` (an nnx.State of NamedShardings like params) when given."""
     folder = Path(path)
     arch = architecture(read_config(folder), str(folder / "config.json"))
     checkpoint = _open_checkpoint(folder)
     flat = dict(nnx.to_flat_state(params))
+    lacking = sorted(_variables(cfg, arch) - set(flat), key=str)
+    if lacking:
+        raise ValueError(f"{folder}: {arch} holds the model's {'.'.join(map(str, lacking[0]))}, which the state to "
+                         "fill lacks (zoo.hf.folder.stored picks the variables a checkpoint holds)")
     placed = {p: v.get_value() if isinstance(v, nnx.Variable) else v
               for p, v in (nnx.to_flat_state(shardings) if shardings is not None else ())}
     used = set()
     for zpath, names, to_zoo, to_hf in tensors(cfg, arch):
-        expected = [a.shape for a in to_hf(np.empty(flat[zpath].shape, np.float32))]  # no memory is touched
+        zpaths = zpath if isinstance(zpath, list) else [zpath]  # a list: parameters that share fused tensors
+        expected = [a.shape for a in to_hf(*(np.empty(flat[p].shape, np.float32) for p in zpaths))]  # untouched
         arrays = []
         for name, shape in zip(names, expected):
             if name not in checkpoint:
@@ -70,9 +87,11 @@ def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
                                  f"{shape}")
             arrays.append(checkpoint[name].get(name))
         used.update(names)
-        value = np.asarray(to_zoo(arrays)).astype(DTYPES[dtype] if dtype else flat[zpath].dtype, copy=False)
-        flat[zpath].set_value(jax.device_put(value, placed.get(zpath), may_alias=False))  # copied: the file stays free
-    extra = sorted(n for n in checkpoint if n not in used and not n.endswith(IGNORED_TENSORS))
+        for p, value in zip(zpaths, to_zoo(arrays) if isinstance(zpath, list) else [to_zoo(arrays)], strict=True):
+            value = np.asarray(value).astype(DTYPES[dtype] if dtype else flat[p].dtype, copy=False)
+            flat[p].set_value(jax.device_put(value, placed.get(p), may_alias=False))  # copied: the file stays free
+    extra = sorted(n for n in checkpoint
+                   if n not in used and not n.endswith(IGNORED_TENSORS) and not n.startswith(ignored(arch)))
     if extra:
         raise ValueError(f"{folder}: the checkpoint holds tensors {arch} with this config.json has no place for: "
                          f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
@@ -83,11 +102,13 @@ def load(path, *, dtype: str = "float32", mesh=None) -> tuple[LanguageModel, HFT
     """(model, tokenizer) from a local Hugging Face model folder; tokenizer None without tokenizer.json.
     Parameters are stored in `dtype` (float32 or bfloat16), which is also the compute dtype."""
     folder = Path(path)
-    cfg = model_config(read_config(folder), dtype, str(folder / "config.json"))
+    hf, where = read_config(folder), str(folder / "config.json")
+    cfg = model_config(hf, dtype, where)
     build = lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))
     abstract = nnx.eval_shape(build)
-    graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
-    rest = jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)))()  # the weights are dead code: never made
+    checkpointed = stored(cfg, architecture(hf, where))
+    graphdef, params, _ = nnx.split(abstract, checkpointed, ...)
+    rest = jax.jit(lambda: nnx.state(build(), nnx.Not(checkpointed)))()  # the weights are dead code: never made
     shardings = state_shardings(abstract, mesh)[0] if mesh is not None else None
     model = nnx.merge(graphdef, read_params(folder, cfg, params, shardings, dtype), rest)
     model.eval()
@@ -97,15 +118,23 @@ def load(path, *, dtype: str = "float32", mesh=None) -> tuple[LanguageModel, HFT
 
 def derived_model_section(model: dict) -> dict:
     """The `model` section of a run with model.init_from=FOLDER: config.json's model, with the
-    section's own keys on top (mixer and ffn key by key)."""
+    section's own keys on top (mixer and ffn key by key; a layer_pattern or ffn_pattern whole)."""
     folder = Path(model["init_from"])
     derived = to_dict(model_config(read_config(folder), model.get("dtype", "float32"), str(folder / "config.json")))
     out = {**derived, **{k: v for k, v in model.items() if k not in ("mixer", "ffn")}}
-    for key in ("mixer", "ffn"):
+    for key, pattern in (("mixer", "layer_pattern"), ("ffn", "ffn_pattern")):
         own = model.get(key) or {}
+        if model.get(pattern) is not None:  # the section's own list replaces config.json's one config
+            out[key] = None
+            continue
         if not isinstance(own, dict):
             raise ValueError(f"model.{key}: expected a mapping of keys to set on {folder / 'config.json'}'s, got "
                              f"{type(own).__name__} {own!r}")
+        if derived[key] is None:  # config.json's model has one per layer
+            if own:
+                raise ValueError(f"model.{key}: {folder / 'config.json'}'s model has a {pattern}, one {key} per layer; "
+                                 f"give model.{pattern} (the whole list) to change it")
+            continue
         out[key] = {**derived[key], **own}
     return out
 
@@ -113,13 +142,14 @@ def derived_model_section(model: dict) -> dict:
 def save(model: LanguageModel, path, tokenizer: HFTokenizer | None = None):
     """Write `model` as a Hugging Face folder (config.json, model.safetensors in float32, and the
     tokenizer's tokenizer.json when given) that `load` and transformers read with the same logits."""
-    flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model))}  # parameters and state (a router's bias)
     config = hf_config(model.cfg, {p: v.shape for p, v in flat.items()})
     arch = config["architectures"][0]
     out = {}
     for zpath, names, _, to_hf in tensors(model.cfg, arch):
-        value = np.asarray(jax.device_get(flat[zpath][...]), np.float32)
-        out.update(zip(names, (np.ascontiguousarray(a) for a in to_hf(value))))
+        zpaths = zpath if isinstance(zpath, list) else [zpath]
+        values = [np.asarray(jax.device_get(flat[p][...]), np.float32) for p in zpaths]
+        out.update(zip(names, (np.ascontiguousarray(a) for a in to_hf(*values))))
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     safetensors.write(folder / "model.safetensors", out, {"format": "pt"})

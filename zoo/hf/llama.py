@@ -23,14 +23,22 @@ ROPE_KEYS = {  # what each rope type reads (layers/rotary.py)
              "mscale_all_dim", "truncate")}
 
 
-def rope(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
+def rope_fraction(hf: dict, default: float = 1.0) -> float:
+    """partial_rotary_factor (transformers 5: in rope_parameters): the share of each head's dims the rotary
+    turns; `default` where config.json has none (the family's config class's default)."""
+    p = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    return float(p.get("partial_rotary_factor", hf.get("partial_rotary_factor", default)))
+
+
+def rope(hf: dict, where: str, partial: bool = False) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from config.json: the rope_theta / rope_scaling keys of transformers 4
-    or the rope_parameters of transformers 5."""
+    or the rope_parameters of transformers 5; a partial_rotary_factor other than 1 is refused unless
+    `partial` (the caller reads it with rope_fraction)."""
     p = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     base = float(p.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"{where}: partial_rotary_factor={p.get('partial_rotary_factor')} is not supported (rotary on "
-                         "the whole head only)")
+    if not partial and rope_fraction(hf) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor={rope_fraction(hf)} is not supported (rotary on the whole "
+                         "head only)")
     kind = p.get("rope_type", p.get("type", "default"))
     if kind == "default":
         return base, None
@@ -60,19 +68,25 @@ def model_section(hf: dict, arch: str, where: str) -> dict:
              "norm_eps": hf.get("rms_norm_eps", 1e-6)}
     if scaling is not None:
         mixer["rope_scaling"] = to_dict(scaling)
-    if arch in MOE:
-        experts = hf.get("num_local_experts") or hf["num_experts"]
-        ffn = {"kind": "moe", "num_experts": experts, "top_k": hf["num_experts_per_tok"],
-               "hidden_dim": hf["intermediate_size"] if family == "mixtral" else hf["moe_intermediate_size"],
-               "renormalize": bool(hf.get("norm_topk_prob", family != "qwen2_moe")), "dispatch": "dropless",
-               "balance_loss_weight": hf.get("router_aux_loss_coef", 0.01)}
-        if family == "qwen2_moe":
-            ffn.update(num_shared_experts=1, shared_hidden_dim=hf["shared_expert_intermediate_size"], shared_gate=True)
-    else:
-        ffn = {"kind": "mlp", "hidden_dim": hf["intermediate_size"]}
+    ffn = moe_section(hf, family, shared=family == "qwen2_moe") if arch in MOE else \
+        {"kind": "mlp", "hidden_dim": hf["intermediate_size"]}
     return {"vocab_size": hf["vocab_size"], "d_model": D, "num_layers": hf["num_hidden_layers"],
             "max_seq_len": hf.get("max_position_embeddings"), "mixer": mixer, "ffn": ffn,
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "norm_eps": hf.get("rms_norm_eps", 1e-6)}
+
+
+def moe_section(hf: dict, family: str, shared: bool) -> dict:
+    """The MoE FFN of a Mixtral, Qwen2-MoE, Qwen3-MoE or Qwen3-Next / Qwen3.5-MoE (zoo/hf/qwen3_next.py)
+    config.json: softmax top-k, renormalised where norm_topk_prob says (by default but for Qwen2-MoE),
+    dropless; `shared`: the gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)."""
+    experts = hf.get("num_local_experts") or hf["num_experts"]
+    ffn = {"kind": "moe", "num_experts": experts, "top_k": hf["num_experts_per_tok"],
+           "hidden_dim": hf["intermediate_size"] if family == "mixtral" else hf["moe_intermediate_size"],
+           "renormalize": bool(hf.get("norm_topk_prob", family != "qwen2_moe")), "dispatch": "dropless",
+           "balance_loss_weight": hf.get("router_aux_loss_coef", 0.01)}
+    if shared:
+        ffn.update(num_shared_experts=1, shared_hidden_dim=hf["shared_expert_intermediate_size"], shared_gate=True)
+    return ffn
 
 
 def tensors(cfg, arch: str) -> list[tuple]:
@@ -82,7 +96,6 @@ def tensors(cfg, arch: str) -> list[tuple]:
     K = m.head_dim or D // H
     heads = lambda n: one(lambda a: a.T.reshape(D, n, K), lambda w: w.reshape(D, n * K).T)
     bias = lambda n: one(lambda a: a.reshape(n, K), lambda w: w.reshape(n * K))
-    stacked = lambda E: (lambda a: np.stack([x.T for x in a]), lambda w: [x.T for x in w])  # E x (out, in)
     rows = [(("embed", "embedding"), ["model.embed_tokens.weight"], *same),
             (("norm", "weight"), ["model.norm.weight"], *same)]
     if not cfg.tie_embeddings:
@@ -102,21 +115,36 @@ def tensors(cfg, arch: str) -> list[tuple]:
                      for n, c in (("q", H), ("k", G), ("v", G))]
         if m.qk_norm:
             rows += [(z + ("mixer", f"{n}_norm", "weight"), [att + f"{n}_norm.weight"], *same) for n in "qk"]
-        if f.KIND == "mlp":
-            rows += [(z + ("ffn", w), [p + f"mlp.{n}_proj.weight"], *linear)
-                     for w, n in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))]
-            continue
-        E = f.num_experts
-        if ARCHITECTURES[arch] == "mixtral":
-            moe, names = p + "block_sparse_moe.", (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))
-        else:
-            moe, names = p + "mlp.", (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
-        rows.append((z + ("ffn", "w_router"), [moe + "gate.weight"], *linear))
-        rows += [(z + ("ffn", w), [f"{moe}experts.{e}.{n}.weight" for e in range(E)], *stacked(E)) for w, n in names]
-        if f.num_shared_experts:  # Qwen2-MoE's gated shared expert
-            rows += [(z + ("ffn", "shared", w), [f"{moe}shared_expert.{n}.weight"], *linear) for w, n in names]
-            rows.append((z + ("ffn", "w_shared_gate"), [moe + "shared_expert_gate.weight"], *linear))
+        rows += ffn_rows(f, ARCHITECTURES[arch], z, p)
     return rows
+
+
+def ffn_rows(f, family: str, z: tuple, p: str) -> list[tuple]:
+    """The rows of block z's FFN f, under checkpoint prefix p (model.layers.{i}.): an MLP, or an MoE's
+    router and experts (Mixtral's names or the Qwen families') and Qwen2-MoE's / Qwen3-Next's gated
+    shared expert."""
+    if f.KIND == "mlp":
+        return [(z + ("ffn", w), [p + f"mlp.{n}_proj.weight"], *linear)
+                for w, n in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))]
+    E = f.num_experts
+    stacked = (lambda a: np.stack([x.T for x in a]), lambda w: [x.T for x in w])  # E x (out, in)
+    if family == "mixtral":
+        moe, names = p + "block_sparse_moe.", (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))
+    else:
+        moe, names = p + "mlp.", (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+    rows = [(z + ("ffn", "w_router"), [moe + "gate.weight"], *linear)]
+    rows += [(z + ("ffn", w), [f"{moe}experts.{e}.{n}.weight" for e in range(E)], *stacked) for w, n in names]
+    if f.num_shared_experts:  # the gated shared expert
+        rows += [(z + ("ffn", "shared", w), [f"{moe}shared_expert.{n}.weight"], *linear) for w, n in names]
+        rows.append((z + ("ffn", "w_shared_gate"), [moe + "shared_expert_gate.weight"], *linear))
+    return rows
+
+
+def softmax_router(f) -> bool:
+    """Whether the MoE config `f` routes as Mixtral's and the Qwen MoEs' routers: top-k of the softmax scores
+    over every expert, without DeepSeek-V3's sigmoid scores, expert groups, routed scale or correction bias."""
+    return (f.router == "topk" and f.score_order == "softmax_then_topk" and f.scoring == "softmax"
+            and f.num_groups == 1 and f.routed_scale == 1 and f.balance != "bias")
 
 
 def hf_config(cfg, param_shapes: dict) -> dict:
@@ -124,10 +152,11 @@ def hf_config(cfg, param_shapes: dict) -> dict:
     from its options."""
     m, f = cfg.mixer, cfg.ffn
     shared = f.KIND == "moe" and f.num_shared_experts
-    if f.KIND == "moe" and (f.router != "topk" or f.score_order != "softmax_then_topk" or shared and (
+    if f.KIND == "moe" and (not softmax_router(f) or shared and (
             f.num_shared_experts != 1 or not f.shared_gate or m.qk_norm)):
         raise ValueError("zoo.hf.save: an MoE saves as Mixtral / Qwen2-MoE / Qwen3-MoE only with router topk, "
-                         "score_order softmax_then_topk and, for Qwen2-MoE, one gated shared expert")
+                         "score_order softmax_then_topk, softmax scoring, one group, routed_scale 1, no router bias "
+                         "(balance bias) and, for Qwen2-MoE, one gated shared expert")
     if m.sinks or m.dilation != 1 or m.head_masks is not None:
         raise ValueError("zoo.hf.save: attention sinks, dilation and head_masks have no Hugging Face architecture")
     if m.output_gate or m.differential or m.rope_fraction != 1:

@@ -1,0 +1,57 @@
+"""zoo.hf on Nemotron-H (tests/fixtures/hf/nemotron_h, made by make_fixtures.py; its logits and greedy
+tokens are checked with every fixture in test_hf.py, as are save (which writes hybrid_override_pattern) then load
+and decoding): the pattern's layers as zoo blocks, and what load and save refuse, by name."""
+
+import pytest
+
+import zoo.hf
+from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture
+
+FOLDER = HF_FIXTURES / "nemotron_h"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return zoo.hf.load(FOLDER)
+
+
+def test_each_mixer_layer_and_its_mlp_layer_are_one_block(loaded):
+    """M-*-MM-* (8 layers): 5 blocks, an MLP where a "-" follows the mixer."""
+    cfg = loaded[0].cfg
+    assert [m.KIND for m in cfg.mixers()] == ["mamba2", "attention", "mamba2", "mamba2", "attention"]
+    assert [f.KIND for f in cfg.ffns()] == ["mlp", "mlp", "none", "mlp", "none"]
+    mamba2, attention, mlp = cfg.mixers()[0], cfg.mixers()[1], cfg.ffns()[0]
+    assert (mamba2.expand, mamba2.head_dim, mamba2.num_groups, mamba2.norm_before_gate) == (2, 8, 2, False)
+    assert (attention.rope_fraction, attention.num_kv_heads, attention.head_dim) == (0, 2, 16)
+    assert (mlp.activation, mlp.hidden_dim) == ("relu2", 64)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(hybrid_override_pattern="M-*E"), r"hybrid_override_pattern='M-\*E' has MoE layers"),
+    (dict(layers_block_type=["linear_attention", "moe"]), r"layers_block_type \(pattern 'ME'\) has MoE layers"),
+    (dict(hybrid_override_pattern="-M*"), "the MLP layer 0 follows no mixer layer"),
+    (dict(hybrid_override_pattern="M--*"), "the MLP layer 2 follows no mixer layer"),
+    (dict(mlp_hidden_act="silu"), "mlp_hidden_act='silu' is not supported"),
+    (dict(use_bias=True), "use_bias=True is not supported"),
+    (dict(time_step_limit=[0.0, 0.1]), r"time_step_limit=\[0.0, 0.1\] is not supported"),
+    (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers=1 is not supported"),
+    (dict(mamba_head_dim=6), "mamba_num_heads x mamba_head_dim = 48 is not a multiple of hidden_size=32"),
+], ids=["moe", "moe_list", "mlp_first", "mlp_twice", "silu", "bias", "dt_limit", "mtp", "width"])
+def test_unsupported_configs_are_refused_naming_the_field(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        zoo.hf.load(hf_fixture(tmp_path, "nemotron_h", **changes))
+
+
+def _set(part: str, i: int, **changes):
+    return lambda s: s[part][i].update(changes)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set("ffn_pattern", 0, activation="swiglu"), "layer 0 ffn.activation='swiglu' has no place in NemotronH"),
+    (_set("layer_pattern", 2, norm_before_gate=True), "layer 2 mixer.norm_before_gate=True has no place"),
+    (_set("layer_pattern", 1, rope_fraction=1.0), "layer 1 mixer.rope_fraction=1.0 has no place"),
+    (lambda s: s["ffn_pattern"].__setitem__(1, {"kind": "moe", "num_experts": 4, "top_k": 2}),
+     "Nemotron-H's blocks are mamba2 or attention mixers"),
+], ids=["swiglu", "norm_before_gate", "rotary", "moe"])
+def test_save_refuses_what_nemotron_h_cannot_hold(loaded, tmp_path, edit, message):
+    assert_save_refuses(edited_config(loaded[0].cfg, edit), message, tmp_path)
