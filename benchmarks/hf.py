@@ -12,7 +12,7 @@ greedy-decode `new_tokens` tokens after a 32-token prompt, the zoo through infer
 jitted loop, compile excluded by a warm-up run) and transformers through model.generate (its KV
 cache, do_sample=False), each figure the best of `repeats` alternating runs. --model qwen3_next: Gated
 DeltaNet and gated attention 3:1 over 8 layers of width 512, an MoE of 16 experts of 256 (top 2) with a
-gated shared expert of 512 per layer, vocabulary 32768, untied (104M parameters; transformers runs its
+gated shared expert of 512 per layer, vocabulary 32768, untied (98.5M parameters; transformers runs its
 torch forms of the delta rule on a CPU).
 """
 
