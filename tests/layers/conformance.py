@@ -29,8 +29,8 @@ A layer keeps `impl` (and, where it has modes, `mode`) as attributes read at cal
 parameters runs in every mode. A layer with `carries_v_first` (RWKV-7 after layer 0) gets a v_first
 input treated like x. All outputs come from two jitted functions, the full passes (with the gradients,
 whose forward passes give those modes' outputs) and decoding: compiles dominate the suite, and XLA
-compiles the two halves in less time than the whole (the protocol over every kind: 82 CPU-s instead of
-101, 2026-12-07, with the shared forward passes and the batched calls below).
+compiles the two halves in less time than the whole (tests/layers/test_conformance.py: 100 CPU-s instead
+of 113, the lower of two runs each, 2026-12-07, with the shared forward passes and the batched calls below).
 """
 
 import dataclasses
