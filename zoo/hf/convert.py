@@ -25,13 +25,18 @@ def refuse(hf: dict, where: str, **bad):
             raise ValueError(f"{where}: {key}={hf.get(key)!r} is not supported by the zoo's layers")
 
 
-def fla_model_tensors(cfg) -> list[tuple]:
-    """The rows outside the blocks in flash-linear-attention's layout (GLA, RWKV-7): embeddings, final
-    norm (with its bias for LayerNorm), head."""
-    rows = [(("embed", "embedding"), ["model.embeddings.weight"], *same),
-            (("norm", "weight"), ["model.norm.weight"], *same)]
-    if cfg.norm == "layer":
-        rows.append((("norm", "bias"), ["model.norm.bias"], *same))
+def outer_rows(cfg, embed: str = "model.embed_tokens.weight", norm: str = "model.norm.weight",
+               norm_form: tuple = same) -> list[tuple]:
+    """The rows outside the blocks: the embeddings, the final norm's weight (`norm_form`: its conversion,
+    e.g. Qwen3-Next's zero-centred one) and, untied, the head."""
+    rows = [(("embed", "embedding"), [embed], *same), (("norm", "weight"), [norm], *norm_form)]
     if not cfg.tie_embeddings:
         rows.append((("head",), ["lm_head.weight"], *linear))
     return rows
+
+
+def fla_model_tensors(cfg) -> list[tuple]:
+    """The rows outside the blocks in flash-linear-attention's layout (GLA, RWKV-7): embeddings, final
+    norm (with its bias for LayerNorm), head."""
+    bias = [(("norm", "bias"), ["model.norm.bias"], *same)] if cfg.norm == "layer" else []
+    return outer_rows(cfg, "model.embeddings.weight") + bias

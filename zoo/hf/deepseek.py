@@ -25,7 +25,7 @@ in transformers; a checkpoint holding their tensors is refused as having tensors
 
 import numpy as np
 
-from zoo.hf.convert import linear, one, refuse, same
+from zoo.hf.convert import linear, one, outer_rows, refuse, same
 from zoo.hf.llama import ROPE_KEYS, rope
 from zoo.schema import to_dict
 
@@ -121,10 +121,7 @@ def moe_rows(f, z: tuple, moe: str, experts=MLP_NAMES) -> list[tuple]:
 def tensors(cfg, arch: str) -> list[tuple]:
     """transformers' DeepseekV3 names: model.embed_tokens, layers (self_attn's MLA projections, mlp: a dense
     MLP or gate / experts / shared_experts), model.norm."""
-    rows = [(("embed", "embedding"), ["model.embed_tokens.weight"], *same),
-            (("norm", "weight"), ["model.norm.weight"], *same)]
-    if not cfg.tie_embeddings:
-        rows.append((("head",), ["lm_head.weight"], *linear))
+    rows = outer_rows(cfg)
     for i, f in enumerate(cfg.ffns()):
         z, p = ("blocks", i), f"model.layers.{i}."
         rows += [(z + ("mixer_norm", "weight"), [p + "input_layernorm.weight"], *same),

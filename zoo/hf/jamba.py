@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from zoo.config import build_model
-from zoo.hf.convert import conv, linear, one, refuse, same
+from zoo.hf.convert import conv, linear, one, outer_rows, refuse, same
 from zoo.model import LanguageModel
 from zoo.schema import to_dict
 
@@ -84,10 +84,7 @@ def tensors(cfg, arch: str) -> list[tuple]:
     """transformers' JambaForCausalLM names: model.embed_tokens, layers (mamba or self_attn, feed_forward with
     its router and experts), model.final_layernorm."""
     stacked = (lambda a: np.stack([x.T for x in a]), lambda w: [x.T for x in w])  # E x (out, in)
-    rows = [(("embed", "embedding"), ["model.embed_tokens.weight"], *same),
-            (("norm", "weight"), ["model.final_layernorm.weight"], *same)]
-    if not cfg.tie_embeddings:
-        rows.append((("head",), ["lm_head.weight"], *linear))
+    rows = outer_rows(cfg, norm="model.final_layernorm.weight")
     for i, (m, f) in enumerate(zip(cfg.mixers(), cfg.ffns())):
         z, p = ("blocks", i), f"model.layers.{i}."
         rows += [(z + ("mixer_norm", "weight"), [p + "input_layernorm.weight"], *same),

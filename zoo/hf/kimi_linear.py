@@ -19,7 +19,7 @@ attention_bias, hidden_act other than silu, num_key_value_heads other than num_a
 num_shared_experts 0, quantization_config.
 """
 
-from zoo.hf.convert import conv, linear, one, refuse, same
+from zoo.hf.convert import conv, linear, one, outer_rows, refuse, same
 from zoo.hf.deepseek import MLA_NORM_EPS, check_mla, checked_ffns, mla_dims, mla_rows, mlp_rows, moe_rows, moe_section
 
 ARCHITECTURES = {"KimiLinearForCausalLM": "kimi_linear"}
@@ -101,10 +101,7 @@ def kda_rows(z: tuple, att: str) -> list[tuple]:
 def tensors(cfg, arch: str) -> list[tuple]:
     """transformers' KimiLinear names: model.embed_tokens, layers (self_attn: KDA or MLA; block_sparse_moe: a dense
     MLP or the MoE), model.norm."""
-    rows = [(("embed", "embedding"), ["model.embed_tokens.weight"], *same),
-            (("norm", "weight"), ["model.norm.weight"], *same)]
-    if not cfg.tie_embeddings:
-        rows.append((("head",), ["lm_head.weight"], *linear))
+    rows = outer_rows(cfg)
     for i, (m, f) in enumerate(zip(cfg.mixers(), cfg.ffns())):
         z, p = ("blocks", i), f"model.layers.{i}."
         rows += [(z + ("mixer_norm", "weight"), [p + "input_layernorm.weight"], *same),

@@ -10,7 +10,7 @@ last block, despite its name); every norm, the query and key norms included, has
 weight (x / rms(x) * w).
 """
 
-from zoo.hf.convert import conv, linear, one, same
+from zoo.hf.convert import conv, linear, one, outer_rows, same
 from zoo.hf.llama import ROPE_KEYS, rope
 from zoo.schema import to_dict
 
@@ -74,10 +74,7 @@ def tensors(cfg, arch: str) -> list[tuple]:
     """transformers' names: model.embed_tokens, layers (operator_norm, conv or self_attn, ffn_norm, feed_forward),
     model.embedding_norm (the final norm)."""
     D = cfg.d_model
-    rows = [(("embed", "embedding"), ["model.embed_tokens.weight"], *same),
-            (("norm", "weight"), ["model.embedding_norm.weight"], *same)]
-    if not cfg.tie_embeddings:
-        rows.append((("head",), ["lm_head.weight"], *linear))
+    rows = outer_rows(cfg, norm="model.embedding_norm.weight")
     for i, m in enumerate(cfg.mixers()):
         z, p = ("blocks", i), f"model.layers.{i}."
         rows += [(z + ("mixer_norm", "weight"), [p + "operator_norm.weight"], *same),

@@ -8,7 +8,7 @@ of its own width behind a sigmoid gate)."""
 import numpy as np
 
 from layers.rotary import RopeScaling
-from zoo.hf.convert import linear, one, refuse, same
+from zoo.hf.convert import linear, one, outer_rows, refuse, same
 from zoo.schema import to_dict
 
 DENSE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -96,10 +96,7 @@ def tensors(cfg, arch: str) -> list[tuple]:
     K = m.head_dim or D // H
     heads = lambda n: one(lambda a: a.T.reshape(D, n, K), lambda w: w.reshape(D, n * K).T)
     bias = lambda n: one(lambda a: a.reshape(n, K), lambda w: w.reshape(n * K))
-    rows = [(("embed", "embedding"), ["model.embed_tokens.weight"], *same),
-            (("norm", "weight"), ["model.norm.weight"], *same)]
-    if not cfg.tie_embeddings:
-        rows.append((("head",), ["lm_head.weight"], *linear))
+    rows = outer_rows(cfg)
     for i in range(cfg.num_layers):
         z, p = ("blocks", i), f"model.layers.{i}."
         att = p + "self_attn."

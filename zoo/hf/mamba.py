@@ -1,7 +1,7 @@
 """Mamba and Mamba-2 (transformers' MambaForCausalLM, Mamba2ForCausalLM): mixer-only blocks (ffn:
 none); Mamba-2 with its own gated norm (norm_before_gate: false, per group, eps layer_norm_epsilon)."""
 
-from zoo.hf.convert import conv, linear, number, refuse, same
+from zoo.hf.convert import conv, linear, number, outer_rows, refuse, same
 
 ARCHITECTURES = {"MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba2"}
 
@@ -30,10 +30,7 @@ def model_section(hf: dict, arch: str, where: str) -> dict:
 
 def tensors(cfg, arch: str) -> list[tuple]:
     """transformers' MambaForCausalLM / Mamba2ForCausalLM names: backbone.embeddings, layers (norm, mixer), norm_f."""
-    rows = [(("embed", "embedding"), ["backbone.embeddings.weight"], *same),
-            (("norm", "weight"), ["backbone.norm_f.weight"], *same)]
-    if not cfg.tie_embeddings:
-        rows.append((("head",), ["lm_head.weight"], *linear))
+    rows = outer_rows(cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
     own = ("A_log", "D") + (("dt_bias", "norm.weight") if ARCHITECTURES[arch] == "mamba2" else ())
     for i in range(cfg.num_layers):
         z, p = ("blocks", i), f"backbone.layers.{i}."

@@ -17,7 +17,7 @@ layers (sigmoid-routed non-gated experts) are refused, naming the field.
 `save` rebuilds the pattern string from the blocks and writes hybrid_override_pattern.
 """
 
-from zoo.hf.convert import conv, linear, number, refuse, same
+from zoo.hf.convert import conv, linear, number, outer_rows, refuse, same
 from zoo.hf.jamba import attention_rows, refuse_unsaved
 
 ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h"}
@@ -90,10 +90,7 @@ def model_section(hf: dict, arch: str, where: str) -> dict:
 def tensors(cfg, arch: str) -> list[tuple]:
     """transformers' NemotronHForCausalLM names: backbone.embeddings, layers (norm, mixer: the Mamba-2 mixer, the
     attention or the MLP), backbone.norm_f; zoo block i holds one or two of those layers."""
-    rows = [(("embed", "embedding"), ["backbone.embeddings.weight"], *same),
-            (("norm", "weight"), ["backbone.norm_f.weight"], *same)]
-    if not cfg.tie_embeddings:
-        rows.append((("head",), ["lm_head.weight"], *linear))
+    rows = outer_rows(cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
     j = 0  # the checkpoint's layer of block i's mixer
     for i, (m, f) in enumerate(zip(cfg.mixers(), cfg.ffns())):
         z, p = ("blocks", i), f"backbone.layers.{j}."

@@ -39,7 +39,7 @@ under model.language_model and config.json's text_config: not read here).
 import numpy as np
 
 from zoo.hf import llama
-from zoo.hf.convert import conv, linear, one, refuse, same
+from zoo.hf.convert import conv, linear, one, outer_rows, refuse, same
 from zoo.schema import to_dict
 
 ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
@@ -147,10 +147,7 @@ def deltanet_rows(m, D: int, z: tuple, lin: str, grouped: bool) -> list[tuple]:
 
 def tensors(cfg, arch: str) -> list[tuple]:
     """transformers' names: model.embed_tokens, layers (linear_attn or self_attn, mlp), model.norm."""
-    rows = [(("embed", "embedding"), ["model.embed_tokens.weight"], *same),
-            (("norm", "weight"), ["model.norm.weight"], *centred)]
-    if not cfg.tie_embeddings:
-        rows.append((("head",), ["lm_head.weight"], *linear))
+    rows = outer_rows(cfg, norm="model.norm.weight", norm_form=centred)
     for i, (m, f) in enumerate(zip(cfg.mixers(), cfg.ffns())):
         z, p = ("blocks", i), f"model.layers.{i}."
         rows += [(z + ("mixer_norm", "weight"), [p + "input_layernorm.weight"], *centred),
