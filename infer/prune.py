@@ -249,7 +249,8 @@ def _mlp_channels(m: MLP, stats: dict, share: float):
     scores = np.diag(xtx) * (down ** 2).sum(1) if xtx is not None else \
         gate * norm(m.w_up) * np.linalg.norm(down, axis=1)
     kept = _top(scores, share, "channels")
-    return {"w_gate": (1, kept), "w_up": (1, kept), "w_down": (0, kept)}, dict(hidden_dim=len(kept))
+    picks = {"w_gate": (1, kept), "w_up": (1, kept), "w_down": (0, kept), "b_gate": (0, kept), "b_up": (0, kept)}
+    return picks, dict(hidden_dim=len(kept))
 
 
 def _experts(m: MoE, stats: dict, share: float):

@@ -19,7 +19,7 @@ Options of the Hugging Face families (zoo/hf): `rope_scaling` (layers/rotary.py:
 yarn, dynamic; under dynamic a forward pass or KV cache longer than its original_max_position_embeddings
 is refused, the one range where a fixed rotary equals transformers' dynamic NTK), `qkv_bias` (Qwen2:
 biases on the q, k, v projections), `qk_norm` (Qwen3: an RMSNorm over each head's query and key, eps
-`norm_eps`, before the rotary).
+`norm_eps`, before the rotary), `out_bias` (RecurrentGemma: a bias bo (D,) on the output projection).
 
 Parameters carry their logical sharding axes (layers/sharding.py): the query heads and kv heads over
 `tensor`, the model width over `fsdp`.
@@ -191,15 +191,15 @@ class Attention(SequenceMixer):
     verifies at most ring_spare tokens a round; long_context: past the trained context (max_seq_len, the model's),
     window = each query sees the last max_seq_len tokens (the distances it was trained on), full = every earlier token
     (distances it never saw); rope_scaling: a rotary scaling for a longer context (type linear, llama3, yarn or dynamic,
-    with its keys: layers/rotary.py); qkv_bias: biases on the q, k, v projections (Qwen2); qk_norm: RMSNorm of each
-    head's query and key before the rotary, with eps norm_eps (Qwen3); output_gate: None, "head" or "channel", each
-    head's output times sigmoid(x W_g) before the output projection, one gate per head or per channel (Gated
-    Attention, Qwen3-Next); rope_fraction: the rotary turns the first int(head_dim * rope_fraction) dims of each head,
-    the rest stay unrotated (transformers' partial_rotary_factor), 0 none at all (no positional encoding: Jamba,
-    Nemotron-H); differential: Differential Transformer attention, each head the difference of two softmax maps (its
-    query and key split in halves) with a learnt λ, then RMSNorm (head_dim even; layer_id, the model's, sets
-    λ_init); impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the
-    compute dtype (parameters stay float32)."""
+    with its keys: layers/rotary.py); qkv_bias: biases on the q, k, v projections (Qwen2); out_bias: a bias on the
+    output projection (RecurrentGemma); qk_norm: RMSNorm of each head's query and key before the rotary, with eps
+    norm_eps (Qwen3); output_gate: None, "head" or "channel", each head's output times sigmoid(x W_g) before the output
+    projection, one gate per head or per channel (Gated Attention, Qwen3-Next); rope_fraction: the rotary turns the
+    first int(head_dim * rope_fraction) dims of each head, the rest stay unrotated (transformers'
+    partial_rotary_factor), 0 none at all (no positional encoding: Jamba, Nemotron-H); differential: Differential
+    Transformer attention, each head the difference of two softmax maps (its query and key split in halves) with a
+    learnt λ, then RMSNorm (head_dim even; layer_id, the model's, sets λ_init); impl ("auto" | "reference" | "xla" |
+    "pallas") picks the op's implementation on every path; dtype: the compute dtype (parameters stay float32)."""
     grows_with_context = True  # the KV cache holds max_len slots (every other mixer's state is fixed)
     kv_cache = None  # the cache's storage, read by init_state: None (compute dtype) or "int8"
 
@@ -207,7 +207,7 @@ class Attention(SequenceMixer):
                  head_dim: PosInt | None = None, window: PosInt | None = None, sinks: NonNegInt = 0,
                  dilation: PosInt = 1, head_masks: tuple[HeadMask, ...] | None = None, ring_spare: PosInt = 16,
                  rope_base: PosFloat = 10000.0, rope_scaling: RopeScaling | None = None, qkv_bias: bool = False,
-                 qk_norm: bool = False, norm_eps: PosFloat = 1e-6,
+                 out_bias: bool = False, qk_norm: bool = False, norm_eps: PosFloat = 1e-6,
                  output_gate: Annotated[str | None, OneOf(None, "head", "channel")] = None,
                  rope_fraction: Annotated[float, Range(0, 1)] = 1.0, differential: bool = False,
                  long_context: Annotated[str, OneOf("window", "full")] = "window", max_seq_len: int | None = None,
@@ -235,6 +235,7 @@ class Attention(SequenceMixer):
         self.exact_up_to = rope_scaling.original_max_position_embeddings \
             if rope_scaling is not None and rope_scaling.type == "dynamic" else None
         make_projections(self, d_model, H, G, K, qkv_bias, rngs)
+        self.bo = nnx.Param(jnp.zeros((d_model,), jnp.float32), **axes("embed")) if out_bias else None
         self.q_norm, self.k_norm = (RMSNorm(qk, eps=norm_eps), RMSNorm(qk, eps=norm_eps)) if qk_norm else (None, None)
         gate = {None: None, "head": (H,), "channel": (H, K)}[output_gate]
         init = nnx.initializers.normal(d_model ** -0.5)
@@ -313,7 +314,8 @@ class Attention(SequenceMixer):
 
     def _out(self, o):
         B, T, H, K = o.shape
-        return project(o.reshape(B, T, H * K), self.wo[...].astype(self.dtype).reshape(H * K, -1))  # (B, T, D)
+        y = project(o.reshape(B, T, H * K), self.wo[...].astype(self.dtype).reshape(H * K, -1))  # (B, T, D)
+        return y if self.bo is None else y + self.bo[...].astype(self.dtype)
 
     def _check_length(self, n: int, what: str):
         if self.exact_up_to is not None and n > self.exact_up_to:

@@ -2,7 +2,9 @@
 
 Options: `activation` "relu2" is the non-gated squared-ReLU MLP of Primer (So et al., 2021) and
 Nemotron-H, y = W_down relu(W_up x)^2, without W_gate (its default width 4 d_model: the parameters of
-SwiGLU's default width).
+SwiGLU's default width); "geglu" is GeGLU (Shazeer, 2020), y = W_down (gelu(W_gate x) * W_up x) with
+GELU's tanh approximation (Griffin's and RecurrentGemma's MLP; transformers' gelu_pytorch_tanh).
+`bias` adds b_gate, b_up (hidden_dim,) and b_down (d_model,) to the three products (RecurrentGemma's).
 """
 
 from typing import Annotated
@@ -16,6 +18,9 @@ from layers.linear import project
 from layers.options import OneOf, PosInt
 from layers.shapes import check_input
 from layers.sharding import axes
+
+ACTIVATIONS = ("swiglu", "relu2", "geglu")
+GATES = {"swiglu": jax.nn.silu, "geglu": lambda x: jax.nn.gelu(x, approximate=True)}  # the gated forms' σ
 
 
 def default_hidden_dim(d_model: int) -> int:
@@ -31,25 +36,39 @@ class NoFFN(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU MLP; hidden_dim None = 8/3 d_model rounded up to 32 (4 d_model for relu2); activation: swiglu, or relu2
-    = W_down relu(W_up x)^2 without a gate (Primer, Nemotron-H); dtype: the compute dtype (parameters stay float32)."""
+    """SwiGLU MLP; hidden_dim None = 8/3 d_model rounded up to 32 (4 d_model for relu2); activation: swiglu, geglu
+    = W_down (gelu_tanh(W_gate x) * W_up x) (GeGLU: Griffin, RecurrentGemma), or relu2 = W_down relu(W_up x)^2
+    without a gate (Primer, Nemotron-H); bias: biases on the gate, up and down products (RecurrentGemma); dtype:
+    the compute dtype (parameters stay float32)."""
 
     def __init__(self, d_model: int, *, hidden_dim: PosInt | None = None,
-                 activation: Annotated[str, OneOf("swiglu", "relu2")] = "swiglu", dtype=jnp.float32, rngs: nnx.Rngs):
-        if activation not in ("swiglu", "relu2"):
-            raise ValueError(f"MLP: activation={activation!r}; expected 'swiglu' or 'relu2'")
-        F = hidden_dim or (default_hidden_dim(d_model) if activation == "swiglu" else 4 * d_model)
-        self.dtype = dtype
+                 activation: Annotated[str, OneOf(*ACTIVATIONS)] = "swiglu", bias: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MLP: activation={activation!r}; expected one of {', '.join(ACTIVATIONS)}")
+        F = hidden_dim or (4 * d_model if activation == "relu2" else default_hidden_dim(d_model))
+        self.dtype, self.activation = dtype, activation
         into, out = axes("embed", "mlp"), axes("mlp", "embed")  # Megatron: columns in, rows out
         self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)), **into) \
-            if activation == "swiglu" else None
+            if activation in GATES else None
         self.w_up = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (d_model, F)), **into)
         self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (F, d_model)), **out)
+        zeros = lambda n, name: nnx.Param(jnp.zeros((n,), jnp.float32), **axes(name)) if bias else None
+        self.b_gate, self.b_up, self.b_down = zeros(F, "mlp") if self.w_gate is not None else None, zeros(F, "mlp"), \
+            zeros(d_model, "embed")
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         check_input(x, self.w_up.shape[0], None, "MLP")
         x = x.astype(self.dtype)
         w = lambda p: p[...].astype(self.dtype)
-        up = project(x, w(self.w_up))
-        h = jnp.square(jax.nn.relu(up)) if self.w_gate is None else jax.nn.silu(project(x, w(self.w_gate))) * up
-        return project(h, w(self.w_down))
+
+        def linear(a, weight, b):
+            y = project(a, w(weight))
+            return y if b is None else y + w(b)
+
+        up = linear(x, self.w_up, self.b_up)
+        if self.w_gate is None:  # relu2
+            h = jnp.square(jax.nn.relu(up))
+        else:
+            h = GATES[self.activation](linear(x, self.w_gate, self.b_gate)) * up
+        return linear(h, self.w_down, self.b_down)

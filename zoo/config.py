@@ -67,8 +67,10 @@ class ModelConfig:
     the same way; replaces `ffn`: DeepSeek-V3's first dense layers, Jamba's MoE every other layer, a layer
     without FFN among others); tie_embeddings (LM head shares the embedding matrix); norm (the
     blocks', final and exit norms: rms, or layer: LayerNorm with a bias, as RWKV); embed_norm (a norm of
-    the embeddings before block 0, RWKV's ln0); norm_eps; dtype (compute dtype;
-    parameters stay float32); exits (optional early exits: the model.exits keys below); residual (the
+    the embeddings before block 0, RWKV's ln0); embed_scale (the embeddings times this number before block 0,
+    null = none: Gemma's and RecurrentGemma's sqrt(d_model)); logit_softcap (all logits, the final head's and the
+    exits', as cap tanh(logits / cap), null = none: Gemma 2's and RecurrentGemma's soft cap); norm_eps; dtype
+    (compute dtype; parameters stay float32); exits (optional early exits: the model.exits keys below); residual (the
     residual connection: the model.residual keys below); head (lm: next-
     token logits at every position; pooled_decoder: MAD's compression autoencoder, where the last
     position's hidden state alone, plus each position's sinusoidal embedding, goes through a 2-layer
@@ -86,6 +88,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm: Literal["rms", "layer"] = "rms"
     embed_norm: bool = False
+    embed_scale: PosFloat | None = None
+    logit_softcap: PosFloat | None = None
     norm_eps: PosFloat = 1e-6
     dtype: Literal["float32", "bfloat16"] = "float32"
     exits: ExitsConfig | None = None

@@ -5,6 +5,10 @@
 Each block's mixer and FFN are its layer's of `model.layer_pattern` / `model.ffn_pattern` (or the one
 `model.mixer` / `model.ffn`).
 
+`model.embed_scale` multiplies the embeddings entering block 0 (Gemma's sqrt(d_model)); `model.logit_softcap`
+bounds all the logits the model makes (the final head's and each exit's) as cap tanh(logits / cap) (Gemma 2,
+RecurrentGemma), so early exit and self-speculation compare the same quantities as the full model.
+
 `model.residual` replaces the two `+` (layers/residual.py, docs/residual.md): mHC widens the stream to
 n copies mixed by a doubly stochastic matrix around each sublayer, AttnRes gives each sublayer a
 softmax over the embedding and earlier outputs. The walk carries that stream (`enter_residual`) and
@@ -187,22 +191,29 @@ class LanguageModel(nnx.Module):
             self.deterministic = deterministic
 
     def embed_tokens(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
-        """The residual stream entering block 0: the embeddings, normed when model.embed_norm."""
+        """The residual stream entering block 0: the embeddings, times model.embed_scale and normed when
+        model.embed_norm."""
         x = self.embed(tokens)
+        x = x if self.cfg.embed_scale is None else x * jnp.asarray(self.cfg.embed_scale, x.dtype)
         return x if self.embed_norm is None else self.embed_norm(x)
+
+    def soft_cap(self, logits: Float[Array, "B T V"]) -> Float[Array, "B T V"]:
+        """model.logit_softcap: cap tanh(logits / cap), float32 (None: the logits as they are)."""
+        cap = self.cfg.logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         x = self.norm(x)
         w = self.embed.embedding[...].T if self.head is None else self.head[...]
         logits = project(x, w.astype(x.dtype), preferred_element_type=jnp.float32)  # (B, T, V)
-        return constrain(logits, ("batch", None, "vocab"))
+        return constrain(self.soft_cap(logits), ("batch", None, "vocab"))
 
     def exit_logits(self, j: int, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """Next-token logits from the hidden state `h` at exit j (an index into `exit_layers`)."""
         x = self.exit_norms[j](h)
         w = self.embed.embedding[...].T if self.head is None else self.head[...]
         w = w if self.exit_heads is None else self.exit_heads[j]
-        return project(x, w.astype(x.dtype), preferred_element_type=jnp.float32)  # (B, T, V)
+        return self.soft_cap(project(x, w.astype(x.dtype), preferred_element_type=jnp.float32))  # (B, T, V)
 
     def exit_classifier_logits(self, j: int, h: Float[Array, "B T D"]) -> Float[Array, "B T"]:
         """The learned exit classifier: the logit of P(exit j already predicts the full model's token)."""

@@ -150,6 +150,7 @@ HYBRID = {  # the 2025-2026 hybrids' options on, small: every one in each case, 
     "differential-ring": dict(num_heads=4, num_kv_heads=2, differential=True, output_gate="head", rope_fraction=0.5,
                               qk_norm=True, window=3, sinks=1, ring_spare=5),
     "gated-partial-yarn": dict(num_heads=2, num_kv_heads=1, output_gate="channel", rope_fraction=0.25, qkv_bias=True,
+                               out_bias=True,
                                rope_scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=8)),
 }
 
@@ -208,6 +209,18 @@ def test_output_gate_multiplies_each_head_before_the_output_projection(gate):
     gated.b_out_gate[...] = gated.b_out_gate[...].at[1].set(-1e4)
     plain.wo[...] = plain.wo[...].at[1].set(0)
     assert_close(gated(x), 0.5 * plain(x), 1e-5, "head 1 gated off")
+
+
+def test_out_bias_is_added_after_the_output_projection():
+    """out_bias (RecurrentGemma's o_proj bias): the plain layer's output plus bo, on the full pass and in decode."""
+    plain = Attention(32, num_heads=4, num_kv_heads=1, rngs=nnx.Rngs(0))
+    biased = Attention(32, num_heads=4, num_kv_heads=1, out_bias=True, rngs=nnx.Rngs(0))
+    assert plain.bo is None and biased.bo.shape == (32,)
+    biased.bo[...] = randn(9, (32,))
+    x = randn(8, (1, 5, 32))
+    want = plain(x) + biased.bo[...]
+    assert_close(biased(x), want, 1e-6, "full pass")
+    assert_close(biased.decode(x, biased.init_state(1, 5))[0], want, 1e-5, "decode")
 
 
 def test_partial_rotary_turns_the_first_dims_and_passes_the_rest():

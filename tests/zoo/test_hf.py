@@ -70,6 +70,7 @@ IDENTITY = {
     "deepseek_v3": {},  # MLA with a query latent, the dense-then-MoE FFNs, the correction bias
     "deepseek_v3_q_proj": {},  # MLA with q_proj (no query latent)
     "kimi_linear": {},  # KDA and MLA layers, the correction bias
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},  # the pattern's period, the centred norms
 }
 
 
@@ -145,6 +146,7 @@ def test_unsupported_configs_are_refused_naming_the_field(tmp_path, case, change
     ("transformer", ["model.norm=layer"], "LayerNorm blocks .* only in fla's RWKV-7 layout"),
     ("diff_attention", [], "output_gate, differential and rope_fraction have no architecture"),
     ("mhc", [], "model.residual other than standard"),
+    ("transformer", ["model.logit_softcap=30.0"], "have a Hugging Face form only in RecurrentGemma"),
     ("moe", ["model.ffn.scoring=sigmoid"], "an MoE saves as Mixtral .* only with .* softmax scoring"),
 ])
 def test_save_refuses_what_has_no_hugging_face_form(tmp_path, config, overrides, message):
@@ -257,6 +259,7 @@ DECODE = {
     # the DeltaNet states and convolution windows, and the gated attention's cache, from a prefill of 12 to the
     # next 12 (one shape: one compile; the greedy tokens above, equal to transformers', come from single steps)
     "qwen3_next": [12],
+    "recurrent_gemma": None,  # the RG-LRU state and conv window, and the window's ring buffer wrapping at 5 + 16
 }
 
 

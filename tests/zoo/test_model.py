@@ -89,3 +89,20 @@ def test_rollback_continues_as_the_kept_tokens(model_kw):
     assert_close(logits, plain, 1e-4, "steps=True vs plain decode")
     assert_close(logits, full[:, P:P + K], 1e-4, "steps=True vs full pass")
     assert_close(then, full[np.arange(2)[:, None], kept[:, None] + np.arange(2)], 1e-4, "after rollback")
+
+
+def test_embed_scale_and_logit_softcap():
+    """model.embed_scale multiplies the embeddings entering block 0; model.logit_softcap turns the final and
+    every exit's logits into cap tanh(logits / cap) (Gemma's, RecurrentGemma's)."""
+    exits = {"layers": [1], "weights": [1.0]}
+    plain = tiny_model(exits=exits)
+    plain.embed.embedding[...] = plain.embed.embedding[...] * 100  # logits well past the cap: tied head of std 2
+    gemma = tiny_model(exits=exits, embed_scale=2.5, logit_softcap=3.0)
+    nnx.update(gemma, nnx.state(plain))
+    tokens = jnp.asarray([[3, 1, 4, 1, 5]])
+    assert_close(gemma.embed_tokens(tokens), 2.5 * plain.embed_tokens(tokens), 1e-6, "embed_scale")
+    x = jax.random.normal(jax.random.key(4), (1, 5, 32)) * 4
+    cap = lambda logits: 3.0 * np.tanh(np.asarray(logits) / 3.0)
+    assert_close(gemma.logits(x), cap(plain.logits(x)), 1e-5, "final logits")
+    assert_close(gemma.exit_logits(0, x), cap(plain.exit_logits(0, x)), 1e-5, "exit logits")
+    assert np.abs(np.asarray(gemma.logits(x))).max() < 3.0 < np.abs(np.asarray(plain.logits(x))).max()

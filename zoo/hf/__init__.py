@@ -31,7 +31,10 @@ Architectures (config.json `architectures`), with the zoo options each needs:
   offset; NemotronHForCausalLM (nemotron_h.py): hybrid_override_pattern's "M" (mamba2) and "*" (attention
   without positions) layers, each with the "-" layer after it (relu2 MLP) as one zoo block, or ffn none;
 - Lfm2ForCausalLM (lfm2.py): gated_conv and attention (qk_norm) layers by layer_types, SwiGLU MLPs of the
-  width transformers derives.
+  width transformers derives;
+- RecurrentGemmaForCausalLM (recurrent_gemma.py): rglru and local attention (window, rope_fraction, out_bias)
+  layers by block_types, GeGLU MLPs with biases (activation geglu, bias), the embeddings times sqrt(hidden_size)
+  rounded to bfloat16 (model.embed_scale), the logits soft-capped (model.logit_softcap), (1 + w) norm weights.
 Anything else is refused naming the architecture and this list, and a config.json setting the zoo
 cannot honour (a rope type, a bias, an activation) is refused naming the field.
 
@@ -48,9 +51,9 @@ loaded model is in eval mode (model.train() before fine-tuning).
 
 Layout: folder.py reads and writes a folder whatever its architecture; architectures.py picks the
 module of each architecture (llama.py: the Llama-style and MoE families, mamba.py, gla.py, rwkv7.py,
-and the hybrids' qwen3_next.py, deepseek.py, kimi_linear.py, jamba.py, nemotron_h.py, lfm2.py), which
-knows its config.json fields, its tensor names and the config.json it saves; convert.py holds what
-those modules share.
+and the hybrids' qwen3_next.py, deepseek.py, kimi_linear.py, jamba.py, nemotron_h.py, lfm2.py,
+recurrent_gemma.py), which knows its config.json fields, its tensor names and the config.json it saves;
+convert.py holds what those modules share.
 """
 
 from zoo.hf.architectures import ARCHITECTURES, architecture, hf_config, model_config

@@ -2,9 +2,9 @@
 zoo config of a config.json, the tensor table of a model, and the config.json a model saves as."""
 
 from zoo.config import ModelConfig, build_model
-from zoo.hf import deepseek, gla, jamba, kimi_linear, lfm2, llama, mamba, nemotron_h, qwen3_next, rwkv7
+from zoo.hf import deepseek, gla, jamba, kimi_linear, lfm2, llama, mamba, nemotron_h, qwen3_next, recurrent_gemma, rwkv7
 
-MODULES = (llama, mamba, gla, rwkv7, lfm2, jamba, qwen3_next, nemotron_h, deepseek, kimi_linear)
+MODULES = (llama, mamba, gla, rwkv7, lfm2, jamba, qwen3_next, nemotron_h, deepseek, kimi_linear, recurrent_gemma)
 ARCHITECTURES = {arch: family for module in MODULES for arch, family in module.ARCHITECTURES.items()}
 MODULE_OF = {arch: module for module in MODULES for arch in module.ARCHITECTURES}
 
@@ -48,6 +48,14 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
         raise ValueError("zoo.hf.save: LayerNorm blocks (model.norm: layer) and model.embed_norm have a Hugging Face "
                          "form only in fla's RWKV-7 layout")
     kinds = {x.KIND for x in cfg.mixers()}
+    if "rglru" in kinds:
+        return recurrent_gemma.hf_config(cfg, param_shapes)
+    gemma = [cfg.embed_scale is not None, cfg.logit_softcap is not None,
+             any(getattr(x, "out_bias", False) for x in cfg.mixers()),
+             any(x.KIND == "mlp" and (x.bias or x.activation == "geglu") for x in cfg.ffns())]
+    if any(gemma):
+        raise ValueError("zoo.hf.save: model.embed_scale, model.logit_softcap, attention's out_bias and an mlp with "
+                         "bias or activation geglu have a Hugging Face form only in RecurrentGemma (with rglru layers)")
     if kinds == {"mla"}:
         return deepseek.hf_config(cfg, param_shapes)
     if "kda" in kinds:
@@ -70,7 +78,8 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     if not uniform or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
         raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, mamba / mamba2 mixers with ffn "
                          "none, gla with mlp, rwkv7 with its channel mix (fla's layouts), gated_conv with attention "
-                         "and mlp (LFM2), mamba with attention (Jamba) or mamba2 with attention and relu2 mlp "
-                         "(Nemotron-H) have a Hugging Face architecture; this model has mixers "
+                         "and mlp (LFM2), mamba with attention (Jamba), mamba2 with attention and relu2 mlp "
+                         "(Nemotron-H) or rglru with attention (RecurrentGemma) have a Hugging Face architecture; "
+                         "this model has mixers "
                          f"{sorted({x.KIND for x in cfg.mixers()})} and ffns {sorted({x.KIND for x in cfg.ffns()})}")
     return llama.hf_config(cfg, param_shapes)

@@ -148,23 +148,23 @@ def hf_config(cfg, param_shapes: dict) -> dict:
     return out
 
 
-def refuse_unsaved(cfg, out: dict, param_shapes: dict, section):
+def refuse_unsaved(cfg, out: dict, param_shapes: dict, section, unsaved: dict = UNSAVED):
     """A ValueError naming the first field (or parameter) of `cfg` that the config.json `out` reads back (through
     `section`, the module's model_section) as something else: an option the architecture has no place for. Layers
-    are compared one by one (a pattern and its repetition are the same model); fields of UNSAVED are skipped; a None
-    or "auto" (a default) is checked through the parameters' shapes."""
+    are compared one by one (a pattern and its repetition are the same model); fields of `unsaved` (by kind, as
+    UNSAVED) are skipped; a None or "auto" (a default) is checked through the parameters' shapes."""
     arch = out["architectures"][0]
     again = build_model({**section(out, arch, f"{arch} config.json"), "dtype": cfg.dtype}, f"{arch} config.json")
 
     def view(c):  # the model's fields, then each layer's mixer and FFN
-        skip = UNSAVED["model"] + ("mixer", "ffn", "layer_pattern", "ffn_pattern")
+        skip = unsaved["model"] + ("mixer", "ffn", "layer_pattern", "ffn_pattern")
         return {**{f"model.{k}": v for k, v in to_dict(c).items() if k not in skip},
                 **{f"layer {i} {n}": to_dict(x) for i, (m, f) in enumerate(zip(c.mixers(), c.ffns()))
                    for n, x in (("mixer", m), ("ffn", f))}}
 
     def differ(mine, theirs, path: str):
         if isinstance(mine, dict) and isinstance(theirs, dict):
-            skip = UNSAVED.get(mine["kind"], ()) + UNSAVED["any"] if "kind" in mine else ()
+            skip = unsaved.get(mine["kind"], ()) + unsaved["any"] if "kind" in mine else ()
             return next((d for k in mine if k not in skip and (d := differ(mine[k], theirs.get(k),
                                                                            f"{path}.{k}" if path else k))), None)
         if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
