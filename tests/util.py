@@ -1,6 +1,7 @@
 """Shared test helpers."""
 
 import contextlib
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 HF_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"  # written by transformers: make_fixtures.py
+HF_PROMPTS = ["From fairest creatures", "thy sweet self"]  # the prompts of the fixtures' greedy rows (make_fixtures.py)
 
 
 def rel_err(a, b) -> float:
@@ -76,6 +78,14 @@ def assert_save_refuses(cfg, message, path):
         zoo.hf.save(model, path)
 
 
+def hf_greedy(case, tok) -> tuple[list, list]:
+    """The fixture's prompts as token ids, and transformers' greedy continuations of 10 tokens, cut after an eos as
+    infer.generate stops (stop_token=tok.eos_id)."""
+    expected = np.load(HF_FIXTURES / case / "expected.npz")
+    rows = [expected[f"greedy_{i}"].tolist() for i in range(len(HF_PROMPTS))]
+    return [tok.encode(p) for p in HF_PROMPTS], [r[:r.index(tok.eos_id)] if tok.eos_id in r else r for r in rows]
+
+
 def hf_fixture(tmp_path, case, **changes):
     """A copy of the Hugging Face fixture folder tests/fixtures/hf/<case> in tmp_path, with config.json's fields
     set to `changes` (a None removes the field)."""
@@ -88,18 +98,23 @@ def hf_fixture(tmp_path, case, **changes):
     return folder
 
 
-def forward(model, tokens, segment_ids=None):
-    """model(tokens) under one jit: a few compiles instead of one per primitive and shape."""
+@functools.cache
+def _jitted(method: str):
+    """One jitted `model.<method>(tokens, ..., segment_ids=s)` for the whole suite: jit's cache is keyed by the
+    model's structure and the shapes, so a test that runs a model another test ran reuses its compile."""
     from flax import nnx
 
-    return nnx.jit(lambda m, t, s: m(t, segment_ids=s))(model, tokens, segment_ids)
+    return nnx.jit(lambda m, t, *rest, s: getattr(m, method)(t, *rest, segment_ids=s))
+
+
+def forward(model, tokens, segment_ids=None):
+    """model(tokens) under one jit: a few compiles instead of one per primitive and shape."""
+    return _jitted("__call__")(model, tokens, s=segment_ids)
 
 
 def decode_in_pieces(model, tokens, cuts, segment_ids=None, max_len=None):
     """Logits from model.decode over consecutive slices tokens[:, a:b] split at `cuts`."""
-    from flax import nnx
-
-    step = nnx.jit(lambda m, t, st, s: m.decode(t, st, segment_ids=s))
+    step = lambda m, t, st, s: _jitted("decode")(m, t, st, s=s)
     B, T = tokens.shape
     state = model.init_state(B, max_len or T)
     edges = [0, *cuts, T]

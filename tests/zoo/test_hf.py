@@ -19,11 +19,11 @@ from flax import nnx
 import infer
 import zoo.hf
 from tests.util import HF_FIXTURES as FIXTURES
-from tests.util import decode_in_pieces, forward, hf_fixture
+from tests.util import HF_PROMPTS as PROMPTS
+from tests.util import decode_in_pieces, forward, hf_fixture, hf_greedy
 from zoo import safetensors
 
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
-PROMPTS = ["From fairest creatures", "thy sweet self"]  # as make_fixtures.py
 
 
 def test_every_architecture_has_a_fixture():
@@ -40,10 +40,9 @@ def test_logits_and_greedy_tokens_match_transformers(case):
     logits = np.asarray(forward(model, jnp.asarray(expected["ids"], jnp.int32)))
     assert logits.std() > 0.5  # unit scale: a 1e-4 tolerance means something
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-4, rtol=0)
-    rows = infer.generate(model, [tok.encode(p) for p in PROMPTS], max_new_tokens=10, stop_token=tok.eos_id)
-    for i, row in enumerate(rows):
-        want = expected[f"greedy_{i}"].tolist()
-        assert row == (want[:want.index(tok.eos_id)] if tok.eos_id in want else want)
+    prompts, greedy = hf_greedy(case, tok)
+    rows = infer.generate(model, prompts, max_new_tokens=10, stop_token=tok.eos_id)
+    assert rows == greedy
     texts = infer.generate_text(model, PROMPTS, max_new_tokens=10, sampling=infer.Sampling(0.0), tokenizer=tok)
     assert texts == [tok.decode(r) for r in rows]
 

@@ -1,14 +1,14 @@
 """Every hybrid architecture zoo.hf loads serves through the zoo's decoding features, from its fixture folder
 (tests/fixtures/hf, written by transformers: make_fixtures.py): its int8 copy (W8A8 products) decodes in
 pieces as its own full pass; exits added to it (fresh exit norms, the shared head, the rest read from the
-folder) leave its greedy tokens as they were, self-speculation from its first layer gives those tokens exactly
-(the drafts of one layer are often rejected, so every layer kind rolls back), and token-level exit at
+folder) leave its greedy tokens as they were: self-speculation from its first layer gives transformers' greedy
+tokens exactly (test_hf: the loaded model's too; the drafts of one layer are often rejected, so every layer kind
+rolls back); and token-level exit at
 threshold 0 leaves every generated token at the exit. And a run with model.init_from a hybrid's folder starts
 from its weights, the MoE's router bias (DeepSeek-V3's e_score_correction_bias, state beside the parameters)
 included."""
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,30 +18,30 @@ from flax import nnx
 
 import infer
 import zoo.hf
-from tests.util import assert_close, decode_in_pieces, forward
+from tests.util import HF_FIXTURES as FIXTURES
+from tests.util import assert_close, decode_in_pieces, forward, hf_greedy
 from zoo import LanguageModel
 from zoo.config import ExitsConfig
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 HYBRIDS = ["qwen3_next", "kimi_linear", "deepseek_v3", "jamba", "nemotron_h", "lfm2", "recurrent_gemma"]
-PROMPTS = [[1, 40, 41, 42, 43], [1, 50]]
 
 
 @pytest.mark.parametrize("case", HYBRIDS)
 def test_a_loaded_hybrid_decodes_quantized_exits_and_speculates(case):
-    model, _ = zoo.hf.load(FIXTURES / case)
-    tokens = jnp.asarray(np.load(FIXTURES / case / "expected.npz")["ids"][:, :8], jnp.int32)
-    int8 = infer.quantize(model, "int8")
-    assert_close(decode_in_pieces(int8, tokens, [5, 6])[0], forward(int8, tokens), 1e-4, f"{case} int8 decode")
+    model, tok = zoo.hf.load(FIXTURES / case)
+    tokens = jnp.asarray(np.load(FIXTURES / case / "expected.npz")["ids"][:, :6], jnp.int32)
+    int8 = infer.quantize(model, "int8")  # a prefill of 5, then one token
+    assert_close(decode_in_pieces(int8, tokens, [5])[0], forward(int8, tokens), 1e-4, f"{case} int8 decode")
 
     exits = LanguageModel(dataclasses.replace(model.cfg, exits=ExitsConfig(layers=(1,), weights=(1.0,))),
                           rngs=nnx.Rngs(0))
     nnx.update(exits, nnx.state(model))  # parameters and the rest (a router bias)
     exits.eval()
-    greedy = infer.generate(model, PROMPTS, max_new_tokens=6)
-    # exact: self-speculation gives the greedy tokens of the model with exits, so these are the loaded model's too
-    assert infer.generate(exits, PROMPTS, max_new_tokens=6, speculation=infer.Speculation(3)) == greedy
-    _, info = infer.generate(exits, PROMPTS, max_new_tokens=6, exits=infer.Exits(0.0), return_info=True)
+    prompts, greedy = hf_greedy(case, tok)
+    # exact: self-speculation gives the greedy tokens of the model with exits
+    assert infer.generate(exits, prompts, max_new_tokens=10, stop_token=tok.eos_id,
+                          speculation=infer.Speculation(3)) == greedy
+    _, info = infer.generate(exits, prompts, max_new_tokens=6, exits=infer.Exits(0.0), return_info=True)
     assert all(layer == 1 for row in info["exit_layers"] for layer in row[1:])  # the prompt's token: full depth
 
 
