@@ -23,7 +23,7 @@ from zoo import LanguageModel
 from zoo.config import ExitsConfig
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
-HYBRIDS = ["qwen3_next", "kimi_linear", "deepseek_v3", "jamba", "nemotron_h", "lfm2"]
+HYBRIDS = ["qwen3_next", "kimi_linear", "deepseek_v3", "jamba", "nemotron_h", "lfm2", "falcon_h1"]
 PROMPTS = [[1, 40, 41, 42, 43], [1, 50]]
 
 

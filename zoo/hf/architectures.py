@@ -2,9 +2,9 @@
 zoo config of a config.json, the tensor table of a model, and the config.json a model saves as."""
 
 from zoo.config import ModelConfig, build_model
-from zoo.hf import deepseek, gla, jamba, kimi_linear, lfm2, llama, mamba, nemotron_h, qwen3_next, rwkv7
+from zoo.hf import deepseek, falcon_h1, gla, jamba, kimi_linear, lfm2, llama, mamba, nemotron_h, qwen3_next, rwkv7
 
-MODULES = (llama, mamba, gla, rwkv7, lfm2, jamba, qwen3_next, nemotron_h, deepseek, kimi_linear)
+MODULES = (llama, mamba, gla, rwkv7, lfm2, jamba, qwen3_next, nemotron_h, falcon_h1, deepseek, kimi_linear)
 ARCHITECTURES = {arch: family for module in MODULES for arch, family in module.ARCHITECTURES.items()}
 MODULE_OF = {arch: module for module in MODULES for arch in module.ARCHITECTURES}
 
@@ -31,6 +31,13 @@ def tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
     return MODULE_OF[arch].tensors(cfg, arch)
 
 
+def scales(cfg: ModelConfig, arch: str, hf: dict) -> dict:
+    """Zoo parameter path -> the factor its array is multiplied by as it is read from a folder of config.json `hf`:
+    the multipliers an architecture folds into the weights (Falcon-H1's); none for the others."""
+    module = MODULE_OF[arch]
+    return module.scales(cfg, hf) if hasattr(module, "scales") else {}
+
+
 def ignored(arch: str) -> tuple[str, ...]:
     """Name prefixes of checkpoint tensors the architecture's model has no use for, as transformers skips
     them too (Qwen3-Next's multi-token-prediction head, mtp.*)."""
@@ -48,6 +55,8 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
         raise ValueError("zoo.hf.save: LayerNorm blocks (model.norm: layer) and model.embed_norm have a Hugging Face "
                          "form only in fla's RWKV-7 layout")
     kinds = {x.KIND for x in cfg.mixers()}
+    if "parallel" in kinds:
+        return falcon_h1.hf_config(cfg, param_shapes)  # Mamba-2 beside attention in every layer
     if kinds == {"mla"}:
         return deepseek.hf_config(cfg, param_shapes)
     if "kda" in kinds:
@@ -70,7 +79,8 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     if not uniform or m.KIND != "attention" or f.KIND not in ("mlp", "moe"):
         raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, mamba / mamba2 mixers with ffn "
                          "none, gla with mlp, rwkv7 with its channel mix (fla's layouts), gated_conv with attention "
-                         "and mlp (LFM2), mamba with attention (Jamba) or mamba2 with attention and relu2 mlp "
-                         "(Nemotron-H) have a Hugging Face architecture; this model has mixers "
+                         "and mlp (LFM2), mamba with attention (Jamba), mamba2 with attention and relu2 mlp "
+                         "(Nemotron-H) or parallel mamba2 and attention with mlp (Falcon-H1) have a Hugging Face "
+                         "architecture; this model has mixers "
                          f"{sorted({x.KIND for x in cfg.mixers()})} and ffns {sorted({x.KIND for x in cfg.ffns()})}")
     return llama.hf_config(cfg, param_shapes)
