@@ -2,11 +2,11 @@
 Through Structured State Space Duality", Section 7 ("the Mamba-2 block", Figure 6), following the
 official `mamba_ssm.modules.mamba2.Mamba2`:
 
-    z, xBC, dt = W_in x                          widths Di, Di + 2 G N, H  (Di = expand * d_model)
+    z, xBC, dt = W_in x                          widths Di, Di + 2 G N, H  (Di = d_inner or expand * d_model)
     x, B, C = SiLU(conv1d(xBC))                  one causal depthwise conv over x, B and C together
     Δ = softplus(dt + dt_bias)                   (H,) per token: one scalar step per head
     h_t = exp(Δ_t A_h) h_{t-1} + Δ_t x_t B_t^T,  y_t = h_t C_t + D_h x_t      (kernels/ssd)
-    out = W_out GatedRMSNorm(y, z)
+    out = W_out GatedRMSNorm(y, z)               (output_norm "none": W_out (y * SiLU(z)))
 
 with H = Di / head_dim heads of width P = head_dim and G = num_groups groups of B, C shared by H / G
 consecutive heads each.
@@ -22,17 +22,22 @@ log-uniform in [dt_min, dt_max] and floored at dt_init_floor.
 Departures, all named: by default the output norm is layers.norm.GatedRMSNorm, RMSNorm(y) * SiLU(z)
 over all Di channels, where the official module normalises after gating, RMSNorm(y * SiLU(z)), and
 per group of Di / G channels: `norm_before_gate=False` is the official form (what zoo.hf loads
-checkpoints with), its eps `norm_eps`; no `dt_limit` clamp, no learnable initial
-state, no `d_ssm` < Di partial SSM and no MLP branch in in_proj (`d_mlp`); the linear layers use
-Flax's lecun-normal init instead of PyTorch's U(±1/sqrt(fan_in)) and the conv bias starts at zero;
-`conv_size=0` drops the convolution (SiLU only). The layer's `mode` picks the SSD form of the
-training path; `decode` runs `step` (`ssd_step`) for T = 1 and the chunked form for T > 1. `impl`
+checkpoints with), its eps `norm_eps`; `output_norm="grouped"` takes the statistics per group in either
+order (Falcon-H1's gated norm, whose norm_before_gate is True by default) and "none" drops the norm, y *
+SiLU(z) (Falcon-H1's mamba_rms_norm: false); `d_inner` gives the inner width outright where it is not a
+multiple of d_model (Falcon-H1's mamba_d_ssm, Nemotron-H's mamba_num_heads x mamba_head_dim); no
+`dt_limit` clamp, no learnable initial state, no `d_ssm` < Di partial SSM and no MLP branch in in_proj
+(`d_mlp`); the linear layers use Flax's lecun-normal init instead of PyTorch's U(±1/sqrt(fan_in)) and
+the conv bias starts at zero; `conv_size=0` drops the convolution (SiLU only). The layer's `mode` picks
+the SSD form of the training path; `decode` runs `step` (`ssd_step`) for T = 1 and the chunked form for T > 1. `impl`
 ("auto", "reference", "xla" or "pallas", see kernels/ssd) picks the op's implementation for the
 training call and a multi-token decode; the single-token step is always the plain `ssd_step` (the
 op has no impl there). impl="reference" runs the token-by-token scan whatever the mode;
 impl="pallas" runs the Pallas kernels, whose chunk is their own block size (mode and chunk_size then
 unused): the Triton kernels on a GPU, the Mosaic ones on a TPU (kernels.pallas_platform()).
 """
+
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +51,7 @@ from layers.linear import Linear
 from layers.mamba import inverse_softplus_dt
 from layers.mixer import SequenceMixer
 from layers.norm import GatedRMSNorm
-from layers.options import Impl, Mode, NonNegInt, PosFloat, PosInt
+from layers.options import Impl, Mode, NonNegInt, OneOf, PosFloat, PosInt
 from layers.sharding import ROWS, axes
 from layers.state import state, stepwise
 
@@ -57,37 +62,44 @@ class Mamba2State:
     conv: Float[Array, "B W _Dconv"] | None  # (B, conv_size - 1, Di + 2 G N) last conv inputs; None if conv_size = 0
 
 
-def ssd_heads(where: str, d_model: int, state_size: int, expand: int, head_dim: int, num_groups: int):
-    """(inner width expand * d_model, its number of heads of head_dim) of Mamba-2 and Mamba-3, refusing sizes that
-    do not divide, naming `where`."""
-    if min(d_model, state_size, expand, head_dim, num_groups) < 1:
-        raise ValueError(f"{where}: d_model={d_model}, state_size={state_size}, expand={expand}, "
+def ssd_heads(where: str, d_model: int, state_size: int, expand: int, head_dim: int, num_groups: int,
+              d_inner: int | None = None):
+    """(inner width d_inner or expand * d_model, its number of heads of head_dim) of Mamba-2 and Mamba-3, refusing
+    sizes that do not divide, naming `where`."""
+    if min(d_model, state_size, expand, head_dim, num_groups, 1 if d_inner is None else d_inner) < 1:
+        raise ValueError(f"{where}: d_model={d_model}, state_size={state_size}, expand={expand}, d_inner={d_inner}, "
                          f"head_dim={head_dim} and num_groups={num_groups} must be >= 1")
-    Di = expand * d_model
+    Di = expand * d_model if d_inner is None else d_inner
     if Di % head_dim:
-        raise ValueError(f"{where}: head_dim={head_dim} does not divide expand * d_model = {Di}")
+        raise ValueError(f"{where}: head_dim={head_dim} does not divide the inner width "
+                         f"{'expand * d_model' if d_inner is None else 'd_inner'} = {Di}")
     H = Di // head_dim
     if H % num_groups:
-        raise ValueError(f"{where}: num_groups={num_groups} does not divide num_heads = expand * d_model / "
+        raise ValueError(f"{where}: num_groups={num_groups} does not divide num_heads = inner width / "
                          f"head_dim = {H}")
     return Di, H
 
 
 class Mamba2(SequenceMixer):
-    """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head (heads of head_dim channels of the expand * d_model
-    inner width, A from A_init_range) and grouped B/C (num_groups groups of state_size), a causal conv of conv_size
-    taps, Δ initialised log-uniform in [dt_min, dt_max] (at least dt_init_floor); norm_before_gate: the output norm
-    RMSNorm(y) * SiLU(z) (True) or the official RMSNorm(y * SiLU(z)) per group (False), with eps norm_eps; mode
-    ("recurrent" | "chunk" | "parallel") picks the training path's exact form, chunk_size its chunk; impl ("auto" |
-    "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the compute dtype (parameters
-    stay float32)."""
+    """Mamba-2 (Dao & Gu 2024): SSD with a scalar decay per head (heads of head_dim channels of the inner width, d_inner
+    or None = expand * d_model, A from A_init_range) and grouped B/C (num_groups groups of state_size), a causal conv
+    of conv_size taps, Δ initialised log-uniform in [dt_min, dt_max] (at least dt_init_floor); norm_before_gate: the
+    output norm RMSNorm(y) * SiLU(z) (True) or the official RMSNorm(y * SiLU(z)) per group (False), with eps
+    norm_eps; output_norm: "gated" that norm, "grouped" its statistics per group in either order (Falcon-H1), "none"
+    no norm, y * SiLU(z); mode ("recurrent" | "chunk" | "parallel") picks the training path's exact form, chunk_size
+    its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the
+    compute dtype (parameters stay float32)."""
 
     def __init__(self, d_model: int, *, state_size: PosInt = 64, expand: PosInt = 2, head_dim: PosInt = 64,
                  num_groups: PosInt = 1, conv_size: NonNegInt = 4, chunk_size: PosInt = 64, mode: Mode = "chunk",
                  dt_min: PosFloat = 0.001, dt_max: PosFloat = 0.1, dt_init_floor: PosFloat = 1e-4,
                  A_init_range: tuple[PosFloat, PosFloat] = (1.0, 16.0), norm_before_gate: bool = True,
-                 norm_eps: PosFloat = 1e-5, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
-        Di, H = ssd_heads("Mamba2", d_model, state_size, expand, head_dim, num_groups)
+                 norm_eps: PosFloat = 1e-5, d_inner: PosInt | None = None,
+                 output_norm: Annotated[str, OneOf("gated", "grouped", "none")] = "gated", impl: Impl = "auto",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        Di, H = ssd_heads("Mamba2", d_model, state_size, expand, head_dim, num_groups, d_inner)
+        if output_norm not in ("gated", "grouped", "none"):
+            raise ValueError(f"Mamba2: output_norm={output_norm!r}; expected 'gated', 'grouped' or 'none'")
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"Mamba2: need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
         lo, hi = A_init_range
@@ -115,7 +127,9 @@ class Mamba2(SequenceMixer):
         self.dt_bias = nnx.Param(inverse_softplus_dt(rngs.params(), (H,), dt_min, dt_max, dt_init_floor))
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, lo, hi)))
         self.D = nnx.Param(jnp.ones((H,), jnp.float32))
-        self.norm = GatedRMSNorm(Di, eps=norm_eps, norm_before_gate=norm_before_gate, groups=G)
+        whole = output_norm == "gated" and norm_before_gate  # the zoo's own form: statistics over all Di channels
+        self.norm = None if output_norm == "none" else \
+            GatedRMSNorm(Di, eps=norm_eps, norm_before_gate=norm_before_gate, groups=1 if whole else G)
         self.out_proj = linear(Di, d_model, ROWS)
 
     step_mode = "step"  # decode: `step` for one token and steps=True
@@ -157,7 +171,8 @@ class Mamba2(SequenceMixer):
         else:
             y, ssm = ssd(xs, dt, A, B, C, self.D[...], segment_ids=segment_ids, initial_state=state.ssm,
                          output_final_state=True, mode=mode, chunk_size=self.chunk_size, impl=self.impl)
-        y = self.norm(y.reshape(Bsz, T, self.d_inner), z)
+        y = y.reshape(Bsz, T, self.d_inner)
+        y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(y.dtype) if self.norm is None else self.norm(y, z)
         return self.out_proj(y), (Mamba2State.stepped if steps else Mamba2State)(ssm, conv)
 
     def step(self, h: Float[Array, "B H P N"], x: Float[Array, "B H P"], dt: Float[Array, "B H"],

@@ -2,7 +2,7 @@
 LayerNorm with a bias (Ba et al., 2016; RWKV's blocks), and RWKV's GroupNorm with one group per head.
 
     RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w
-    GatedRMSNorm(x, z) = RMSNorm(x) * silu(z)      (or RMSNorm(x * silu(z)) by groups, Mamba-2's own)
+    GatedRMSNorm(x, z) = RMSNorm(x) * silu(z)      (or RMSNorm(x * silu(z)); either per group: Mamba-2's own)
     LayerNorm(x) = (x - mean(x)) / sqrt(var(x) + eps) * w + b
 
 Statistics are computed in float32 whatever the input dtype; the output has the input's dtype.
@@ -40,8 +40,9 @@ class LayerNorm(nnx.Module):
 
 class GatedRMSNorm(RMSNorm):
     """RMSNorm(x) * silu(z): the output norm-and-gate of Mamba-2 and the GLA/DeltaNet layers. With
-    norm_before_gate=False, RMSNorm(x * silu(z)) with the statistics over each of `groups` equal
-    groups of channels (the official Mamba-2 module and its checkpoints)."""
+    norm_before_gate=False, RMSNorm(x * silu(z)) (the official Mamba-2 module and its checkpoints). With
+    `groups` > 1 the statistics are taken over each of that many equal groups of channels (the official
+    Mamba-2's, in either order)."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6, norm_before_gate: bool = True, groups: int = 1,
                  rngs: nnx.Rngs | None = None):
@@ -50,11 +51,13 @@ class GatedRMSNorm(RMSNorm):
 
     def __call__(self, x: Float[Array, "... D"], z: Float[Array, "... D"]) -> Float[Array, "... D"]:
         gate = jax.nn.silu(z.astype(jnp.float32))
-        if self.norm_before_gate:
+        if self.norm_before_gate and self.groups == 1:
             return (super().__call__(x).astype(jnp.float32) * gate).astype(x.dtype)
-        y = (x.astype(jnp.float32) * gate).reshape(*x.shape[:-1], self.groups, -1)
-        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
-        return (y.reshape(x.shape) * self.weight[...]).astype(x.dtype)
+        y = x.astype(jnp.float32) if self.norm_before_gate else x.astype(jnp.float32) * gate
+        y = y.reshape(*x.shape[:-1], self.groups, -1)
+        y = (y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)).reshape(x.shape)
+        y = y * self.weight[...]
+        return (y * gate if self.norm_before_gate else y).astype(x.dtype)
 
 
 def head_group_norm(o: Float[Array, "B T H V"], weight, bias, eps: float) -> Float[Array, "B T D"]:

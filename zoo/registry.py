@@ -19,7 +19,7 @@ import functools
 import inspect
 import re
 import typing
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import jax.numpy as jnp
 from flax import nnx
@@ -125,6 +125,22 @@ def build_kind(table: dict, data, path: str):
     if not isinstance(data["kind"], str) or data["kind"] not in table:
         raise ValueError(f"{path}.kind: unknown kind {data['kind']!r}; expected one of {', '.join(table)}")
     return build(table[data["kind"]], data, path)
+
+
+class MixerConfigs:
+    """How the schema builds an option annotated `MixerList`: a non-empty list of mappings, each with its kind as an
+    entry of model.layer_pattern, built through the registry into a tuple of frozen configs; configs already built
+    pass as they are."""
+
+    @staticmethod
+    def from_data(value, path: str) -> tuple:
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"{path}: expected a non-empty list of mixer configs (mappings with a kind key), got "
+                             f"{value!r}")
+        return tuple(v if isinstance(v, Kind) else build_kind(MIXERS, v, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+MixerList = Annotated[tuple, MixerConfigs]  # an option holding mixer configs (zoo/parallel.py's `mixers`)
 
 
 def make_layer(cfg, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs, **model_kwargs):

@@ -5,8 +5,9 @@ against its field's annotation (int, float, str, bool, Literal or OneOf choices,
 None, nested dataclasses) and naming the dotted `path` of anything wrong. Every number carries its range
 (`Annotated[int, Range(lo=1)]`, or an alias of layers/options.py), checked when the config loads, so
 a value outside it never reaches an array (tests/zoo/test_config.py checks every numeric key of every
-config dataclass has one). It imports nothing of the zoo, so the registry of kinds and the run config
-can both use it.
+config dataclass has one). An Annotated rule with a `from_data(value, path)` method builds the value itself
+(zoo.registry.MixerList: a list of mixer configs, built through the registry). It imports nothing of the
+zoo, so the registry of kinds and the run config can both use it.
 """
 
 import dataclasses
@@ -30,6 +31,9 @@ def _convert(value, tp, path: str):
     """Check `value` against the annotation `tp`, converting int to float and lists to tuples."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Annotated:
+        built = [rule for rule in args[1:] if hasattr(rule, "from_data")]
+        if built:  # an annotation that builds its own value (zoo.registry.MixerList)
+            return built[0].from_data(value, path)
         for rule in args[1:]:
             if isinstance(rule, OneOf):
                 rule.check(value, path)

@@ -60,6 +60,10 @@ TINY = {  # (d_model, config) of the shipped kinds, small and with every optiona
     "titans": (16, {"num_heads": 2, "mini_batch_size": 4, "conv_size": 2, "memory_depth": 2}),  # depth 1: test_kinds
     "deltaformer": (16, {"num_heads": 4, "num_kv_heads": 2, "write_key": "separate", "qkv_bias": True,
                          "qk_norm": True}),
+    # Falcon-H1's layer: a Mamba-2 of an inner width no multiple of d_model, grouped gated norm, beside GQA
+    "parallel": (32, {"mixers": ({"kind": "mamba2", "state_size": 8, "head_dim": 8, "num_groups": 2, "d_inner": 48,
+                                  "output_norm": "grouped", "chunk_size": 8},
+                                 {"kind": "attention", "num_heads": 4, "num_kv_heads": 2})}),
     "rwkv6_channel_mix": (32, {"hidden_dim": 64}),
     "rwkv7_channel_mix": (32, {"hidden_dim": 64}),
 }

@@ -1,5 +1,5 @@
 """Mamba-2 layer: what is specific to it (the protocol runs in test_conformance.py): the variant
-without a convolution and with G = H groups, nothing leaking across a document start, the state's
+without a convolution, with G = H groups and without output norm, nothing leaking across a document start, the state's
 shapes, the official initialisation, constructor checks."""
 
 import jax
@@ -56,6 +56,8 @@ def test_init_matches_the_official_module():
     (dict(head_dim=5), "head_dim=5 does not divide"), (dict(num_groups=3), "num_groups=3 does not divide"),
     (dict(mode="auto"), "mode"), (dict(conv_size=-1), "conv_size"), (dict(A_init_range=(0.0, 1.0)), "A_init_range"),
     (dict(dt_min=0.2, dt_max=0.1), "dt_min"), (dict(chunk_size=0), "chunk_size"),
+    (dict(d_inner=20), "head_dim=8 does not divide the inner width d_inner = 20"),
+    (dict(output_norm="rms"), "output_norm"),
 ])
 def test_invalid_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -63,4 +65,6 @@ def test_invalid_arguments(kwargs, message):
 
 
 def test_variant():
-    check_mixer(lambda **kw: make(conv_size=0, num_groups=4, **kw), D, MODES)
+    """No convolution, G = H groups, and no output norm (y * SiLU(z), Falcon-H1's mamba_rms_norm: false); the inner
+    width of d_inner and the grouped norm run in test_conformance.py's parallel."""
+    check_mixer(lambda **kw: make(conv_size=0, num_groups=4, output_norm="none", **kw), D, MODES)

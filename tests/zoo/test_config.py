@@ -31,6 +31,14 @@ def test_an_ffn_pattern_repeats_over_the_layers_and_round_trips():
     assert from_dict(to_dict(cfg)) == cfg
 
 
+def test_a_parallel_mixers_parts_are_built_configs_and_round_trip():
+    cfg = from_dict({"model": {"mixer": {"kind": "parallel", "mixers": [{"kind": "mamba2", "d_inner": 96,
+                                                                          "head_dim": 16}, {"kind": "attention"}]}}})
+    mamba2, attention = cfg.model.mixer.mixers
+    assert (mamba2.KIND, mamba2.d_inner, attention.KIND) == ("mamba2", 96, "attention")
+    assert hash(cfg.model.mixer) and from_dict(to_dict(cfg)) == cfg  # frozen: the registry caches its checks
+
+
 @pytest.mark.parametrize("data,field", [
     ({"model": {"d_modle": 64}}, "model.d_modle: unknown key"),
     ({"model": {"mixer": {"kind": "attention", "heads": 4}}}, "model.mixer.heads: unknown key"),
@@ -43,6 +51,14 @@ def test_an_ffn_pattern_repeats_over_the_layers_and_round_trips():
     ({"model": {"layer_pattern": [{"kind": "attention"}, {"kind": "attention", "num_kv_heads": 3}]}},
      "model.layer_pattern[1].num_kv_heads"),
     ({"model": {"mixer": {"kind": "transformer"}}}, "model.mixer.kind: unknown kind 'transformer'"),
+    # a parallel mixer's parts: built through the registry, each named by its index
+    ({"model": {"mixer": {"kind": "parallel", "mixers": []}}}, "model.mixer.mixers: expected a non-empty list"),
+    ({"model": {"mixer": {"kind": "parallel", "mixers": [{"kind": "mamba2"}, {"kind": "attention", "heads": 2}]}}},
+     "model.mixer.mixers[1].heads: unknown key"),
+    ({"model": {"mixer": {"kind": "parallel", "mixers": [{"kind": "attention", "num_heads": 3}]}}},
+     "model.mixer.mixers[0]: num_heads=3 does not divide d_model=128"),
+    ({"model": {"mixer": {"kind": "parallel", "mixers": [{"kind": "rwkv7"}]}}},
+     "model.mixer.mixers[0]: kind 'rwkv7' cannot be a part of parallel (its value residual crosses layers)"),
     ({"model": {"mixer": {"num_heads": 4}}}, "model.mixer.kind: missing"),
     ({"model": {"d_model": -8}}, "model.d_model: expected 1 <= d_model, got -8"),
     ({"model": {"max_seq_len": 64}, "train": {"seq_len": 128}}, "train.seq_len: 128 is longer than the model allows"),

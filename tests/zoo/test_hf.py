@@ -30,7 +30,8 @@ def test_every_architecture_has_a_fixture():
     archs = {json.loads((FIXTURES / c / "config.json").read_text())["architectures"][0] for c in CASES}
     assert archs == set(zoo.hf.ARCHITECTURES)
     checks = json.loads((FIXTURES / "save_check.json").read_text())["max_abs_diff"]
-    assert set(checks) == set(CASES) and max(checks.values()) < 1e-5  # transformers on save's folders
+    assert set(checks) == set(CASES)  # transformers on save's folders: the same tensors, or multipliers folded
+    assert all(d < (1e-4 if c.startswith("falcon_h1") else 1e-5) for c, d in checks.items())  # into the weights
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -252,6 +253,7 @@ DECODE = {
     "qwen3": None,  # qk_norm
     "jamba": None,  # Mamba's state and convolution window beside attention's cache, the MoE
     "nemotron_h": None,  # Mamba-2's state and convolution window beside attention's cache
+    "falcon_h1": None,  # the same in one block: the parallel mixer's state, a tuple of its parts' states
     "lfm2": [5, 6, 7, 12, 13],  # both mixers: the conv window and the KV cache with qk_norm and rotary
     "deepseek_v3": None,  # the absorbed latent-cache decode with yarn and the MoE's routing
     "kimi_linear": None,  # KDA's recurrent state and convolution windows and MLA's latent cache

@@ -23,7 +23,7 @@ from tests.util import assert_close, decode_in_pieces, forward, hf_greedy
 from zoo import LanguageModel
 from zoo.config import ExitsConfig
 
-HYBRIDS = ["qwen3_next", "kimi_linear", "deepseek_v3", "jamba", "nemotron_h", "lfm2", "recurrent_gemma"]
+HYBRIDS = ["qwen3_next", "kimi_linear", "deepseek_v3", "jamba", "nemotron_h", "lfm2", "recurrent_gemma", "falcon_h1"]
 
 
 @pytest.mark.parametrize("case", HYBRIDS)

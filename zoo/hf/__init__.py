@@ -30,6 +30,9 @@ Architectures (config.json `architectures`), with the zoo options each needs:
   attn_layer_period / offset, SwiGLU MLP or MoE (softmax top-k, not renormalised) by expert_layer_period /
   offset; NemotronHForCausalLM (nemotron_h.py): hybrid_override_pattern's "M" (mamba2) and "*" (attention
   without positions) layers, each with the "-" layer after it (relu2 MLP) as one zoo block, or ffn none;
+- FalconH1ForCausalLM (falcon_h1.py): a parallel mixer of a mamba2 (d_inner, output_norm grouped or none) and an
+  attention in every layer, SwiGLU MLPs; its μP multipliers folded into the weights as they are read, so save
+  writes them as 1.0 (a folder with the loaded model's logits, not the tensors it was read from);
 - Lfm2ForCausalLM (lfm2.py): gated_conv and attention (qk_norm) layers by layer_types, SwiGLU MLPs of the
   width transformers derives;
 - RecurrentGemmaForCausalLM (recurrent_gemma.py): rglru and local attention (window, rope_fraction, out_bias)
@@ -45,13 +48,14 @@ loaded attention sees every earlier token (long_context: full), as transformers 
 
 `save` writes the same layout back from any zoo model made only of these pieces (attention mixers
 with MLP or MoE FFNs; mamba or mamba2 mixers with ffn none; gla with an MLP; rwkv7 with its channel
-mix; the hybrids' layer and FFN patterns above), choosing the architecture from its options;
-transformers (fla for GLA, RWKV-7) reads it with the same logits (checked by the fixture scripts). The
+mix; the hybrids' layer and FFN patterns above; parallel mamba2 and attention with an MLP), choosing the
+architecture from its options; transformers (fla for GLA, RWKV-7) reads it with the same logits (checked by the
+fixture scripts; Falcon-H1's to 1e-4, its multipliers folded into the weights). The
 loaded model is in eval mode (model.train() before fine-tuning).
 
 Layout: folder.py reads and writes a folder whatever its architecture; architectures.py picks the
 module of each architecture (llama.py: the Llama-style and MoE families, mamba.py, gla.py, rwkv7.py,
-and the hybrids' qwen3_next.py, deepseek.py, kimi_linear.py, jamba.py, nemotron_h.py, lfm2.py,
+and the hybrids' qwen3_next.py, deepseek.py, kimi_linear.py, jamba.py, nemotron_h.py, falcon_h1.py, lfm2.py,
 recurrent_gemma.py), which knows its config.json fields, its tensor names and the config.json it saves;
 convert.py holds what those modules share.
 """

@@ -2,9 +2,23 @@
 zoo config of a config.json, the tensor table of a model, and the config.json a model saves as."""
 
 from zoo.config import ModelConfig, build_model
-from zoo.hf import deepseek, gla, jamba, kimi_linear, lfm2, llama, mamba, nemotron_h, qwen3_next, recurrent_gemma, rwkv7
+from zoo.hf import (
+    deepseek,
+    falcon_h1,
+    gla,
+    jamba,
+    kimi_linear,
+    lfm2,
+    llama,
+    mamba,
+    nemotron_h,
+    qwen3_next,
+    recurrent_gemma,
+    rwkv7,
+)
 
-MODULES = (llama, mamba, gla, rwkv7, lfm2, jamba, qwen3_next, nemotron_h, deepseek, kimi_linear, recurrent_gemma)
+MODULES = (llama, mamba, gla, rwkv7, lfm2, jamba, qwen3_next, nemotron_h, falcon_h1, deepseek, kimi_linear,
+           recurrent_gemma)
 ARCHITECTURES = {arch: family for module in MODULES for arch, family in module.ARCHITECTURES.items()}
 MODULE_OF = {arch: module for module in MODULES for arch in module.ARCHITECTURES}
 
@@ -29,6 +43,13 @@ def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -
 def tensors(cfg: ModelConfig, arch: str) -> list[tuple]:
     """(zoo parameter path, checkpoint names, names' arrays -> the zoo array, zoo array -> the arrays)."""
     return MODULE_OF[arch].tensors(cfg, arch)
+
+
+def scales(cfg: ModelConfig, arch: str, hf: dict) -> dict:
+    """Zoo parameter path -> the factor its array is multiplied by as it is read from a folder of config.json `hf`:
+    the multipliers an architecture folds into the weights (Falcon-H1's); none for the others."""
+    module = MODULE_OF[arch]
+    return module.scales(cfg, hf) if hasattr(module, "scales") else {}
 
 
 def ignored(arch: str) -> tuple[str, ...]:
@@ -56,6 +77,8 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
     if any(gemma):
         raise ValueError("zoo.hf.save: model.embed_scale, model.logit_softcap, attention's out_bias and an mlp with "
                          "bias or activation geglu have a Hugging Face form only in RecurrentGemma (with rglru layers)")
+    if "parallel" in kinds:
+        return falcon_h1.hf_config(cfg, param_shapes)  # Mamba-2 beside attention in every layer
     if kinds == {"mla"}:
         return deepseek.hf_config(cfg, param_shapes)
     if "kda" in kinds:
@@ -79,7 +102,7 @@ def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:
         raise ValueError("zoo.hf.save: only attention mixers with mlp or moe FFNs, mamba / mamba2 mixers with ffn "
                          "none, gla with mlp, rwkv7 with its channel mix (fla's layouts), gated_conv with attention "
                          "and mlp (LFM2), mamba with attention (Jamba), mamba2 with attention and relu2 mlp "
-                         "(Nemotron-H) or rglru with attention (RecurrentGemma) have a Hugging Face architecture; "
-                         "this model has mixers "
+                         "(Nemotron-H), parallel mamba2 and attention with mlp (Falcon-H1) or rglru with attention "
+                         "(RecurrentGemma) have a Hugging Face architecture; this model has mixers "
                          f"{sorted({x.KIND for x in cfg.mixers()})} and ffns {sorted({x.KIND for x in cfg.ffns()})}")
     return llama.hf_config(cfg, param_shapes)

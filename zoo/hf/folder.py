@@ -11,7 +11,7 @@ from flax import nnx
 
 from zoo import safetensors
 from zoo.config import ModelConfig
-from zoo.hf.architectures import architecture, hf_config, ignored, model_config, tensors
+from zoo.hf.architectures import architecture, hf_config, ignored, model_config, scales, tensors
 from zoo.model import DTYPES, LanguageModel
 from zoo.schema import to_dict
 from zoo.sharding import state_shardings
@@ -60,10 +60,13 @@ def stored(cfg: ModelConfig, arch: str):
 
 def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
     """`params` (an nnx.State of the model `cfg` makes, abstract or not, holding what `stored` picks) with
-    every value read from the checkpoint in folder `path`, one tensor at a time, cast to `dtype` (default:
-    each parameter's own) and placed with `shardings` (an nnx.State of NamedShardings like params) when given."""
+    every value read from the checkpoint in folder `path`, one tensor at a time, times the factor config.json's
+    multipliers fold into it (architectures.scales: Falcon-H1's), cast to `dtype` (default: each parameter's own)
+    and placed with `shardings` (an nnx.State of NamedShardings like params) when given."""
     folder = Path(path)
-    arch = architecture(read_config(folder), str(folder / "config.json"))
+    hf = read_config(folder)
+    arch = architecture(hf, str(folder / "config.json"))
+    folded = scales(cfg, arch, hf)  # config.json's multipliers, folded into the weights they scale
     checkpoint = _open_checkpoint(folder)
     flat = dict(nnx.to_flat_state(params))
     lacking = sorted(_variables(cfg, arch) - set(flat), key=str)
@@ -88,7 +91,8 @@ def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
             arrays.append(checkpoint[name].get(name))
         used.update(names)
         for p, value in zip(zpaths, to_zoo(arrays) if isinstance(zpath, list) else [to_zoo(arrays)], strict=True):
-            value = np.asarray(value).astype(DTYPES[dtype] if dtype else flat[p].dtype, copy=False)
+            value = np.asarray(value) * folded[p] if p in folded else np.asarray(value)
+            value = value.astype(DTYPES[dtype] if dtype else flat[p].dtype, copy=False)
             flat[p].set_value(jax.device_put(value, placed.get(p), may_alias=False))  # copied: the file stays free
     extra = sorted(n for n in checkpoint
                    if n not in used and not n.endswith(IGNORED_TENSORS) and not n.startswith(ignored(arch)))

@@ -68,16 +68,15 @@ def model_section(hf: dict, arch: str, where: str) -> dict:
 
 
 def attention_rows(z: tuple, p: str, m, D: int) -> list[tuple]:
-    """The rows of an attention mixer without biases or norms (zoo path z + ("mixer", ...), checkpoint names
-    p + "q_proj.weight", ...), as transformers' q/k/v/o_proj."""
+    """The rows of an attention mixer without biases or norms (zoo path z + ("wq",), ..., z the mixer's path;
+    checkpoint names p + "q_proj.weight", ...), as transformers' q/k/v/o_proj."""
     H, G = m.num_heads, m.num_kv_heads or m.num_heads
     K = m.head_dim or D // H
     heads = lambda n: one(lambda a: a.T.reshape(D, n, K), lambda w: w.reshape(D, n * K).T)
-    return [(z + ("mixer", "wq"), [p + "q_proj.weight"], *heads(H)),
-            (z + ("mixer", "wk"), [p + "k_proj.weight"], *heads(G)),
-            (z + ("mixer", "wv"), [p + "v_proj.weight"], *heads(G)),
-            (z + ("mixer", "wo"), [p + "o_proj.weight"], *one(lambda a: a.T.reshape(H, K, D),
-                                                            lambda w: w.reshape(H * K, D).T))]
+    return [(z + ("wq",), [p + "q_proj.weight"], *heads(H)),
+            (z + ("wk",), [p + "k_proj.weight"], *heads(G)),
+            (z + ("wv",), [p + "v_proj.weight"], *heads(G)),
+            (z + ("wo",), [p + "o_proj.weight"], *one(lambda a: a.T.reshape(H, K, D), lambda w: w.reshape(H * K, D).T))]
 
 
 def tensors(cfg, arch: str) -> list[tuple]:
@@ -90,7 +89,7 @@ def tensors(cfg, arch: str) -> list[tuple]:
         rows += [(z + ("mixer_norm", "weight"), [p + "input_layernorm.weight"], *same),
                  (z + ("ffn_norm", "weight"), [p + "pre_ff_layernorm.weight"], *same)]
         if m.KIND == "attention":
-            rows += attention_rows(z, p + "self_attn.", m, cfg.d_model)
+            rows += attention_rows(z + ("mixer",), p + "self_attn.", m, cfg.d_model)
         else:
             mix = p + "mamba."
             rows += [(z + ("mixer", w, "kernel"), [mix + f"{w}.weight"], *linear)

@@ -9,8 +9,8 @@ ffn none; model.layer_pattern and model.ffn_pattern hold every block's, so the z
 number of "M" and "*" layers. A pattern that does not split this way ("-" first or after "-") and "E"
 layers (sigmoid-routed non-gated experts) are refused, naming the field.
 - Mamba-2: the zoo's mamba2 with the official gated norm (norm_before_gate: false, per group of n_groups,
-  eps layer_norm_epsilon), inner width mamba_num_heads x mamba_head_dim = expand x hidden_size (a width
-  that is not a multiple of hidden_size is refused);
+  eps layer_norm_epsilon), inner width d_inner = mamba_num_heads x mamba_head_dim (Nemotron-Nano-9B-v2's is no
+  multiple of hidden_size);
 - attention: rope_fraction 0 (no rotary), head_dim as config.json says;
 - residual_in_fp32 is not read by transformers' blocks (the residual stays in the compute dtype), nor here.
 
@@ -68,11 +68,8 @@ def model_section(hf: dict, arch: str, where: str) -> dict:
     layers = blocks(*pattern(hf, where))
     mixers = {}
     if any(c == "M" for c, _ in layers):
-        inner = hf["mamba_num_heads"] * hf["mamba_head_dim"]
-        if inner % D:
-            raise ValueError(f"{where}: mamba_num_heads x mamba_head_dim = {inner} is not a multiple of hidden_size="
-                             f"{D} (the zoo's mamba2 is expand x d_model wide)")
-        mixers["M"] = {"kind": "mamba2", "state_size": hf["ssm_state_size"], "expand": inner // D,
+        mixers["M"] = {"kind": "mamba2", "state_size": hf["ssm_state_size"], "expand": hf.get("expand", 2),
+                       "d_inner": hf["mamba_num_heads"] * hf["mamba_head_dim"],
                        "head_dim": hf["mamba_head_dim"], "num_groups": hf.get("n_groups", 8),
                        "conv_size": hf.get("conv_kernel", 4), "norm_before_gate": False, "norm_eps": eps}
     if any(c == "*" for c, _ in layers):
@@ -96,13 +93,8 @@ def tensors(cfg, arch: str) -> list[tuple]:
         z, p = ("blocks", i), f"backbone.layers.{j}."
         mix = p + "mixer."
         rows.append((z + ("mixer_norm", "weight"), [p + "norm.weight"], *same))
-        if m.KIND == "attention":
-            rows += attention_rows(z, mix, m, cfg.d_model)
-        else:
-            rows += [(z + ("mixer", w, "kernel"), [mix + f"{w}.weight"], *linear) for w in ("in_proj", "out_proj")]
-            rows += [(z + ("mixer", "conv", "weight"), [mix + "conv1d.weight"], *conv),
-                     (z + ("mixer", "conv", "bias"), [mix + "conv1d.bias"], *same)]
-            rows += [(z + ("mixer", *n.split(".")), [mix + n], *same) for n in ("A_log", "D", "dt_bias", "norm.weight")]
+        rows += attention_rows(z + ("mixer",), mix, m, cfg.d_model) if m.KIND == "attention" else \
+            mamba2_rows(z + ("mixer",), mix, m)
         if f.KIND == "mlp":
             p = f"backbone.layers.{j + 1}."
             rows += [(z + ("ffn_norm", "weight"), [p + "norm.weight"], *same),
@@ -110,6 +102,16 @@ def tensors(cfg, arch: str) -> list[tuple]:
                      (z + ("ffn", "w_down"), [p + "mixer.down_proj.weight"], *linear)]
         j += 1 + (f.KIND == "mlp")
     return rows
+
+
+def mamba2_rows(z: tuple, p: str, m) -> list[tuple]:
+    """The rows of a mamba2 mixer `m` (zoo path z + ("in_proj", "kernel"), ..., z the mixer's path) under transformers'
+    names of its Mamba-2 mixers (p + "in_proj.weight", ...: Nemotron-H's, Falcon-H1's), its norm's weight where it has
+    one."""
+    rows = [(z + (w, "kernel"), [p + f"{w}.weight"], *linear) for w in ("in_proj", "out_proj")]
+    rows += [(z + ("conv", "weight"), [p + "conv1d.weight"], *conv), (z + ("conv", "bias"), [p + "conv1d.bias"], *same)]
+    names = ("A_log", "D", "dt_bias") + (() if m.output_norm == "none" else ("norm.weight",))
+    return rows + [(z + tuple(n.split(".")), [p + n], *same) for n in names]
 
 
 def hf_config(cfg, param_shapes: dict) -> dict:
@@ -131,7 +133,7 @@ def hf_config(cfg, param_shapes: dict) -> dict:
     if m is not None:
         if m.conv_size == 0:
             raise ValueError("zoo.hf.save: Nemotron-H's Mamba-2 layers have their convolution (conv_size > 0)")
-        out.update(ssm_state_size=m.state_size, mamba_num_heads=m.expand * cfg.d_model // m.head_dim,
+        out.update(ssm_state_size=m.state_size, mamba_num_heads=(m.d_inner or m.expand * cfg.d_model) // m.head_dim,
                    mamba_head_dim=m.head_dim, n_groups=m.num_groups, conv_kernel=m.conv_size, expand=m.expand)
     a = next((m for m in mixers if m.KIND == "attention"), None)
     if a is not None:

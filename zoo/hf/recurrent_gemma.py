@@ -76,25 +76,25 @@ def model_section(hf: dict, arch: str, where: str) -> dict:
 
 
 def rglru_rows(z: tuple, p: str) -> list[tuple]:
-    """The recurrent block: linear_x / _y / _out, conv_1d, the RG-LRU's gates and recurrent_param (-Λ)."""
-    rows = [(z + ("mixer", n, "kernel"), [p + f"{n}.weight"], *linear) for n in ("linear_x", "linear_y", "linear_out")]
-    rows += [(z + ("mixer", n, "bias"), [p + f"{n}.bias"], *same) for n in ("linear_x", "linear_y", "linear_out")]
-    rows += [(z + ("mixer", "conv", "weight"), [p + "conv_1d.weight"], *conv),
-             (z + ("mixer", "conv", "bias"), [p + "conv_1d.bias"], *same),
-             (z + ("mixer", "a_param"), [p + "rg_lru.recurrent_param"], *one(np.negative, np.negative))]
+    """The recurrent block at mixer path z: linear_x / _y / _out, conv_1d, the RG-LRU's gates, recurrent_param (-Λ)."""
+    rows = [(z + (n, "kernel"), [p + f"{n}.weight"], *linear) for n in ("linear_x", "linear_y", "linear_out")]
+    rows += [(z + (n, "bias"), [p + f"{n}.bias"], *same) for n in ("linear_x", "linear_y", "linear_out")]
+    rows += [(z + ("conv", "weight"), [p + "conv_1d.weight"], *conv),
+             (z + ("conv", "bias"), [p + "conv_1d.bias"], *same),
+             (z + ("a_param",), [p + "rg_lru.recurrent_param"], *one(np.negative, np.negative))]
     for gate, name in (("gate_a", "recurrent_gate"), ("gate_x", "input_gate")):
-        rows += [(z + ("mixer", gate, "w"), [p + f"rg_lru.{name}_weight"], *same),
-                 (z + ("mixer", gate, "b"), [p + f"rg_lru.{name}_bias"], *same)]
+        rows += [(z + (gate, "w"), [p + f"rg_lru.{name}_weight"], *same),
+                 (z + (gate, "b"), [p + f"rg_lru.{name}_bias"], *same)]
     return rows
 
 
 def attention_rows(z: tuple, p: str, m, D: int) -> list[tuple]:
-    """Attention: Jamba's q/k/v/o rows, the q/k/v biases when qkv_bias, o_proj's bias."""
+    """Attention (z the mixer's path): Jamba's q/k/v/o rows, the q/k/v biases when qkv_bias, o_proj's bias."""
     H, G, K = m.num_heads, m.num_kv_heads or m.num_heads, m.head_dim or D // m.num_heads
     bias = lambda n: one(lambda a: a.reshape(n, K), lambda w: w.reshape(n * K))
-    rows = jamba.attention_rows(z, p, m, D) + [(z + ("mixer", "bo"), [p + "o_proj.bias"], *same)]
+    rows = jamba.attention_rows(z, p, m, D) + [(z + ("bo",), [p + "o_proj.bias"], *same)]
     if m.qkv_bias:
-        rows += [(z + ("mixer", f"b{n}"), [p + f"{n}_proj.bias"], *bias(c)) for n, c in (("q", H), ("k", G), ("v", G))]
+        rows += [(z + (f"b{n}",), [p + f"{n}_proj.bias"], *bias(c)) for n, c in (("q", H), ("k", G), ("v", G))]
     return rows
 
 
@@ -107,7 +107,8 @@ def tensors(cfg, arch: str) -> list[tuple]:
         rows += [(z + ("mixer_norm", "weight"), [p + "temporal_pre_norm.weight"], *centred),
                  (z + ("ffn_norm", "weight"), [p + "channel_pre_norm.weight"], *centred)]
         block = p + "temporal_block."
-        rows += rglru_rows(z, block) if m.KIND == "rglru" else attention_rows(z, block, m, cfg.d_model)
+        mix = z + ("mixer",)
+        rows += rglru_rows(mix, block) if m.KIND == "rglru" else attention_rows(mix, block, m, cfg.d_model)
         rows += [(z + ("ffn", f"{w}_{n}"), [p + f"mlp_block.{n}_proj.{t}"], *(linear if w == "w" else same))
                  for n in ("gate", "up", "down") for w, t in (("w", "weight"), ("b", "bias"))]
     return rows
