@@ -110,10 +110,13 @@ def state_shardings(model: nnx.Module, mesh: Mesh):
 def init_on_mesh(build, mesh: Mesh):
     """(graphdef, params, rest, (param shardings, rest shardings)) of the module `build()` makes,
     made inside one jit whose outputs carry the parameters' shardings: no device ever holds more than
-    its shards, and the values are those of `build()` on one device."""
+    its shards, and the values are those of `build()` on one device. On a mesh of one device it runs
+    eagerly: nothing to split, and no compile of the whole initialiser (0.1-0.4 s a model, once per run)."""
     abstract = nnx.eval_shape(build)
     shardings = state_shardings(abstract, mesh)
-    params, rest = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[1:], out_shardings=shardings)()
+    split = lambda: nnx.split(build(), nnx.Param, ...)[1:]
+    params, rest = jax.device_put(split(), shardings) if mesh.size == 1 else \
+        jax.jit(split, out_shardings=shardings)()
     return nnx.graphdef(abstract), params, rest, shardings
 
 
@@ -145,6 +148,8 @@ def init_state(cfg: Config, tx, mesh: Mesh):
 def init_optimizer(tx, params, param_sh, mesh: Mesh) -> tuple:
     """(opt_state, its NamedShardings): `tx`'s state for `params`, each copy of a parameter sharded as it is."""
     opt_sh = shardings_like_params(jax.eval_shape(tx.init, params), param_sh, mesh)
+    if mesh.size == 1:  # as init_on_mesh: eagerly
+        return jax.device_put(tx.init(params), opt_sh), opt_sh
     return jax.jit(tx.init, out_shardings=opt_sh)(params), opt_sh
 
 
