@@ -43,8 +43,8 @@ class Bytes:
 class HFTokenizer:
     """A tokenizer.json. encode adds the special tokens its post-processor adds (a Llama BOS), as
     transformers' tokenizers do by default; decode drops special tokens. The end-of-text token is
-    eos_token_id from the folder's generation_config.json or config.json, else tokenizer_config.json's
-    eos_token."""
+    eos_token_id from the folder's generation_config.json or config.json (or its text_config: a multimodal
+    model's), else tokenizer_config.json's eos_token."""
 
     def __init__(self, path, eos_id: int | None = None):
         from tokenizers import Tokenizer
@@ -101,7 +101,9 @@ def _gpt2_byte_chars() -> list[str]:
 def _eos_from_files(folder: Path, tok) -> int | None:
     for name in ("generation_config.json", "config.json"):
         f = folder / name
-        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+        config = json.loads(f.read_text()) if f.is_file() else {}
+        eos = config.get("eos_token_id")
+        eos = (config.get("text_config") or {}).get("eos_token_id") if eos is None else eos
         if eos is not None:
             return eos[0] if isinstance(eos, list) else int(eos)
     f = folder / "tokenizer_config.json"

@@ -1,7 +1,8 @@
 """zoo.hf on Qwen3-Next and Qwen3.5 (zoo/hf/qwen3_next.py), beyond the logits and greedy tokens and the prefill +
 decode that test_hf.py checks on every fixture: save then load is the identity (Qwen3-Next's fused DeltaNet
-projections and Qwen3.5's), layer_types and full_attention_interval become the layer pattern, and every
-config.json field the zoo cannot honour is refused by name."""
+projections and Qwen3.5's; a multimodal Qwen3.5 folder's text model), layer_types and full_attention_interval
+become the layer pattern, a multimodal folder is its text model, and every config.json field the zoo cannot honour
+is refused by name."""
 
 import json
 import shutil
@@ -20,21 +21,28 @@ from zoo import safetensors
 config_of = lambda case: json.loads((FIXTURES / case / "config.json").read_text())
 CONFIG = config_of("qwen3_next")
 ZERO_CENTRED = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")  # x̂ (1 + w)
+TEXT_MODEL = "model.language_model."  # a multimodal folder's text model's tensors; its vision tower's: model.visual.
+same_state = lambda a, b: all(np.array_equal(x, y) for x, y in zip(*(jax.tree.leaves(nnx.state(m)) for m in (a, b)),
+                                                                  strict=True))
 
 
-@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5", "qwen3_5_vl"])
 def test_save_then_load_is_the_identity(case, tmp_path):
     """save(load(folder)) writes the folder's tensors bit for bit, but for the zero-centred norm weights w,
     whose 1 + w (what transformers and the zoo compute with) is bit for bit the same; loading it back gives
-    the same model, the multi-token-prediction weights of the released checkpoints (mtp.*) left aside."""
+    the same model (config and state: the same logits), the multi-token-prediction weights of the released
+    checkpoints (mtp.*) left aside. A multimodal folder (qwen3_5_vl) saves as its text model alone:
+    Qwen3_5ForCausalLM, its tensors under model., no vision tower."""
     model, tok = zoo.hf.load(FIXTURES / case)
     saved, with_mtp = tmp_path / "saved", tmp_path / "with_mtp"
     zoo.hf.save(model, saved, tok)
-    assert json.loads((saved / "config.json").read_text())["architectures"] == config_of(case)["architectures"]
+    text_only = ["Qwen3_5ForCausalLM"] if case == "qwen3_5_vl" else config_of(case)["architectures"]
+    assert json.loads((saved / "config.json").read_text())["architectures"] == text_only
     ours, theirs = (safetensors.SafetensorsFile(d / "model.safetensors") for d in (saved, FIXTURES / case))
-    assert sorted(ours.keys()) == sorted(theirs.keys())
-    for name in theirs.keys():
-        a, b = np.asarray(ours.get(name)), np.asarray(theirs.get(name))
+    names = {n.replace(TEXT_MODEL, "model."): n for n in theirs.keys() if not n.startswith("model.visual.")}
+    assert sorted(ours.keys()) == sorted(names)
+    for name, their_name in names.items():
+        a, b = np.asarray(ours.get(name)), np.asarray(theirs.get(their_name))
         if name.endswith(ZERO_CENTRED):
             a, b = 1 + a, 1 + b  # float32: w itself keeps 2^-24 of 1 + w's rounding
         np.testing.assert_array_equal(a, b, err_msg=name)
@@ -42,9 +50,42 @@ def test_save_then_load_is_the_identity(case, tmp_path):
     tensors = {name: np.asarray(ours.get(name)) for name in ours.keys()}
     safetensors.write(with_mtp / "model.safetensors", {**tensors, "mtp.fc.weight": np.zeros((32, 64), np.float32)})
     again, _ = zoo.hf.load(with_mtp)
-    assert again.cfg == model.cfg
-    leaves = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
-    assert all(np.array_equal(a, b) for a, b in zip(leaves(model), leaves(again), strict=True))
+    assert again.cfg == model.cfg and same_state(model, again)
+
+
+def test_a_multimodal_folder_is_its_text_model(tmp_path):
+    """Qwen3.5-MoE's multimodal layout of the qwen3_5_moe fixture (qwen3_5_vl is Qwen3.5's, from transformers): its
+    config in text_config, its tensors under model.language_model. beside a vision tower and an mtp head; tied in
+    text_config, but not in the outer config, by which transformers ties. It loads as the text folder does."""
+    folder = tmp_path / "multimodal"
+    shutil.copytree(FIXTURES / "qwen3_5_moe", folder)
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+              "text_config": {**config_of("qwen3_5_moe"), "tie_word_embeddings": True},
+              "vision_config": config_of("qwen3_5_vl")["vision_config"], "image_token_id": 248056}
+    (folder / "config.json").write_text(json.dumps(config))
+    f = safetensors.SafetensorsFile(FIXTURES / "qwen3_5_moe" / "model.safetensors")
+    tensors = {n.replace("model.", TEXT_MODEL, 1) if n.startswith("model.") else n: np.asarray(f.get(n))
+               for n in f.keys()}
+    extra = {"model.visual.patch_embed.proj.weight": np.zeros((4, 3, 1, 1, 1), np.float32),
+             "mtp.fc.weight": np.zeros((32, 64), np.float32)}
+    safetensors.write(folder / "model.safetensors", {**tensors, **extra})
+    (model, _), (text, _) = zoo.hf.load(folder), zoo.hf.load(FIXTURES / "qwen3_5_moe")
+    assert model.cfg == text.cfg and not model.cfg.tie_embeddings and same_state(model, text)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(text_config=None), "Qwen3_5ForConditionalGeneration needs its text model's config in text_config"),
+    (dict(hidden_size=None), "text_config: no field hidden_size, which Qwen3_5ForConditionalGeneration's text model"),
+    (dict(hidden_act="gelu"), "config.json text_config: hidden_act='gelu' is not supported"),
+], ids=["no_text_config", "no_hidden_size", "gelu"])
+def test_a_multimodal_config_is_refused_naming_the_field(changes, message):
+    """text_config's own fields are refused as a text folder's, named as text_config's; the outer ones (the vision
+    tower's, the image and video token ids) have no say over text (text_config: None removes it)."""
+    config = config_of("qwen3_5_vl")
+    text = {k: v for k, v in {**config["text_config"], **changes}.items() if v is not None}
+    config = {**config, "text_config": None if "text_config" in changes else text}
+    with pytest.raises(ValueError, match=message):
+        zoo.hf.model_config(config)
 
 
 def test_layer_types_become_the_layer_pattern():

@@ -21,7 +21,10 @@ Architectures (config.json `architectures`), with the zoo options each needs:
 - Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM (text; qwen3_next.py): gated_deltanet
   (num_v_heads) and gated attention (output_gate channel, qk_norm, rope_fraction) layers by layer_types, with
   Qwen3-Next's MoE and its gated shared expert (Qwen3.5: an MLP, or the MoE always renormalised);
-  zero-centred RMSNorm weights read as 1 + w; mtp.* skipped;
+  zero-centred RMSNorm weights read as 1 + w; mtp.* skipped; Qwen3_5ForConditionalGeneration and
+  Qwen3_5MoeForConditionalGeneration (the released multimodal folders): their text model, from text_config (and the
+  outer tie_word_embeddings) and model.language_model.*, the vision tower (model.visual.*) skipped, which text ids
+  never reach; save writes the text model alone (Qwen3_5ForCausalLM, or Qwen3NextForCausalLM with MoE blocks);
 - DeepseekV3ForCausalLM (deepseek.py): MLA blocks, dense-then-MoE FFNs (model.ffn_pattern; sigmoid
   group-limited routing with the correction bias as the MoE's RouterBias, routed scale, ungated shared
   experts), yarn with DeepSeek's softmax mscale; KimiLinearForCausalLM (kimi_linear.py): KDA and NoPE MLA

@@ -54,7 +54,7 @@ def scales(cfg: ModelConfig, arch: str, hf: dict) -> dict:
 
 def ignored(arch: str) -> tuple[str, ...]:
     """Name prefixes of checkpoint tensors the architecture's model has no use for, as transformers skips
-    them too (Qwen3-Next's multi-token-prediction head, mtp.*)."""
+    them too (Qwen3-Next's multi-token-prediction head, mtp.*; Qwen3.5's vision tower, model.visual.*)."""
     return getattr(MODULE_OF[arch], "IGNORED_PREFIXES", ())
 
 

@@ -29,11 +29,18 @@ Refused by name: hidden_act other than silu, attention_bias, mlp_only_layers, de
 num_experts 0 (Qwen3-Next's dense MLP blocks), a layer type other than the two. Past max_position_embeddings
 the attention sees every earlier token (long_context: full), as transformers does. The multi-token-prediction
 weights of the released checkpoints (mtp.*, which transformers skips too) are not read. Qwen3.5's multimodal
-rotary (mrope_section) is the plain rotary on text, where a token's three position ids are equal: the zoo
-model is the text model (the released Qwen3.5 folders are Qwen3_5ForConditionalGeneration, with the text model
-under model.language_model and config.json's text_config: not read here).
+rotary (mrope_section) is the plain rotary on text, where a token's three position ids are equal.
 
-`save` writes a model with MoE blocks as Qwen3NextForCausalLM and one with MLP blocks as Qwen3_5ForCausalLM.
+The released Qwen3.5 folders are multimodal (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration):
+the zoo reads their language model, which is the text model above: config.json's text_config is its config, but
+for tie_word_embeddings, which transformers' multimodal model ties by the outer config's (default false); its
+tensors are under model.language_model. (lm_head.weight at the top). The vision tower (model.visual.*) is skipped
+as transformers' text models skip it; the vision fields (vision_config, the image and video token ids) only matter
+with pixel inputs, which a text-only generate from transformers does not have either, so they are ignored: on token
+ids the zoo model gives transformers' multimodal model's logits.
+
+`save` writes a model with MoE blocks as Qwen3NextForCausalLM and one with MLP blocks as Qwen3_5ForCausalLM, a
+loaded multimodal folder too (its text model, without the vision tower).
 """
 
 import numpy as np
@@ -43,8 +50,12 @@ from zoo.hf.convert import conv, linear, one, outer_rows, refuse, same
 from zoo.schema import to_dict
 
 ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
-                 "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
-IGNORED_PREFIXES = ("mtp.",)  # the multi-token-prediction head, which transformers does not load either
+                 "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
+                 "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",  # -> the architecture of its text model
+              "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+# the multi-token-prediction head and the vision tower, which transformers' Qwen3.5 text models do not load either
+IGNORED_PREFIXES = ("mtp.", "model.visual.")
 TYPES = {"full_attention": "attention", "linear_attention": "gated_deltanet"}
 centred = one(lambda a: 1.0 + a, lambda w: w - 1.0)  # zero-centred RMSNorm weight w <-> the zoo's 1 + w
 
@@ -59,9 +70,23 @@ def layer_types(hf: dict, where: str) -> list[str]:
     return types
 
 
+def text_config(hf: dict, arch: str, where: str) -> dict:
+    """The config of a multimodal folder's text model: text_config, with the outer tie_word_embeddings."""
+    if not isinstance(hf.get("text_config"), dict):
+        raise ValueError(f"{where}: {arch} needs its text model's config in text_config, a mapping; found "
+                         f"{hf.get('text_config')!r}")
+    return {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", False)}
+
+
 def model_section(hf: dict, arch: str, where: str) -> dict:
     """The model section of a Qwen3-Next or Qwen3.5 config.json: layer_pattern by layer_types (its shortest
-    period), MoE or (Qwen3.5) MLP blocks."""
+    period), MoE or (Qwen3.5) MLP blocks; of a multimodal Qwen3.5 folder's text model."""
+    if arch in MULTIMODAL:
+        text, where = text_config(hf, arch, where), f"{where} text_config"
+        try:
+            return model_section(text, MULTIMODAL[arch], where)
+        except KeyError as e:
+            raise ValueError(f"{where}: no field {e.args[0]}, which {arch}'s text model needs") from None
     family = ARCHITECTURES[arch]
     refuse(hf, where, hidden_act=lambda v: v in (None, "silu"), attention_bias=lambda v: not v,
            decoder_sparse_step=lambda v: v in (None, 1), mlp_only_layers=lambda v: not v,
@@ -146,10 +171,13 @@ def deltanet_rows(m, D: int, z: tuple, lin: str, grouped: bool) -> list[tuple]:
 
 
 def tensors(cfg, arch: str) -> list[tuple]:
-    """transformers' names: model.embed_tokens, layers (linear_attn or self_attn, mlp), model.norm."""
-    rows = outer_rows(cfg, norm="model.norm.weight", norm_form=centred)
+    """transformers' names: model.embed_tokens, layers (linear_attn or self_attn, mlp), model.norm; a multimodal
+    folder's under model.language_model. (lm_head: the same)."""
+    model = "model.language_model." if arch in MULTIMODAL else "model."
+    arch = MULTIMODAL.get(arch, arch)
+    rows = outer_rows(cfg, embed=model + "embed_tokens.weight", norm=model + "norm.weight", norm_form=centred)
     for i, (m, f) in enumerate(zip(cfg.mixers(), cfg.ffns())):
-        z, p = ("blocks", i), f"model.layers.{i}."
+        z, p = ("blocks", i), f"{model}layers.{i}."
         rows += [(z + ("mixer_norm", "weight"), [p + "input_layernorm.weight"], *centred),
                  (z + ("ffn_norm", "weight"), [p + "post_attention_layernorm.weight"], *centred)]
         rows += attention_rows(m, cfg.d_model, z, p + "self_attn.") if m.KIND == "attention" else \
