@@ -44,7 +44,6 @@ from zoo.schema import to_dict
 
 ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
                  "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
-IGNORED_PREFIXES = ("mtp.",)  # the multi-token-prediction head, which transformers does not load either
 TYPES = {"full_attention": "attention", "linear_attention": "gated_deltanet"}
 centred = one(lambda a: 1.0 + a, lambda w: w - 1.0)  # zero-centred RMSNorm weight w <-> the zoo's 1 + w
 
@@ -57,6 +56,11 @@ def layer_types(hf: dict, where: str) -> list[str]:
         raise ValueError(f"{where}: layer_types={types} must give one of {', '.join(TYPES)} for each of the "
                          f"num_hidden_layers={n} layers")
     return types
+
+
+def ignored_prefixes(hf: dict) -> tuple[str, ...]:
+    """The multi-token-prediction head (mtp.*), which transformers does not load either."""
+    return ("mtp.",)
 
 
 def model_section(hf: dict, arch: str, where: str) -> dict:
