@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,  # FP8 checkpoints (DeepSeek-V3's)
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
@@ -52,6 +53,10 @@ class SafetensorsFile:
 
     def shape(self, name: str) -> tuple:
         return tuple(self.entries[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        """The tensor's dtype as the header names it ("F32", "F8_E4M3", ...)."""
+        return self.entries[name]["dtype"]
 
     def get(self, name: str) -> np.ndarray:
         e = self.entries[name]

@@ -51,7 +51,6 @@ def test_the_bias_needs_a_state_that_holds_it(loaded):
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     (dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported"),
     (dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
-    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config=.* is not supported"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
      "rope_scaling type 'dynamic' is not supported with multi-head latent attention"),
 ])

@@ -4,7 +4,8 @@ A folder is what `save_pretrained` writes: config.json, model.safetensors (or sh
 model.safetensors.index.json) and tokenizer.json. `load` derives the zoo config from config.json,
 builds the model abstractly (no weights made), then reads the checkpoint one tensor at a time
 (memory-mapped, zoo/safetensors.py), casts each to `dtype` and places it on the mesh's sharding when
-a mesh is given: beyond the model itself, at most one tensor is held (its mapped pages and one copy).
+a mesh is given: beyond the model itself, at most one parameter's tensors are held (mapped pages and a copy;
+an FP8 one's dequantized in `dtype`).
 
 Architectures (config.json `architectures`), with the zoo options each needs:
 - LlamaForCausalLM (Llama 1/2/3: rope_scaling linear, llama3, yarn, dynamic), MistralForCausalLM (window),
@@ -43,6 +44,11 @@ Architectures (config.json `architectures`), with the zoo options each needs:
   rounded to bfloat16 (model.embed_scale), the logits soft-capped (model.logit_softcap), (1 + w) norm weights.
 Anything else is refused naming the architecture and this list, and a config.json setting the zoo
 cannot honour (a rope type, a bias, an activation) is refused naming the field.
+
+FP8 folders of any of them (quantization_config quant_method fp8, transformers' fine-grained FP8: DeepSeek-V3 /
+V3.1 / R1, Kimi K2, Qwen3 FP8) are dequantized as they are read: each float8 tensor times the <name>_scale_inv of
+its weight_block_size block (the last blocks ragged), to the load's dtype (convert.fp8_blocks, convert.dequantize);
+other quantizations, and a scale missing or of the wrong shape, refused by name. save writes float weights.
 
 Parity: logits equal transformers' (fla's for GLA and RWKV-7) to float32 rounding within the context
 (tests/zoo/test_hf.py against fixtures made by tests/fixtures/hf/make_fixtures.py and

@@ -16,6 +16,7 @@ from zoo.hf import (
     recurrent_gemma,
     rwkv7,
 )
+from zoo.hf.convert import fp8_blocks
 
 MODULES = (llama, mamba, gla, rwkv7, lfm2, jamba, qwen3_next, nemotron_h, falcon_h1, deepseek, kimi_linear,
            recurrent_gemma)
@@ -31,8 +32,10 @@ def architecture(hf: dict, where: str = "config.json") -> str:
 
 
 def model_config(hf: dict, dtype: str = "float32", where: str = "config.json") -> ModelConfig:
-    """The zoo ModelConfig of a config.json; a field it needs and lacks is a ValueError naming it."""
+    """The zoo ModelConfig of a config.json; a field it needs and lacks is a ValueError naming it, as is a
+    quantization_config other than the FP8 one `load` dequantizes (convert.fp8_blocks)."""
     arch = architecture(hf, where)
+    fp8_blocks(hf, where)
     try:
         section = MODULE_OF[arch].model_section(hf, arch, where)
     except KeyError as e:
@@ -52,10 +55,12 @@ def scales(cfg: ModelConfig, arch: str, hf: dict) -> dict:
     return module.scales(cfg, hf) if hasattr(module, "scales") else {}
 
 
-def ignored(arch: str) -> tuple[str, ...]:
-    """Name prefixes of checkpoint tensors the architecture's model has no use for, as transformers skips
-    them too (Qwen3-Next's multi-token-prediction head, mtp.*; Qwen3.5's vision tower, model.visual.*)."""
-    return getattr(MODULE_OF[arch], "IGNORED_PREFIXES", ())
+def ignored(arch: str, hf: dict) -> tuple[str, ...]:
+    """Name prefixes of checkpoint tensors the architecture's model of config.json `hf` has no use for, as
+    transformers skips them too (the multi-token-prediction layers: Qwen3-Next's mtp.*, DeepSeek-V3's last; Qwen3.5's
+    vision tower, model.visual.*)."""
+    module = MODULE_OF[arch]
+    return module.ignored_prefixes(hf) if hasattr(module, "ignored_prefixes") else ()
 
 
 def hf_config(cfg: ModelConfig, param_shapes: dict) -> dict:

@@ -18,9 +18,10 @@ n_shared_experts ungated shared experts are one MLP of n_shared_experts x moe_in
 
 Refused by name: topk_method other than noaux_tc, scoring_func other than sigmoid, moe_layer_freq
 other than 1, rope_interleave false, attention_bias, hidden_act other than silu, num_key_value_heads
-other than num_attention_heads, n_shared_experts 0, quantization_config (FP8 checkpoints), dynamic
-rope. num_nextn_predict_layers (the multi-token-prediction modules) is outside the forward pass, as
-in transformers; a checkpoint holding their tensors is refused as having tensors without a place.
+other than num_attention_heads, n_shared_experts 0, dynamic rope. The num_nextn_predict_layers
+multi-token-prediction layers (model.layers.{num_hidden_layers + k}.*) are outside the forward pass and their
+tensors are not read, as in transformers. The released FP8 folders (quantization_config fp8 with
+128 x 128 blocks: DeepSeek-V3, V3.1, R1, Kimi K2) are dequantized as they are read (zoo.hf.convert.fp8_blocks).
 """
 
 import numpy as np
@@ -34,6 +35,12 @@ MLA_NORM_EPS = 1e-6  # transformers' q_a_layernorm and kv_a_layernorm keep Deeps
 MLP_NAMES = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
 
 
+def ignored_prefixes(hf: dict) -> tuple[str, ...]:
+    """The multi-token-prediction layers after the last, which transformers does not load either."""
+    L = hf["num_hidden_layers"]
+    return tuple(f"model.layers.{L + k}." for k in range(hf.get("num_nextn_predict_layers") or 0))
+
+
 def model_section(hf: dict, arch: str, where: str) -> dict:
     """The model section of a DeepSeek-V3 config.json: mla mixers, [mlp] * first_k_dense_replace + [moe] * the
     rest as model.ffn_pattern."""
@@ -41,8 +48,7 @@ def model_section(hf: dict, arch: str, where: str) -> dict:
     refuse(hf, where, hidden_act=lambda v: v in (None, "silu"), attention_bias=lambda v: not v,
            topk_method=lambda v: v in (None, "noaux_tc"), scoring_func=lambda v: v in (None, "sigmoid"),
            moe_layer_freq=lambda v: v in (None, 1), rope_interleave=lambda v: v in (None, True),
-           num_key_value_heads=lambda v: v in (None, H), n_shared_experts=lambda v: v is None or v >= 1,
-           quantization_config=lambda v: v is None)
+           num_key_value_heads=lambda v: v in (None, H), n_shared_experts=lambda v: v is None or v >= 1)
     base, scaling = rope(hf, where)
     if scaling is not None and scaling.type == "dynamic":
         raise ValueError(f"{where}: rope_scaling type 'dynamic' is not supported with multi-head latent attention")

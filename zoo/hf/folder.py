@@ -12,12 +12,15 @@ from flax import nnx
 from zoo import safetensors
 from zoo.config import ModelConfig
 from zoo.hf.architectures import architecture, hf_config, ignored, model_config, scales, tensors
+from zoo.hf.convert import dequantize, fp8_blocks
 from zoo.model import DTYPES, LanguageModel
 from zoo.schema import to_dict
 from zoo.sharding import state_shardings
 from zoo.tokenizer import HFTokenizer
 
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # buffers older Llama checkpoints carry; recomputed here
+FLOAT8 = ("F8_E4M3", "F8_E5M2")
+SCALE_DTYPES = ("F32", "BF16", "F16")  # an FP8 weight's scales; bytes (e8m0 exponents: DeepSeek-V4) refused
 
 
 def read_config(folder) -> dict:
@@ -51,6 +54,28 @@ def _variables(cfg: ModelConfig, arch: str) -> set[tuple]:
     return {p for row in tensors(cfg, arch) for p in (row[0] if isinstance(row[0], list) else [row[0]])}
 
 
+def _read(checkpoint: dict, name: str, blocks, dtype) -> tuple[np.ndarray, list[str]]:
+    """(tensor `name` of the checkpoint, the names read for it): a float8 one dequantized to `dtype` with the
+    scales of its blocks (`blocks`: config.json's FP8 quantization_config, convert.fp8_blocks), read from the
+    tensor <name>_scale_inv beside it; any other as it is stored."""
+    f = checkpoint[name]
+    if f.dtype(name) not in FLOAT8:
+        return f.get(name), [name]
+    scale = name + "_scale_inv"
+    if blocks is None:
+        raise ValueError(f"{f.path}: tensor {name} is {f.dtype(name)}, but config.json has no quantization_config "
+                         "of quant_method fp8 to say its scales' blocks")
+    if scale not in checkpoint:
+        raise ValueError(f"{f.path}: tensor {name} is {f.dtype(name)}, but the checkpoint has no {scale}, its "
+                         "scales, beside it")
+    shape, s = f.shape(name), checkpoint[scale]
+    grid = shape[:-2] + tuple(-(-n // b) for n, b in zip(shape[-2:], blocks))
+    if len(shape) < 2 or s.shape(scale) != grid or s.dtype(scale) not in SCALE_DTYPES:
+        raise ValueError(f"{s.path}: tensor {scale} is {s.dtype(scale)} {list(s.shape(scale))}, but {name}'s "
+                         f"{list(shape)} in blocks of {list(blocks)} needs float scales of shape {list(grid)}")
+    return dequantize(f.get(name), s.get(scale), blocks, dtype), [name, scale]
+
+
 def stored(cfg: ModelConfig, arch: str):
     """An nnx filter of what a checkpoint holds: the parameters, and the state the tensor table names
     besides them (an MoE's RouterBias: DeepSeek-V3's e_score_correction_bias)."""
@@ -60,12 +85,14 @@ def stored(cfg: ModelConfig, arch: str):
 
 def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
     """`params` (an nnx.State of the model `cfg` makes, abstract or not, holding what `stored` picks) with
-    every value read from the checkpoint in folder `path`, one tensor at a time, times the factor config.json's
+    every value read from the checkpoint in folder `path`, one tensor at a time (an FP8 one dequantized with its
+    blocks' scales to the parameter's dtype as it is read: convert.fp8_blocks), times the factor config.json's
     multipliers fold into it (architectures.scales: Falcon-H1's), cast to `dtype` (default: each parameter's own)
     and placed with `shardings` (an nnx.State of NamedShardings like params) when given."""
     folder = Path(path)
     hf = read_config(folder)
     arch = architecture(hf, str(folder / "config.json"))
+    blocks = fp8_blocks(hf, str(folder / "config.json"))
     folded = scales(cfg, arch, hf)  # config.json's multipliers, folded into the weights they scale
     checkpoint = _open_checkpoint(folder)
     flat = dict(nnx.to_flat_state(params))
@@ -79,6 +106,7 @@ def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
     for zpath, names, to_zoo, to_hf in tensors(cfg, arch):
         zpaths = zpath if isinstance(zpath, list) else [zpath]  # a list: parameters that share fused tensors
         expected = [a.shape for a in to_hf(*(np.empty(flat[p].shape, np.float32) for p in zpaths))]  # untouched
+        target = DTYPES[dtype] if dtype else flat[zpaths[0]].dtype
         arrays = []
         for name, shape in zip(names, expected):
             if name not in checkpoint:
@@ -88,14 +116,15 @@ def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
             if found != shape:
                 raise ValueError(f"{checkpoint[name].path}: tensor {name} has shape {found}, but config.json implies "
                                  f"{shape}")
-            arrays.append(checkpoint[name].get(name))
-        used.update(names)
+            array, read = _read(checkpoint, name, blocks, target)
+            arrays.append(array)
+            used.update(read)
         for p, value in zip(zpaths, to_zoo(arrays) if isinstance(zpath, list) else [to_zoo(arrays)], strict=True):
             value = np.asarray(value) * folded[p] if p in folded else np.asarray(value)
             value = value.astype(DTYPES[dtype] if dtype else flat[p].dtype, copy=False)
             flat[p].set_value(jax.device_put(value, placed.get(p), may_alias=False))  # copied: the file stays free
     extra = sorted(n for n in checkpoint
-                   if n not in used and not n.endswith(IGNORED_TENSORS) and not n.startswith(ignored(arch)))
+                   if n not in used and not n.endswith(IGNORED_TENSORS) and not n.startswith(ignored(arch, hf)))
     if extra:
         raise ValueError(f"{folder}: the checkpoint holds tensors {arch} with this config.json has no place for: "
                          f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
@@ -145,7 +174,8 @@ def derived_model_section(model: dict) -> dict:
 
 def save(model: LanguageModel, path, tokenizer: HFTokenizer | None = None):
     """Write `model` as a Hugging Face folder (config.json, model.safetensors in float32, and the
-    tokenizer's tokenizer.json when given) that `load` and transformers read with the same logits."""
+    tokenizer's tokenizer.json when given) that `load` and transformers read with the same logits. A model
+    loaded from an FP8 folder is written as its dequantized float weights, without quantization_config."""
     flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model))}  # parameters and state (a router's bias)
     config = hf_config(model.cfg, {p: v.shape for p, v in flat.items()})
     arch = config["architectures"][0]

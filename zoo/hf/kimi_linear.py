@@ -16,7 +16,7 @@ head_dim, num_heads, short_conv_kernel_size and the 1-based full_attn_layers / k
 transformers reads them. Refused by name: layer_types or mlp_layer_types entries other than theirs,
 moe_router_activation_func other than sigmoid, mla_use_nope false, moe_layer_freq other than 1,
 attention_bias, hidden_act other than silu, num_key_value_heads other than num_attention_heads,
-num_shared_experts 0, quantization_config.
+num_shared_experts 0. An FP8 quantization_config is dequantized as the folder is read (zoo.hf.convert.fp8_blocks).
 """
 
 from zoo.hf.convert import conv, linear, one, outer_rows, refuse, same
@@ -61,8 +61,7 @@ def model_section(hf: dict, arch: str, where: str) -> dict:
     refuse(hf, where, hidden_act=lambda v: v in (None, "silu"), attention_bias=lambda v: not v,
            moe_router_activation_func=lambda v: v in (None, "sigmoid"), mla_use_nope=lambda v: v in (None, True),
            moe_layer_freq=lambda v: v in (None, 1), num_key_value_heads=lambda v: v in (None, H),
-           num_shared_experts=lambda v: v is None or v >= 1, n_shared_experts=lambda v: v is None or v >= 1,
-           quantization_config=lambda v: v is None)
+           num_shared_experts=lambda v: v is None or v >= 1, n_shared_experts=lambda v: v is None or v >= 1)
     linear_cfg, eps = hf.get("linear_attn_config") or {}, hf.get("rms_norm_eps", 1e-5)
     mla = {"kind": "mla", "num_heads": H, "head_dim": hf["qk_nope_head_dim"], "v_head_dim": hf["v_head_dim"],
            "rope_dim": hf["qk_rope_head_dim"], "kv_lora_rank": hf["kv_lora_rank"], "q_lora_rank": hf.get("q_lora_rank"),

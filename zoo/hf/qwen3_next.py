@@ -54,8 +54,6 @@ ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qw
                  "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
 MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",  # -> the architecture of its text model
               "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
-# the multi-token-prediction head and the vision tower, which transformers' Qwen3.5 text models do not load either
-IGNORED_PREFIXES = ("mtp.", "model.visual.")
 TYPES = {"full_attention": "attention", "linear_attention": "gated_deltanet"}
 centred = one(lambda a: 1.0 + a, lambda w: w - 1.0)  # zero-centred RMSNorm weight w <-> the zoo's 1 + w
 
@@ -76,6 +74,12 @@ def text_config(hf: dict, arch: str, where: str) -> dict:
         raise ValueError(f"{where}: {arch} needs its text model's config in text_config, a mapping; found "
                          f"{hf.get('text_config')!r}")
     return {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", False)}
+
+
+def ignored_prefixes(hf: dict) -> tuple[str, ...]:
+    """The multi-token-prediction head (mtp.*) and the vision tower (model.visual.*), which transformers' Qwen3.5
+    text models do not load either."""
+    return ("mtp.", "model.visual.")
 
 
 def model_section(hf: dict, arch: str, where: str) -> dict:
