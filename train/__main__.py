@@ -13,6 +13,7 @@ import sys
 from zoo import load_config
 from zoo.config import DataConfig, ExitsConfig, MeshConfig, ModelConfig, TokenizerConfig, TrainConfig
 from zoo.registry import FFNS, MIXERS
+from zoo.schema import to_dict
 
 
 def _help() -> str:
@@ -24,7 +25,7 @@ def _help() -> str:
     for title, table in (("model.mixer / model.layer_pattern[i]", MIXERS), ("model.ffn", FFNS)):
         parts.append(f"  {title} kinds:")
         for kind, cls in table.items():
-            keys = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
+            keys = ", ".join(f"{f.name}={to_dict(f.default)!r}" for f in dataclasses.fields(cls))  # YAML's form
             parts.append(f"    {kind}: {' '.join((cls.__doc__ or '').split())}\n      keys: {keys}")
     return "\n".join(parts)
 
