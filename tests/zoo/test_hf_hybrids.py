@@ -1,12 +1,11 @@
 """Every hybrid architecture zoo.hf loads serves through the zoo's decoding features, from its fixture folder
-(tests/fixtures/hf, written by transformers: make_fixtures.py): its int8 copy (W8A8 products) decodes in
-pieces as its own full pass; exits added to it (fresh exit norms, the shared head, the rest read from the
-folder) leave its greedy tokens as they were: self-speculation from its first layer gives transformers' greedy
-tokens exactly (test_hf: the loaded model's too; the drafts of one layer are often rejected, so every layer kind
-rolls back); and token-level exit at
-threshold 0 leaves every generated token at the exit. And a run with model.init_from a hybrid's folder starts
-from its weights, the MoE's router bias (DeepSeek-V3's e_score_correction_bias, state beside the parameters)
-included."""
+(tests/fixtures/hf, written by transformers: make_fixtures.py): its int8 copy (W8A8 products) decodes in pieces as
+its own full pass; exits added to it (fresh exit norms, the shared head, the rest read from the folder) leave its
+greedy tokens as they were: self-speculation from its first layer gives transformers' greedy tokens exactly
+(test_hf: the loaded model's too; the drafts of one layer are often rejected, so every layer kind rolls back); and
+token-level exit at threshold 0 leaves every generated token at the exit. And a run with model.init_from a
+hybrid's folder starts from its weights, the MoE's router bias (DeepSeek-V3's e_score_correction_bias, state
+beside the parameters) included."""
 
 import dataclasses
 
@@ -46,15 +45,16 @@ def test_a_loaded_hybrid_decodes_quantized_exits_and_speculates(case):
 
 
 def test_a_run_starts_from_a_hybrid_folders_weights_and_router_bias(tmp_path):
-    """Kimi Linear: a layer_pattern (KDA, MLA), an ffn_pattern (dense, then MoE) and a router bias."""
+    """DeepSeek-V3: an ffn_pattern (dense, then MoE) and a router bias (its e_score_correction_bias). (Kimi Linear's
+    KDA layers beside would add 4 CPU-s of compile and nothing init_from reads differently.)"""
     from train.loop import run
     from zoo.checkpoint import load_model
-    overrides = ["model.init_from=tests/fixtures/hf/kimi_linear", "train.steps=1", "train.lr=1e-9",
+    overrides = ["model.init_from=tests/fixtures/hf/deepseek_v3", "train.steps=1", "train.lr=1e-9",
                  "train.warmup_steps=0", "train.batch_size=2", "train.seq_len=16", "train.eval_every=1",
                  "train.checkpoint_every=1"]
     run(zoo.load_config("configs/finetune.yaml", overrides), tmp_path, log=lambda *_: None)
     _, trained, _ = load_model(tmp_path)
-    loaded, _ = zoo.hf.load(FIXTURES / "kimi_linear")
+    loaded, _ = zoo.hf.load(FIXTURES / "deepseek_v3")
     leaves = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
     for a, b in zip(leaves(trained), leaves(loaded), strict=True):  # one step at lr 1e-9 moves nothing visible
         np.testing.assert_allclose(a, b, atol=1e-6)
