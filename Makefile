@@ -23,7 +23,7 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 notebooks: $(STAMP)
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && mkdir "$$tmp/notebooks" && \

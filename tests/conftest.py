@@ -49,21 +49,3 @@ def _release_compiled_programs():
         if sum(1 for _ in f) > 30_000:
             jax.clear_caches()
             gc.collect()
-
-
-# The files that take longest, longest first (seconds of a quiet run, 2026-12-07): `make test` hands whole files to
-# its two workers in this order (--no-loadscope-reorder), so the last files to start are short ones and the workers
-# finish together. xdist's own order, by number of tests, started test_sharding.py (2 tests, 33 s) and
-# test_hf_hybrids.py (10 tests, 53 s) last. A file not listed keeps its place after these.
-LONGEST_FIRST = ("train/test_configs.py", "layers/test_conformance.py", "zoo/test_hf.py", "zoo/test_hf_hybrids.py",
-                 "zoo/test_kinds.py", "test_docs.py", "zoo/test_impl.py", "train/test_tasks.py",
-                 "train/test_resume.py", "train/test_sharding.py", "infer/test_quantize.py", "test_notebooks.py",
-                 "kernels/test_x64.py", "infer/test_prune.py", "layers/test_attention.py",
-                 "kernels/test_attention_pallas_tpu.py", "train/test_distill.py", "train/test_sweep.py",
-                 "infer/test_speculative.py", "infer/test_early_exit.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    where = lambda item: rank.get(item.path.relative_to(item.config.rootpath / "tests").as_posix(), len(rank))
-    items.sort(key=where)  # stable: each file's tests, and the unlisted files, keep their order
