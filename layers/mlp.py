@@ -5,6 +5,7 @@ Nemotron-H, y = W_down relu(W_up x)^2, without W_gate (its default width 4 d_mod
 SwiGLU's default width); "geglu" is GeGLU (Shazeer, 2020), y = W_down (gelu(W_gate x) * W_up x) with
 GELU's tanh approximation (Griffin's and RecurrentGemma's MLP; transformers' gelu_pytorch_tanh).
 `bias` adds b_gate, b_up (hidden_dim,) and b_down (d_model,) to the three products (RecurrentGemma's).
+`activate` is that hidden activation alone, which the MoE's experts (layers/moe.py) share.
 """
 
 from typing import Annotated
@@ -21,6 +22,12 @@ from layers.sharding import axes
 
 ACTIVATIONS = ("swiglu", "relu2", "geglu")
 GATES = {"swiglu": jax.nn.silu, "geglu": lambda x: jax.nn.gelu(x, approximate=True)}  # the gated forms' σ
+
+
+def activate(activation: str, up, gate=None):
+    """An MLP's hidden activations from its up product and, for the gated forms, its gate product: relu(up)^2
+    (relu2, no gate) or σ(gate) * up (swiglu, geglu)."""
+    return jnp.square(jax.nn.relu(up)) if activation == "relu2" else GATES[activation](gate) * up
 
 
 def default_hidden_dim(d_model: int) -> int:
@@ -66,9 +73,5 @@ class MLP(nnx.Module):
             y = project(a, w(weight))
             return y if b is None else y + w(b)
 
-        up = linear(x, self.w_up, self.b_up)
-        if self.w_gate is None:  # relu2
-            h = jnp.square(jax.nn.relu(up))
-        else:
-            h = GATES[self.activation](linear(x, self.w_gate, self.b_gate)) * up
-        return linear(h, self.w_down, self.b_down)
+        gate = None if self.w_gate is None else linear(x, self.w_gate, self.b_gate)  # relu2: no gate
+        return linear(activate(self.activation, linear(x, self.w_up, self.b_up), gate), self.w_down, self.b_down)

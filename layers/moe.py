@@ -7,7 +7,9 @@ balancing (DeepSeek-V3, 2024), capacity-based or dropless (grouped-matmul, MegaB
 For the N = B*T tokens x_n (rows of `xf`), router logits l = x W_r in float32 (`logits`, (N, E)),
 scores p = softmax(l) (`scoring="softmax"`, the default) or p = sigmoid(l) (`scoring="sigmoid"`,
 DeepSeek-V3's affinities; `scores`). Each expert e is a SwiGLU MLP (layers/mlp.py) with stacked weights
-`w_gate`, `w_up` (E, D, F) and `w_down` (E, F, D):  FFN_e(x) = (silu(x W_g^e) * x W_u^e) W_d^e.
+`w_gate`, `w_up` (E, D, F) and `w_down` (E, F, D):  FFN_e(x) = (silu(x W_g^e) * x W_u^e) W_d^e; `activation`
+takes the MLP's other forms: geglu (gelu_tanh for silu) or relu2, FFN_e(x) = relu(x W_u^e)^2 W_d^e without
+w_gate (Nemotron-H's experts), for the routed and the shared experts alike.
 
     y_n = routed_scale * sum_{e in S_n} g_{n,e} FFN_e(x_n)  +  sum_{s < num_shared_experts} FFN_s^shared(x_n)
 
@@ -120,7 +122,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from layers.mlp import MLP, default_hidden_dim
+from layers.mlp import ACTIVATIONS, GATES, MLP, activate, default_hidden_dim
 from layers.options import NonNegFloat, NonNegInt, OneOf, PosFloat, PosInt, Range
 from layers.shapes import check_input
 from layers.sharding import axes, constrain
@@ -170,7 +172,8 @@ class MoE(nnx.Module):
     (num_shared_experts, DeepSeekMoE; shared_hidden_dim: their own width, None = num_shared_experts x hidden_dim;
     shared_gate: a sigmoid gate on them per token, Qwen2-MoE); scoring: softmax or sigmoid (DeepSeek-V3) router scores;
     num_groups, top_groups: each token chooses among the experts of its top_groups best of num_groups expert groups
-    (DeepSeek-V3; None = all); routed_scale: a factor on the routed experts' sum. hidden_dim None = the dense width /
+    (DeepSeek-V3; None = all); routed_scale: a factor on the routed experts' sum; activation: the experts' (routed
+    and shared) MLP form, swiglu, geglu or relu2 (no w_gate: Nemotron-H's). hidden_dim None = the dense width /
     active experts (same active params); dtype: the compute dtype (parameters stay float32)."""
 
     def __init__(self, d_model: int, *, num_experts: PosInt = 8, top_k: PosInt = 2, hidden_dim: PosInt | None = None,
@@ -184,10 +187,11 @@ class MoE(nnx.Module):
                  router_jitter: Annotated[float, Range(0, 1, hi_open=True)] = 0.0,
                  shared_hidden_dim: PosInt | None = None, shared_gate: bool = False,
                  scoring: Annotated[str, OneOf("softmax", "sigmoid")] = "softmax", num_groups: PosInt = 1,
-                 top_groups: PosInt | None = None, routed_scale: PosFloat = 1.0, dtype=jnp.float32, rngs: nnx.Rngs):
+                 top_groups: PosInt | None = None, routed_scale: PosFloat = 1.0,
+                 activation: Annotated[str, OneOf(*ACTIVATIONS)] = "swiglu", dtype=jnp.float32, rngs: nnx.Rngs):
         for name, value, valid in (("router", router, ROUTERS), ("score_order", score_order, SCORE_ORDERS),
                                    ("dispatch", dispatch, DISPATCHES), ("balance", balance, BALANCES),
-                                   ("scoring", scoring, SCORINGS)):
+                                   ("scoring", scoring, SCORINGS), ("activation", activation, ACTIVATIONS)):
             _choose(name, value, valid)
         if num_experts < 1:
             raise ValueError(f"MoE: num_experts={num_experts} must be >= 1" + (
@@ -235,17 +239,19 @@ class MoE(nnx.Module):
         self.balance_loss_weight, self.z_loss_weight = balance_loss_weight, z_loss_weight
         self.bias_update_rate, self.router_jitter, self.dtype = bias_update_rate, router_jitter, dtype
         self.scoring, self.num_groups, self.top_groups = scoring, num_groups, top_groups
-        self.routed_scale = routed_scale
+        self.routed_scale, self.activation = routed_scale, activation
         self.deterministic = False
         into, out = axes("expert", "embed", "mlp"), axes("expert", "mlp", "embed")
         self.w_router = nnx.Param(nnx.initializers.normal((0.1 / d_model) ** 0.5)(rngs.params(), (d_model, E)),
                                   **axes("embed", None))
-        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (E, d_model, F)), **into)
+        self.w_gate = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (E, d_model, F)), **into) \
+            if activation in GATES else None
         self.w_up = nnx.Param(nnx.initializers.normal(d_model ** -0.5)(rngs.params(), (E, d_model, F)), **into)
         self.w_down = nnx.Param(nnx.initializers.normal(F ** -0.5)(rngs.params(), (E, F, d_model)), **out)
         self.bias = RouterBias(jnp.zeros((E,), jnp.float32))
         if num_shared_experts:
-            self.shared = MLP(d_model, hidden_dim=shared_hidden_dim or num_shared_experts * F, dtype=dtype, rngs=rngs)
+            self.shared = MLP(d_model, hidden_dim=shared_hidden_dim or num_shared_experts * F, activation=activation,
+                              dtype=dtype, rngs=rngs)
         self.w_shared_gate = nnx.Param(jnp.zeros((d_model, 1), jnp.float32), **axes("embed", None)) \
             if shared_gate else None
         if router_jitter > 0:
@@ -257,14 +263,19 @@ class MoE(nnx.Module):
             self.deterministic = deterministic
 
     def _weights(self):
-        return tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        """(w_gate or None, w_up, w_down) in the compute dtype."""
+        return tuple(None if w is None else w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+
+    def _hidden(self, spec, x, wg, wu):
+        """The experts' hidden activations, their products by the einsum `spec`."""
+        return activate(self.activation, jnp.einsum(spec, x, wu), None if wg is None else jnp.einsum(spec, x, wg))
 
     def _experts_batched(self, xb):
         """Every expert on its own buffer: (E, C, D) -> (E, C, D). On a mesh the buffers are split
         over the `expert` axis, beside their experts' weights (no-op on one device)."""
         wg, wu, wd = self._weights()
         xb = constrain(xb, ("expert", None, None))
-        h = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", xb, wg)) * jnp.einsum("ECD,EDF->ECF", xb, wu)
+        h = self._hidden("ECD,EDF->ECF", xb, wg, wu)
         return constrain(jnp.einsum("ECF,EFD->ECD", h, wd), ("expert", None, None))
 
     def _experts_grouped(self, xs, expert, group_sizes):
@@ -279,8 +290,8 @@ class MoE(nnx.Module):
         dest = (tile_end - tiles)[expert] * tile + jnp.arange(M) - starts[expert]  # (M,) row in the tiled buffer
         tiled = jnp.zeros((n_tiles * tile, D), xs.dtype).at[dest].set(xs).reshape(n_tiles, tile, D)
         owner = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"), E - 1)  # (n_tiles,)
-        wg, wu, wd = (w[owner] for w in self._weights())  # (n_tiles, D, F) ...
-        h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", tiled, wg)) * jnp.einsum("tmd,tdf->tmf", tiled, wu)
+        wg, wu, wd = (None if w is None else w[owner] for w in self._weights())  # (n_tiles, D, F) ...
+        h = self._hidden("tmd,tdf->tmf", tiled, wg, wu)
         return jnp.einsum("tmf,tfd->tmd", h, wd).reshape(n_tiles * tile, D)[dest]
 
     def _token_choice(self, logits, scores, k, order, renormalize):

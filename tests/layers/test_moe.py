@@ -77,6 +77,22 @@ def test_identical_experts_equal_the_dense_mlp():
         assert_close(y, scale * dense, 1e-5, name)
 
 
+def test_relu2_experts_equal_the_dense_relu2_mlp():
+    """activation relu2 (Nemotron-H's experts): no w_gate; identical experts and a shared expert of the same
+    weights give twice the dense relu2 MLP (the gates sum to 1), in training through either dispatch."""
+    mlp = MLP(D, hidden_dim=F, activation="relu2", rngs=nnx.Rngs(1))
+    models = [moe(activation="relu2", dispatch=d, capacity_factor=E, num_shared_experts=1) for d in DISPATCHES]
+    for m in models:
+        assert m.w_gate is None and m.shared.w_gate is None
+        for w in ("w_up", "w_down"):
+            getattr(m, w)[...] = jnp.broadcast_to(getattr(mlp, w)[...], getattr(m, w).shape)
+            getattr(m.shared, w)[...] = getattr(mlp, w)[...]
+    ys, sown, _ = run(models, X)
+    for y, s in zip(ys, sown):
+        assert s["dropped_fraction"] == 0
+        assert_close(y, 2 * mlp(X), 1e-5, "relu2 experts")
+
+
 def test_dropless_equals_capacity_when_nothing_is_dropped():
     deepseek = dict(scoring="sigmoid", num_groups=2, top_groups=1, routed_scale=2.0, balance="bias")
     models = [moe(router=rt, top_k=k, dispatch=d, capacity_factor=E / k, **kw)
@@ -339,6 +355,7 @@ def test_every_router_score_order_and_dispatch_runs():
     (dict(num_groups=2, top_groups=3), "top_groups=3 must be between 1 and num_groups"),
     (dict(num_groups=4, top_groups=1), "num_groups=4 limits each token's top_k=2 experts to its top_groups=1 groups"),
     (dict(router="expert_choice", num_groups=2), "(token choice only)"),
+    (dict(activation="gelu"), "activation='gelu' is not one of 'swiglu', 'relu2', 'geglu'"),
 ])
 def test_bad_configs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):

@@ -69,6 +69,7 @@ IDENTITY = {
     "llama": {}, "qwen2": {}, "qwen2_moe": {}, "qwen3_moe": {}, "mamba2": {}, "fla_gla": {}, "fla_rwkv7": {},
     "jamba": {},  # the layer and FFN patterns written back as attn/expert layer periods
     "nemotron_h": {"hybrid_override_pattern": "M-*-MM-*"},  # the zoo blocks written back as the pattern's layers
+    "nemotron_h_moe": {"hybrid_override_pattern": "M-*EME"},  # from layers_block_type; the experts, the bias
     "lfm2": {"intermediate_size": 96, "block_auto_adjust_ff_dim": False},  # the MLP width as it is, not re-derived
     "deepseek_v3": {},  # MLA with a query latent, the dense-then-MoE FFNs, the correction bias
     "deepseek_v3_q_proj": {},  # MLA with q_proj (no query latent)
@@ -256,6 +257,7 @@ DECODE = {
     "qwen3": None,  # qk_norm
     "jamba": None,  # Mamba's state and convolution window beside attention's cache, the MoE
     "nemotron_h": None,  # Mamba-2's state and convolution window beside attention's cache
+    "nemotron_h_moe": [12],  # the same beside the relu2 MoE (one shape: one compile; greedy covers single steps)
     "falcon_h1": None,  # the same in one block: the parallel mixer's state, a tuple of its parts' states
     "lfm2": [5, 6, 7, 12, 13],  # both mixers: the conv window and the KV cache with qk_norm and rotary
     "deepseek_v3": None,  # the absorbed latent-cache decode with yarn and the MoE's routing

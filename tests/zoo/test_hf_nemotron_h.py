@@ -1,6 +1,6 @@
-"""zoo.hf on Nemotron-H (tests/fixtures/hf/nemotron_h, made by make_fixtures.py; its logits and greedy
-tokens are checked with every fixture in test_hf.py, as are save (which writes hybrid_override_pattern) then load
-and decoding): the pattern's layers as zoo blocks, and what load and save refuse, by name."""
+"""zoo.hf on Nemotron-H (tests/fixtures/hf/nemotron_h and nemotron_h_moe, made by make_fixtures.py; their logits
+and greedy tokens are checked with every fixture in test_hf.py, as are save (which writes hybrid_override_pattern)
+then load and decoding): the pattern's layers as zoo blocks, and what load and save refuse, by name."""
 
 import pytest
 
@@ -26,16 +26,28 @@ def test_each_mixer_layer_and_its_mlp_layer_are_one_block(loaded):
     assert (mlp.activation, mlp.hidden_dim) == ("relu2", 64)
 
 
+def test_an_moe_layer_is_the_ffn_of_the_mixer_before_it():
+    """M-*EME (6 layers): 3 blocks; the MoE's relu2 experts behind DeepSeek-V3's router."""
+    cfg = zoo.hf.model_config(zoo.hf.read_config(HF_FIXTURES / "nemotron_h_moe"))
+    assert [(m.KIND, f.KIND) for m, f in zip(cfg.mixers(), cfg.ffns())] == \
+        [("mamba2", "mlp"), ("attention", "moe"), ("mamba2", "moe")]
+    moe = cfg.ffns()[1]
+    assert (moe.activation, moe.scoring, moe.balance, moe.num_groups, moe.top_groups, moe.renormalize) == \
+        ("relu2", "sigmoid", "bias", 2, 1, True)
+    assert (moe.num_experts, moe.top_k, moe.hidden_dim, moe.shared_hidden_dim, moe.routed_scale) == (4, 2, 16, 24, 1.5)
+
+
 @pytest.mark.parametrize("changes, message", [
-    (dict(hybrid_override_pattern="M-*E"), r"hybrid_override_pattern='M-\*E' has MoE layers"),
-    (dict(layers_block_type=["linear_attention", "moe"]), r"layers_block_type \(pattern 'ME'\) has MoE layers"),
+    (dict(layers_block_type=["moe", "linear_attention"]), r"layers_block_type \(pattern 'EM'\): the MoE layer 0 "
+                                                          "follows no mixer layer"),
     (dict(hybrid_override_pattern="-M*"), "the MLP layer 0 follows no mixer layer"),
-    (dict(hybrid_override_pattern="M--*"), "the MLP layer 2 follows no mixer layer"),
+    (dict(hybrid_override_pattern="M-E*"), "the MoE layer 2 follows no mixer layer"),
+    (dict(moe_latent_size=8), "moe_latent_size=8 is not supported"),
     (dict(mlp_hidden_act="silu"), "mlp_hidden_act='silu' is not supported"),
     (dict(use_bias=True), "use_bias=True is not supported"),
     (dict(time_step_limit=[0.0, 0.1]), r"time_step_limit=\[0.0, 0.1\] is not supported"),
     (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers=1 is not supported"),
-], ids=["moe", "moe_list", "mlp_first", "mlp_twice", "silu", "bias", "dt_limit", "mtp"])
+], ids=["moe_first", "mlp_first", "moe_after_mlp", "latent", "silu", "bias", "dt_limit", "mtp"])
 def test_unsupported_configs_are_refused_naming_the_field(tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
         zoo.hf.load(hf_fixture(tmp_path, "nemotron_h", **changes))
@@ -50,7 +62,10 @@ def _set(part: str, i: int, **changes):
     (_set("layer_pattern", 2, norm_before_gate=True), "layer 2 mixer.norm_before_gate=True has no place"),
     (_set("layer_pattern", 1, rope_fraction=1.0), "layer 1 mixer.rope_fraction=1.0 has no place"),
     (lambda s: s["ffn_pattern"].__setitem__(1, {"kind": "moe", "num_experts": 4, "top_k": 2}),
-     "Nemotron-H's blocks are mamba2 or attention mixers"),
-], ids=["swiglu", "norm_before_gate", "rotary", "moe"])
+     "Nemotron-H's MoE has relu2 experts and a shared expert; this moe has activation 'swiglu'"),
+    (lambda s: s["ffn_pattern"].__setitem__(1, {"kind": "moe", "num_experts": 4, "top_k": 2, "activation": "relu2",
+                                                "num_shared_experts": 1, "balance": "bias"}),
+     "layer 1 ffn.scoring='softmax' has no place in NemotronH"),
+], ids=["swiglu", "norm_before_gate", "rotary", "moe_swiglu", "moe_softmax"])
 def test_save_refuses_what_nemotron_h_cannot_hold(loaded, tmp_path, edit, message):
     assert_save_refuses(edited_config(loaded[0].cfg, edit), message, tmp_path)

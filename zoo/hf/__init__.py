@@ -33,7 +33,9 @@ Architectures (config.json `architectures`), with the zoo options each needs:
 - JambaForCausalLM (jamba.py): mamba (inner_norms) and attention (rope_fraction 0) layers by
   attn_layer_period / offset, SwiGLU MLP or MoE (softmax top-k, not renormalised) by expert_layer_period /
   offset; NemotronHForCausalLM (nemotron_h.py): hybrid_override_pattern's "M" (mamba2) and "*" (attention
-  without positions) layers, each with the "-" layer after it (relu2 MLP) as one zoo block, or ffn none;
+  without positions) layers, each with the "-" layer after it (relu2 MLP) or the "E" layer after it (Nemotron 3
+  Nano's MoE: relu2 experts and shared expert, DeepSeek-V3's sigmoid group-limited router with the correction
+  bias; moe_latent_size refused) as one zoo block, or ffn none;
 - FalconH1ForCausalLM (falcon_h1.py): a parallel mixer of a mamba2 (d_inner, output_norm grouped or none) and an
   attention in every layer, SwiGLU MLPs; its μP multipliers folded into the weights as they are read, so save
   writes them as 1.0 (a folder with the loaded model's logits, not the tensors it was read from);

@@ -112,16 +112,17 @@ def mlp_rows(z: tuple, mlp: str) -> list[tuple]:
     return [(z + ("ffn", w), [f"{mlp}{n}.weight"], *linear) for w, n in MLP_NAMES]
 
 
-def moe_rows(f, z: tuple, moe: str, experts=MLP_NAMES) -> list[tuple]:
+def moe_rows(f, z: tuple, moe: str, experts=MLP_NAMES, shared=MLP_NAMES) -> list[tuple]:
     """The rows of the MoE `f` at zoo path z + ("ffn",) from transformers' DeepseekV3MoE names under `moe`: gate
     (its weight and e_score_correction_bias: the MoE's RouterBias), experts.{e}.<the `experts` names of w_gate,
-    w_up, w_down>, shared_experts."""
+    w_up, w_down>, shared_experts.<the `shared` names> (pairs (zoo name, checkpoint name); without w_gate for
+    gate-less experts)."""
     stacked = (lambda a: np.stack([x.T for x in a]), lambda w: [x.T for x in w])  # E x (out, in)
     rows = [(z + ("ffn", "w_router"), [moe + "gate.weight"], *linear),
             (z + ("ffn", "bias"), [moe + "gate.e_score_correction_bias"], *same)]
     rows += [(z + ("ffn", w), [f"{moe}experts.{e}.{n}.weight" for e in range(f.num_experts)], *stacked)
              for w, n in experts]
-    return rows + [(z + ("ffn", "shared", w), [f"{moe}shared_experts.{n}.weight"], *linear) for w, n in MLP_NAMES]
+    return rows + [(z + ("ffn", "shared", w), [f"{moe}shared_experts.{n}.weight"], *linear) for w, n in shared]
 
 
 def tensors(cfg, arch: str) -> list[tuple]:
@@ -146,7 +147,10 @@ def checked_ffns(cfg, param_shapes: dict, arch: str) -> tuple:
             or any(ffns[i] != ffns[mlps[0]] or ffns[i].activation != "swiglu" for i in mlps):
         raise ValueError(f"zoo.hf.save: {arch}'s FFNs are MoEs (one config) and SwiGLU MLPs (one config); this model "
                          f"has ffns {[f.KIND for f in ffns]}")
-    f, F = ffns[moes[0]], param_shapes[("blocks", moes[0], "ffn", "w_gate")][-1]
+    f = ffns[moes[0]]
+    if f.activation != "swiglu":
+        raise ValueError(f"zoo.hf.save: {arch}'s experts are SwiGLU MLPs; this MoE's activation is {f.activation!r}")
+    F = param_shapes[("blocks", moes[0], "ffn", "w_gate")][-1]
     if f.router != "topk" or f.scoring != "sigmoid" or not f.num_shared_experts or f.shared_gate \
             or param_shapes[("blocks", moes[0], "ffn", "shared", "w_gate")][-1] != f.num_shared_experts * F \
             or f.num_experts // f.num_groups < 2:

@@ -117,11 +117,11 @@ def hf_config(cfg, param_shapes: dict) -> dict:
     attn = [i for i, m in enumerate(layers) if m.KIND == "attention"]
     moe = [i for i, f in enumerate(ffns) if f.KIND == "moe"]
     if len(attn) != 1 or len(moe) > 1 or {m.KIND for m in layers} - {"attention", "mamba"} or \
-            {f.KIND for f in ffns} - {"mlp", "moe"}:
+            {f.KIND for f in ffns} - {"mlp", "moe"} or any(getattr(f, "activation", None) != "swiglu" for f in ffns):
         raise ValueError("zoo.hf.save: Jamba's model.layer_pattern is one attention period (one attention entry, "
                          "the others mamba) and its model.ffn_pattern one expert period (at most one moe entry, the "
-                         f"others mlp); this model has layers {[m.KIND for m in layers]} and FFNs "
-                         f"{[f.KIND for f in ffns]}")
+                         f"others mlp, all SwiGLU); this model has layers {[m.KIND for m in layers]} and FFNs "
+                         f"{[(f.KIND, getattr(f, 'activation', None)) for f in ffns]}")
     a = layers[attn[0]]
     m = next((m for m in layers if m.KIND == "mamba"), None)
     first = lambda kind: next(i for i, f in enumerate(cfg.ffns()) if f.KIND == kind)  # a layer of that FFN

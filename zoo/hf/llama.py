@@ -149,11 +149,11 @@ def hf_config(cfg, param_shapes: dict) -> dict:
     from its options."""
     m, f = cfg.mixer, cfg.ffn
     shared = f.KIND == "moe" and f.num_shared_experts
-    if f.KIND == "moe" and (not softmax_router(f) or shared and (
+    if f.KIND == "moe" and (not softmax_router(f) or f.activation != "swiglu" or shared and (
             f.num_shared_experts != 1 or not f.shared_gate or m.qk_norm)):
         raise ValueError("zoo.hf.save: an MoE saves as Mixtral / Qwen2-MoE / Qwen3-MoE only with router topk, "
                          "score_order softmax_then_topk, softmax scoring, one group, routed_scale 1, no router bias "
-                         "(balance bias) and, for Qwen2-MoE, one gated shared expert")
+                         "(balance bias), SwiGLU experts and, for Qwen2-MoE, one gated shared expert")
     if m.sinks or m.dilation != 1 or m.head_masks is not None:
         raise ValueError("zoo.hf.save: attention sinks, dilation and head_masks have no Hugging Face architecture")
     if m.output_gate or m.differential or m.rope_fraction != 1:

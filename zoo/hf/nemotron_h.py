@@ -4,10 +4,17 @@ residual layers, each one sublayer, spelled by hybrid_override_pattern (transfor
 "E" a mixture of experts.
 
 The zoo's block is a mixer then an FFN, each pre-norm residual: an "M" or "*" layer followed by a "-"
-layer is one zoo block (mixer, mlp with activation relu2), and one not followed by "-" a block with
-ffn none; model.layer_pattern and model.ffn_pattern hold every block's, so the zoo's num_layers is the
-number of "M" and "*" layers. A pattern that does not split this way ("-" first or after "-") and "E"
-layers (sigmoid-routed non-gated experts) are refused, naming the field.
+layer is one zoo block (mixer, mlp with activation relu2), one followed by an "E" layer a block with a moe
+(Nemotron 3 Nano's), and one followed by neither a block with ffn none; model.layer_pattern and
+model.ffn_pattern hold every block's, so the zoo's num_layers is the number of "M" and "*" layers. A pattern
+that does not split this way ("-" or "E" first or after another FFN layer) is refused, naming the field.
+- MoE: layers/moe.py with activation relu2 (experts and shared experts are non-gated squared-ReLU MLPs),
+  DeepSeek-V3's router (zoo.hf.deepseek.moe_section: sigmoid scores, e_score_correction_bias as the RouterBias in
+  the choice only, n_group / topk_group, norm_topk_prob, routed_scaling_factor), n_routed_experts of
+  moe_intermediate_size and one shared MLP of moe_shared_expert_intermediate_size (a width of 0 or null falls
+  back to intermediate_size, as in transformers, whose model reads neither n_shared_experts nor
+  moe_shared_expert_overlap); moe_latent_size (experts behind a down- and up-projection of the hidden state) is
+  refused by name;
 - Mamba-2: the zoo's mamba2 with the official gated norm (norm_before_gate: false, per group of n_groups,
   eps layer_norm_epsilon), inner width d_inner = mamba_num_heads x mamba_head_dim (Nemotron-Nano-9B-v2's is no
   multiple of hidden_size);
@@ -18,12 +25,15 @@ layers (sigmoid-routed non-gated experts) are refused, naming the field.
 """
 
 from zoo.hf.convert import conv, linear, number, outer_rows, refuse, same
+from zoo.hf.deepseek import moe_rows, moe_section
 from zoo.hf.jamba import attention_rows, refuse_unsaved
 
 ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h"}
 LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}  # transformers 5's names
 LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias",
           "time_step_limit": "mamba_dt_limit"}  # older config.json names, which win as in transformers
+FFN_LAYERS = {"-": "MLP", "E": "MoE"}
+EXPERT_NAMES = (("w_up", "up_proj"), ("w_down", "down_proj"))  # gate-less experts and shared experts
 
 
 def pattern(hf: dict, where: str) -> tuple[str, str]:
@@ -38,31 +48,30 @@ def pattern(hf: dict, where: str) -> tuple[str, str]:
     return chars, f"{where}: layers_block_type (pattern {chars!r})"
 
 
-def blocks(chars: str, field: str) -> list[tuple[str, bool]]:
-    """The zoo blocks of a pattern: (mixer character, followed by an MLP layer); `field` names it in errors."""
-    if "E" in chars:
-        raise ValueError(f"{field} has MoE layers (E), which the zoo does not load (Nemotron-H's experts are "
-                         "non-gated squared-ReLU MLPs behind a sigmoid router)")
-    if set(chars) - set("M*-"):
-        raise ValueError(f"{field} has layers {sorted(set(chars) - set('M*-'))}; expected M, *, - or E")
+def blocks(chars: str, field: str) -> list[tuple[str, str]]:
+    """The zoo blocks of a pattern: (mixer character, the FFN layer's after it: "-", "E" or ""); `field` names it
+    in errors."""
+    if set(chars) - set("M*-E"):
+        raise ValueError(f"{field} has layers {sorted(set(chars) - set('M*-E'))}; expected M, *, - or E")
     out, i = [], 0
     while i < len(chars):
-        if chars[i] == "-":
-            raise ValueError(f"{field}: the MLP layer {i} follows no mixer layer (the zoo's block is a mixer, then "
-                             "its FFN)")
-        mlp = chars[i + 1:i + 2] == "-"
-        out.append((chars[i], mlp))
-        i += 1 + mlp
+        if chars[i] in FFN_LAYERS:
+            raise ValueError(f"{field}: the {FFN_LAYERS[chars[i]]} layer {i} follows no mixer layer (the zoo's block "
+                             "is a mixer, then its FFN)")
+        ffn = chars[i + 1:i + 2] if chars[i + 1:i + 2] in FFN_LAYERS else ""
+        out.append((chars[i], ffn))
+        i += 1 + len(ffn)
     return out
 
 
 def model_section(hf: dict, arch: str, where: str) -> dict:
-    """The model section of a Nemotron-H config.json: one zoo block per mixer layer and its MLP layer."""
+    """The model section of a Nemotron-H config.json: one zoo block per mixer layer and its MLP or MoE layer."""
     hf = {**hf, **{new: hf[old] for new, old in LEGACY.items() if old in hf}}
     refuse(hf, where, mlp_hidden_act=lambda v: v in (None, "relu2"), mamba_hidden_act=lambda v: v in (None, "silu"),
            use_bias=lambda v: not v, mamba_proj_bias=lambda v: not v, mlp_bias=lambda v: not v,
            attention_bias=lambda v: not v, use_conv_bias=lambda v: v in (None, True),
            sliding_window=lambda v: v is None, num_nextn_predict_layers=lambda v: not v,
+           moe_latent_size=lambda v: v is None,
            time_step_limit=lambda v: v is None or [number(x) for x in v] == [0, float("inf")])
     D, eps = hf["hidden_size"], hf.get("layer_norm_epsilon", 1e-5)
     layers = blocks(*pattern(hf, where))
@@ -76,17 +85,23 @@ def model_section(hf: dict, arch: str, where: str) -> dict:
         H = hf["num_attention_heads"]
         mixers["*"] = {"kind": "attention", "num_heads": H, "num_kv_heads": hf.get("num_key_value_heads") or H,
                        "head_dim": hf.get("head_dim") or D // H, "rope_fraction": 0.0, "long_context": "full"}
-    mlp = {"kind": "mlp", "hidden_dim": hf["intermediate_size"], "activation": "relu2"} \
-        if any(m for _, m in layers) else None
+    ffns = {"": {"kind": "none"}}
+    if any(f == "-" for _, f in layers):
+        ffns["-"] = {"kind": "mlp", "hidden_dim": hf["intermediate_size"], "activation": "relu2"}
+    if any(f == "E" for _, f in layers):
+        ffns["E"] = {**moe_section(hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"],
+                                   hf.get("norm_topk_prob", True), hf.get("n_group"), hf.get("topk_group"),
+                                   hf.get("routed_scaling_factor", 1.0), 1), "activation": "relu2",
+                     "shared_hidden_dim": hf.get("moe_shared_expert_intermediate_size") or hf["intermediate_size"]}
     return {"vocab_size": hf["vocab_size"], "d_model": D, "num_layers": len(layers),
             "max_seq_len": hf.get("max_position_embeddings"), "layer_pattern": [mixers[c] for c, _ in layers],
-            "ffn_pattern": [mlp if m else {"kind": "none"} for _, m in layers],
+            "ffn_pattern": [ffns[f] for _, f in layers],
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "norm_eps": eps}
 
 
 def tensors(cfg, arch: str) -> list[tuple]:
     """transformers' NemotronHForCausalLM names: backbone.embeddings, layers (norm, mixer: the Mamba-2 mixer, the
-    attention or the MLP), backbone.norm_f; zoo block i holds one or two of those layers."""
+    attention, the MLP or the MoE), backbone.norm_f; zoo block i holds one or two of those layers."""
     rows = outer_rows(cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
     j = 0  # the checkpoint's layer of block i's mixer
     for i, (m, f) in enumerate(zip(cfg.mixers(), cfg.ffns())):
@@ -95,12 +110,12 @@ def tensors(cfg, arch: str) -> list[tuple]:
         rows.append((z + ("mixer_norm", "weight"), [p + "norm.weight"], *same))
         rows += attention_rows(z + ("mixer",), mix, m, cfg.d_model) if m.KIND == "attention" else \
             mamba2_rows(z + ("mixer",), mix, m)
-        if f.KIND == "mlp":
+        if f.KIND != "none":
             p = f"backbone.layers.{j + 1}."
-            rows += [(z + ("ffn_norm", "weight"), [p + "norm.weight"], *same),
-                     (z + ("ffn", "w_up"), [p + "mixer.up_proj.weight"], *linear),
-                     (z + ("ffn", "w_down"), [p + "mixer.down_proj.weight"], *linear)]
-        j += 1 + (f.KIND == "mlp")
+            rows.append((z + ("ffn_norm", "weight"), [p + "norm.weight"], *same))
+            rows += moe_rows(f, z, p + "mixer.", EXPERT_NAMES, EXPERT_NAMES) if f.KIND == "moe" else \
+                [(z + ("ffn", w), [f"{p}mixer.{n}.weight"], *linear) for w, n in EXPERT_NAMES]
+        j += 1 + (f.KIND != "none")
     return rows
 
 
@@ -115,13 +130,14 @@ def mamba2_rows(z: tuple, p: str, m) -> list[tuple]:
 
 
 def hf_config(cfg, param_shapes: dict) -> dict:
-    """The config.json of a model of mamba2 and attention blocks, each with a relu2 MLP or no FFN."""
+    """The config.json of a model of mamba2 and attention blocks, each with a relu2 MLP, a relu2 MoE (one config)
+    or no FFN."""
     mixers, ffns = cfg.mixers(), cfg.ffns()
-    if {m.KIND for m in mixers} - {"mamba2", "attention"} or {f.KIND for f in ffns} - {"mlp", "none"}:
-        raise ValueError("zoo.hf.save: Nemotron-H's blocks are mamba2 or attention mixers, each with a relu2 mlp or "
-                         f"none; this model has mixers {sorted({m.KIND for m in mixers})} and FFNs "
+    if {m.KIND for m in mixers} - {"mamba2", "attention"} or {f.KIND for f in ffns} - {"mlp", "moe", "none"}:
+        raise ValueError("zoo.hf.save: Nemotron-H's blocks are mamba2 or attention mixers, each with a relu2 mlp, a "
+                         f"relu2 moe or none; this model has mixers {sorted({m.KIND for m in mixers})} and FFNs "
                          f"{sorted({f.KIND for f in ffns})}")
-    chars = "".join(("M" if m.KIND == "mamba2" else "*") + ("-" if f.KIND == "mlp" else "")
+    chars = "".join(("M" if m.KIND == "mamba2" else "*") + {"mlp": "-", "moe": "E", "none": ""}[f.KIND]
                     for m, f in zip(mixers, ffns))
     out = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.d_model, "hybrid_override_pattern": chars, "num_hidden_layers": len(chars),
@@ -142,5 +158,16 @@ def hf_config(cfg, param_shapes: dict) -> dict:
     mlp = next((i for i, f in enumerate(ffns) if f.KIND == "mlp"), None)
     if mlp is not None:
         out["intermediate_size"] = param_shapes[("blocks", mlp, "ffn", "w_up")][-1]
+    i = next((i for i, f in enumerate(ffns) if f.KIND == "moe"), None)
+    if i is not None:
+        f = ffns[i]
+        if f.activation != "relu2" or f.num_shared_experts < 1:
+            raise ValueError("zoo.hf.save: Nemotron-H's MoE has relu2 experts and a shared expert; this moe has "
+                             f"activation {f.activation!r} and num_shared_experts {f.num_shared_experts}")
+        out.update(n_routed_experts=f.num_experts, num_experts_per_tok=f.top_k,
+                   moe_intermediate_size=param_shapes[("blocks", i, "ffn", "w_up")][-1],
+                   moe_shared_expert_intermediate_size=param_shapes[("blocks", i, "ffn", "shared", "w_up")][-1],
+                   n_shared_experts=1, n_group=f.num_groups, topk_group=f.top_groups or f.num_groups,
+                   norm_topk_prob=f.renormalize, routed_scaling_factor=f.routed_scale, moe_latent_size=None)
     refuse_unsaved(cfg, out, param_shapes, model_section)
     return out

@@ -208,9 +208,10 @@ def hf_config(cfg, param_shapes: dict) -> dict:
     gdn = _one([m for m in mixers if m.KIND == "gated_deltanet"], "gated_deltanet config")
     f = _one(cfg.ffns(), "FFN")
     moe = f.KIND == "moe" and llama.softmax_router(f) and f.num_shared_experts == 1 and f.shared_gate
-    if not moe and (f.KIND != "mlp" or getattr(f, "activation", "swiglu") != "swiglu"):
+    if getattr(f, "activation", "swiglu") != "swiglu" or not moe and f.KIND != "mlp":
         raise ValueError("zoo.hf.save: Qwen3-Next's blocks have an MoE with a softmax top-k router "
-                         "(zoo.hf.llama.softmax_router) and one gated shared expert, Qwen3.5's a SwiGLU MLP")
+                         "(zoo.hf.llama.softmax_router), SwiGLU experts and one gated shared expert, Qwen3.5's a "
+                         "SwiGLU MLP")
     if att is not None and (not att.qk_norm or att.output_gate != "channel" or att.qkv_bias or att.window
                             or att.sinks or att.dilation != 1 or att.head_masks is not None or att.differential):
         raise ValueError("zoo.hf.save: Qwen3-Next's and Qwen3.5's attention has qk_norm, output_gate channel, and "
