@@ -86,6 +86,16 @@ def hf_greedy(case, tok) -> tuple[list, list]:
     return [tok.encode(p) for p in HF_PROMPTS], [r[:r.index(tok.eos_id)] if tok.eos_id in r else r for r in rows]
 
 
+def hf_loaded(case: str):
+    """A module-scoped pytest fixture `loaded`: zoo.hf.load of tests/fixtures/hf/<case>, (model, tokenizer), read
+    once for the test file that assigns it (`loaded = hf_loaded("jamba")`)."""
+    import pytest
+
+    import zoo.hf
+
+    return pytest.fixture(scope="module", name="loaded")(lambda: zoo.hf.load(HF_FIXTURES / case))
+
+
 def hf_fixture(tmp_path, case, **changes):
     """A copy of the Hugging Face fixture folder tests/fixtures/hf/<case> in tmp_path, with config.json's fields
     set to `changes` (a None removes the field)."""

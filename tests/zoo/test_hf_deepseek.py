@@ -9,15 +9,11 @@ from flax import nnx
 
 import zoo.hf
 from layers.moe import RouterBias
-from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture
+from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture, hf_loaded
 from zoo import safetensors
 
 FOLDER = HF_FIXTURES / "deepseek_v3"
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return zoo.hf.load(FOLDER)
+loaded = hf_loaded("deepseek_v3")
 
 
 def test_the_config_becomes_mla_and_dense_then_moe_ffns(loaded):

@@ -11,12 +11,9 @@ import pytest
 from flax import nnx
 
 import zoo.hf
-from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture
+from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture, hf_loaded
 
-
-@pytest.fixture(scope="module")
-def loaded():
-    return zoo.hf.load(HF_FIXTURES / "falcon_h1")
+loaded = hf_loaded("falcon_h1")
 
 
 def test_each_layer_is_a_mamba2_beside_an_attention(loaded):

@@ -5,14 +5,9 @@ patterns, and what load and save refuse, by name."""
 import pytest
 
 import zoo.hf
-from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture
+from tests.util import assert_save_refuses, edited_config, hf_fixture, hf_loaded
 
-FOLDER = HF_FIXTURES / "jamba"
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return zoo.hf.load(FOLDER)
+loaded = hf_loaded("jamba")
 
 
 def test_the_periods_become_layer_and_ffn_patterns(loaded):

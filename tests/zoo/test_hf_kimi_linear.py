@@ -8,14 +8,10 @@ import json
 import pytest
 
 import zoo.hf
-from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture
+from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture, hf_loaded
 
 FOLDER = HF_FIXTURES / "kimi_linear"
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return zoo.hf.load(FOLDER)
+loaded = hf_loaded("kimi_linear")
 
 
 def test_the_layer_types_become_patterns(loaded):

@@ -7,15 +7,10 @@ from flax import nnx
 
 import zoo
 import zoo.hf
-from tests.util import HF_FIXTURES, hf_fixture
+from tests.util import hf_fixture, hf_loaded
 from zoo.hf.lfm2 import ffn_width
 
-FOLDER = HF_FIXTURES / "lfm2"
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return zoo.hf.load(FOLDER)
+loaded = hf_loaded("lfm2")
 
 
 def test_older_spellings_load_the_same_model(loaded, tmp_path):

@@ -5,14 +5,9 @@ then load and decoding): the pattern's layers as zoo blocks, and what load and s
 import pytest
 
 import zoo.hf
-from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture
+from tests.util import HF_FIXTURES, assert_save_refuses, edited_config, hf_fixture, hf_loaded
 
-FOLDER = HF_FIXTURES / "nemotron_h"
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return zoo.hf.load(FOLDER)
+loaded = hf_loaded("nemotron_h")
 
 
 def test_each_mixer_layer_and_its_mlp_layer_are_one_block(loaded):

@@ -96,6 +96,7 @@ def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
     folded = scales(cfg, arch, hf)  # config.json's multipliers, folded into the weights they scale
     checkpoint = _open_checkpoint(folder)
     flat = dict(nnx.to_flat_state(params))
+    dtype_of = lambda p: DTYPES[dtype] if dtype else flat[p].dtype  # what parameter p is read as
     lacking = sorted(_variables(cfg, arch) - set(flat), key=str)
     if lacking:
         raise ValueError(f"{folder}: {arch} holds the model's {'.'.join(map(str, lacking[0]))}, which the state to "
@@ -106,7 +107,6 @@ def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
     for zpath, names, to_zoo, to_hf in tensors(cfg, arch):
         zpaths = zpath if isinstance(zpath, list) else [zpath]  # a list: parameters that share fused tensors
         expected = [a.shape for a in to_hf(*(np.empty(flat[p].shape, np.float32) for p in zpaths))]  # untouched
-        target = DTYPES[dtype] if dtype else flat[zpaths[0]].dtype
         arrays = []
         for name, shape in zip(names, expected):
             if name not in checkpoint:
@@ -116,12 +116,12 @@ def read_params(path, cfg: ModelConfig, params, shardings=None, dtype=None):
             if found != shape:
                 raise ValueError(f"{checkpoint[name].path}: tensor {name} has shape {found}, but config.json implies "
                                  f"{shape}")
-            array, read = _read(checkpoint, name, blocks, target)
+            array, read = _read(checkpoint, name, blocks, dtype_of(zpaths[0]))
             arrays.append(array)
             used.update(read)
         for p, value in zip(zpaths, to_zoo(arrays) if isinstance(zpath, list) else [to_zoo(arrays)], strict=True):
             value = np.asarray(value) * folded[p] if p in folded else np.asarray(value)
-            value = value.astype(DTYPES[dtype] if dtype else flat[p].dtype, copy=False)
+            value = value.astype(dtype_of(p), copy=False)
             flat[p].set_value(jax.device_put(value, placed.get(p), may_alias=False))  # copied: the file stays free
     extra = sorted(n for n in checkpoint
                    if n not in used and not n.endswith(IGNORED_TENSORS) and not n.startswith(ignored(arch, hf)))
