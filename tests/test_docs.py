@@ -116,8 +116,8 @@ def parse_command(words):
     if program == "train":
         args = train_parser().parse_args(argv)
         load_config(ROOT / args.config, args.overrides)
-    elif program == "infer":
-        args = infer_parser().parse_args(argv)
+    elif program in ("infer", "infer.serve"):  # the same sources
+        args = (infer_parser() if program == "infer" else importlib.import_module(program).parser()).parse_args(argv)
         if args.source.endswith(".yaml"):
             load_config(ROOT / args.source, args.overrides)
         elif (ROOT / args.source / "config.json").is_file():  # a Hugging Face folder (zoo/hf)
