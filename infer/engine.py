@@ -78,17 +78,25 @@ class _Slot:
 
 def _sample(logits, seed, count, temperature, top_k, top_p):
     """One token per row from float32 logits (N, V) by each row's settings (N,): greedy where temperature is 0,
-    else `generate`'s draw for that row alone (top_k 0 and top_p > 1 mean no cut)."""
-    def one(logits, seed, count, t, k, p):
-        key = jax.random.fold_in(jax.random.key(seed), count)
-        warped = logits / jnp.where(t > 0, t, 1.0)
-        kth = jnp.sort(warped)[::-1][jnp.maximum(k, 1) - 1]  # the k-th largest, as lax.top_k gives it
-        warped = jnp.where((k > 0) & (warped < kth), -jnp.inf, warped)
-        warped = jnp.where(p <= 1, speculative.warp(warped, 1.0, None, p), warped)
-        drawn = sample_logits(warped[None], key, Sampling(jnp.float32(1)))[0]
-        return jnp.where(t > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
+    else `generate`'s draw for that row alone (top_k 0 and top_p > 1 mean no cut). Each part runs only when
+    some row needs it: an all-greedy step draws nothing."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    col = lambda a: a[:, None]
 
-    return jax.vmap(one)(logits, seed, count, temperature, top_k, top_p)
+    def top_k_cut(w):
+        kth = jnp.take_along_axis(jnp.sort(w)[:, ::-1], col(jnp.maximum(top_k, 1) - 1), 1)  # as lax.top_k's k-th
+        return jnp.where(col(top_k > 0) & (w < kth), -jnp.inf, w)
+
+    def draw():
+        warped = logits / col(jnp.where(temperature > 0, temperature, 1.0))
+        warped = jax.lax.cond(jnp.any(top_k > 0), top_k_cut, lambda w: w, warped)
+        nucleus = lambda w: jnp.where(col(top_p <= 1), speculative.warp(w, 1.0, None, col(top_p)), w)
+        warped = jax.lax.cond(jnp.any(top_p <= 1), nucleus, lambda w: w, warped)
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
+        drawn = jax.vmap(lambda key, w: sample_logits(w[None], key, Sampling(jnp.float32(1)))[0])(keys, warped)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
 
 
 def select(keep, new, old):
