@@ -137,3 +137,13 @@ def test_bad_requests_are_refused_before_they_queue(hybrid, request_, message):
     with pytest.raises(ValueError, match=message):
         engine.submit(request_)
     assert engine.idle
+
+
+def test_a_quantized_model_serves_with_its_int8_cache(hybrid):
+    """infer.quantize's model (int8 weights and KV cache: codes and scales per slot) in the engine, its prefix
+    blocks included, gives what generate gives it."""
+    model = infer.quantize(hybrid, weights="int8", kv_cache="int8")
+    requests = [Request(p, 4) for p in PROMPTS]
+    engine = Engine(model, slots=2, max_len=20, chunk=4, prefix_cache_mb=1.0)
+    assert engine.run(requests) == infer.generate(model, PROMPTS, max_new_tokens=4)
+    assert engine.stats()["prefix_cache_reused_tokens"] == 8
