@@ -1,7 +1,7 @@
 """The report card: every registered mixer kind on cost, loss, recall and extrapolation, one table.
 
     python -m benchmarks.report [--kinds attention gla ...] [--steps 250] [--contexts 256 16384]
-                                [--parts text lm_eval decode mqar needle]
+                                [--parts text lm_eval decode mqar needle serve] [--serve-rate 64]
 
 Per kind, on this machine:
 - parameters and training tokens/s of the equal-budget run: the kind's config in configs/
@@ -21,7 +21,10 @@ Per kind, on this machine:
   examples at lr 3e-3, stopped at 0.99 held-out accuracy, in runs/report/needle-<kind>;
 - the equal-budget run scored by lm-eval (train/harness.py) on the local tasks (train/lm_eval_tasks):
   multiple-choice accuracy (24 questions on The Tempest) and bits per byte of its rolling perplexity
-  (empty where a task's requests are longer than the model takes: the reason goes to stderr).
+  (empty where a task's requests are longer than the model takes: the reason goes to stderr);
+- serving under load (benchmarks/serve.py: width 256, 4 layers, 48 requests at --serve-rate Poisson
+  arrivals, 8 slots): generated tokens/s and TTFT p50 of infer.Engine and of static batches of generate,
+  and the sequences whose decode state fits 1 GiB at 32K tokens.
 Written to runs/report/report_card.md and .json; the report card table in docs/experiments.md is this output.
 """
 
@@ -34,7 +37,7 @@ import jax
 import yaml
 from flax import nnx
 
-from benchmarks import decode
+from benchmarks import decode, serve
 from benchmarks.common import save_json
 from train import needle, sweep
 from train.extrapolate import extrapolate
@@ -45,7 +48,7 @@ from zoo.config import from_dict
 from zoo.registry import MIXERS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-PARTS = ["text", "lm_eval", "decode", "mqar", "needle"]  # the column groups, each measurable alone
+PARTS = ["text", "lm_eval", "decode", "mqar", "needle", "serve"]  # the column groups, each measurable alone
 
 
 def kind_config(kind: str) -> tuple[Path, list[str]]:
@@ -120,6 +123,17 @@ def retrieval_row(kind: str, out: Path) -> dict:
     return {f"needle_{f}x": round(sum(row) / len(row), 3) for f, row in zip(factors, table["accuracy"])}
 
 
+def serve_row(kind: str, rate: float) -> dict:
+    """The kind under load (benchmarks/serve.py's model and workload, one rate): generated tokens/s and TTFT p50
+    of the engine and of static batches of generate, and the sequences whose decode state fits 1 GiB at 32K."""
+    args = serve.parser().parse_args(["--kinds", kind, "--rates", str(rate)])
+    rows = serve.measure(kind, args, serve.workloads(args), prefix_cache=False)
+    engine, static = ({**r, "ttft": r["TTFT ms p50/p90/p99"].split(" / ")[0]} for r in rows["load"])
+    return {f"serve_tok_s_{rate:g}": engine["tok/s"], f"static_tok_s_{rate:g}": static["tok/s"],
+            "serve_ttft_p50_ms": engine["ttft"], "static_ttft_p50_ms": static["ttft"],
+            "slots_1GiB_32K": rows["memory"][0]["slots in 1 GiB at 32768"]}
+
+
 def mqar_rows(kinds: list[str], workers: int) -> dict:
     grid = sweep.load_grid(sweep.DEFAULT)
     grid["mixers"] = {name: mixer for name, mixer in grid["mixers"].items() if name in kinds}
@@ -133,6 +147,7 @@ def main():
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 16384])
     p.add_argument("--workers", type=int, default=1, help="sweep cells at once")
+    p.add_argument("--serve-rate", type=float, default=64, help="requests/s of the serve part (default: %(default)s)")
     p.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS,
                    help="the columns to measure (lm_eval scores the text run, so it needs text)")
     args = p.parse_args()
@@ -157,6 +172,8 @@ def main():
             row[f"mqar_d{d}"] = mqar.get((kind, d))
         if "needle" in args.parts:
             row.update(retrieval_row(kind, out))
+        if "serve" in args.parts:
+            row.update(serve_row(kind, args.serve_rate))
         rows.append(row)
         print(json.dumps(row), flush=True)
     cols = list(rows[0])

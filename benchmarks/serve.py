@@ -63,6 +63,7 @@ from benchmarks.decode import KINDS as DECODE_KINDS
 from infer import Engine, Request
 from zoo import LanguageModel
 from zoo.config import from_dict
+from zoo.registry import MIXERS
 
 KINDS = {"gqa": {"mixer": DECODE_KINDS["gqa"]},
          "sinks_window": {"mixer": {**DECODE_KINDS["sinks_window"], "num_kv_heads": 2}},  # gqa's KV heads
@@ -73,9 +74,10 @@ STEP_BUCKET = 16  # the static server's max_new_tokens: a multiple of this
 
 
 def build(kind: str, d_model: int, layers: int, max_seq_len: int, chunk: int):
-    """The kind's model; a ring cache (sinks_window) gets `chunk` spare slots: the engine's prefill rolls a chunk
-    back (layers/attention.py, ring_spare)."""
-    section = KINDS[kind]
+    """The model of a kind of KINDS, or of any registered mixer kind (benchmarks/decode.py's settings where it
+    has them, else the kind's defaults); a ring cache (sinks_window) gets `chunk` spare slots: the engine's
+    prefill rolls a chunk back (layers/attention.py, ring_spare)."""
+    section = KINDS.get(kind) or {"mixer": DECODE_KINDS.get("mha" if kind == "attention" else kind, {"kind": kind})}
     if "window" in section.get("mixer", {}):
         section = {"mixer": {**section["mixer"], "ring_spare": max(16, chunk)}}
     cfg = from_dict({"model": {"d_model": d_model, "num_layers": layers, "max_seq_len": max_seq_len,
@@ -264,7 +266,8 @@ def plot(rows: list[dict], path: Path):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=[*KINDS, *MIXERS],
+                   help="kinds of KINDS or any registered mixer kind (default: KINDS)")
     p.add_argument("--rates", type=float, nargs="+", default=[8, 16, 32, 64], help="requests/s")
     p.add_argument("--requests", type=int, default=48, help="requests per rate and in the shared-prefix workload")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128])
@@ -287,47 +290,64 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> dict:
-    args = parser().parse_args(argv)
+def workloads(args) -> dict:
+    """The seeded requests every kind serves: unit-rate arrivals and requests of the load workload and of the
+    shared-prefix one, and the max_len each needs."""
     rng = np.random.default_rng(args.seed)
     unit, requests = workload(rng, args.requests, args.prompt_len, args.output_len)
     prefixes = [rng.integers(0, VOCAB, args.prefix_len).tolist() for _ in range(args.prefixes)]
     shared_unit, shared = workload(rng, args.requests, args.suffix_len, args.output_len, prefixes)
-    mean_output = np.mean([r.max_tokens for r in requests])
-    settings = dict(slots=args.slots, chunk=args.chunk, prefill_rows=args.prefill_rows)
-    load, memory, prefix, parts = [], [], [], []
     max_len, shared_max_len = (max(len(r.prompt) + r.max_tokens for r in rs) for rs in (requests, shared))
+    return dict(rng=rng, unit=unit, requests=requests, shared_unit=shared_unit, shared=shared, max_len=max_len,
+                shared_max_len=shared_max_len, mean_output=float(np.mean([r.max_tokens for r in requests])))
+
+
+def measure(kind: str, args, w: dict, prefix_cache: bool = True) -> dict:
+    """One kind's rows: load (engine and static at each rate), memory, and (prefix_cache) the shared-prefix
+    workload without and with the prefix cache, and (args.breakdown) the breakdown."""
+    settings = dict(slots=args.slots, chunk=args.chunk, prefill_rows=args.prefill_rows)
+    max_len, shared_max_len, rng = w["max_len"], w["shared_max_len"], w["rng"]
+    model = build(kind, args.d_model, args.layers, max(*args.contexts, max_len, shared_max_len), args.chunk)
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    warm(Engine(model, max_len=max_len, **settings), rng)
+    load, prefix, parts = [], [], []
+    for rate in args.rates:
+        arrivals = w["unit"] / rate
+        engine = Engine(model, max_len=max_len, **settings)
+        for server, (rows, step) in (("engine", serve(engine, arrivals, w["requests"])),
+                                     ("static", static(model, arrivals, w["requests"], args.slots))):
+            load.append({"kind": kind, "server": server, "rate": rate,
+                         "offered tok/s": round(rate * w["mean_output"]), **summary(rows, step)})
+            print(load[-1], flush=True)
+    memory = {"kind": kind, "params": params, "slot KiB": engine.slot_bytes // 1024,
+              **{k: v for L in args.contexts for k, v in (
+                  (f"KiB at {L}", state_bytes(model, L) // 1024),
+                  (f"slots in {args.budget_gib:g} GiB at {L}", int(args.budget_gib * 2**30 // state_bytes(model, L))))}}
+    for mb in (0, args.prefix_cache_mb) if prefix_cache else ():
+        warm(Engine(model, max_len=shared_max_len, prefix_cache_mb=mb, **settings), rng)
+        engine = Engine(model, max_len=shared_max_len, prefix_cache_mb=mb, **settings)
+        rows, step = serve(engine, w["shared_unit"] / args.prefix_rate, w["shared"])
+        stats = engine.stats()
+        prefix.append({"kind": kind, "prefix cache MB": mb, **summary(rows, step),
+                       "prefill tokens": stats["prefill_tokens"],
+                       "reused tokens": stats["prefix_cache_reused_tokens"],
+                       "hits": f"{stats['prefix_cache_hits']}/{stats['prefix_cache_lookups']}"})
+        print(prefix[-1], flush=True)
+    if args.breakdown:
+        parts.append({"kind": kind, **breakdown(model, max_len, **settings)})
+        print(parts[-1], flush=True)
+    return dict(load=load, memory=[memory], prefix=prefix, breakdown=parts)
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
+    w = workloads(args)
+    out = {"load": [], "memory": [], "prefix": [], "breakdown": []}
     for kind in args.kinds:
-        model = build(kind, args.d_model, args.layers, max(*args.contexts, max_len, shared_max_len),
-                      args.chunk)
-        params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        warm(Engine(model, max_len=max_len, **settings), rng)
-        for rate in args.rates:
-            arrivals = unit / rate
-            engine = Engine(model, max_len=max_len, **settings)
-            for server, (rows, step) in (("engine", serve(engine, arrivals, requests)),
-                                         ("static", static(model, arrivals, requests, args.slots))):
-                load.append({"kind": kind, "server": server, "rate": rate,
-                             "offered tok/s": round(rate * mean_output), **summary(rows, step)})
-                print(load[-1], flush=True)
-        memory.append({"kind": kind, "params": params, "slot KiB": engine.slot_bytes // 1024,
-                       **{k: v for L in args.contexts for k, v in (
-                           (f"KiB at {L}", state_bytes(model, L) // 1024),
-                           (f"slots in {args.budget_gib:g} GiB at {L}",
-                            int(args.budget_gib * 2**30 // state_bytes(model, L))))}})
-        for mb in (0, args.prefix_cache_mb):
-            warm(Engine(model, max_len=shared_max_len, prefix_cache_mb=mb, **settings), rng)
-            engine = Engine(model, max_len=shared_max_len, prefix_cache_mb=mb, **settings)
-            rows, step = serve(engine, shared_unit / args.prefix_rate, shared)
-            stats = engine.stats()
-            prefix.append({"kind": kind, "prefix cache MB": mb, **summary(rows, step),
-                           "prefill tokens": stats["prefill_tokens"],
-                           "reused tokens": stats["prefix_cache_reused_tokens"],
-                           "hits": f"{stats['prefix_cache_hits']}/{stats['prefix_cache_lookups']}"})
-            print(prefix[-1], flush=True)
-        if args.breakdown:
-            parts.append({"kind": kind, **breakdown(model, max_len, **settings)})
-            print(parts[-1], flush=True)
+        for key, rows in measure(kind, args, w).items():
+            out[key] += rows
+    load, memory, prefix, parts = out["load"], out["memory"], out["prefix"], out["breakdown"]
+    mean_output = w["mean_output"]
     print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}; d_model {args.d_model}, {args.layers} "
           f"layers, float32; engine slots={args.slots} chunk={args.chunk} prefill_rows={args.prefill_rows}")
     print(f"\nPoisson arrivals, {args.requests} requests per rate, prompts uniform in {args.prompt_len}, outputs "
@@ -348,7 +368,7 @@ def main(argv=None) -> dict:
     save_json("serve_memory", memory)
     save_json("serve_prefix", prefix)
     plot(load, args.plot)
-    return {"load": load, "memory": memory, "prefix": prefix, "breakdown": parts}
+    return out
 
 
 if __name__ == "__main__":
