@@ -78,7 +78,7 @@ def build(kind: str, d_model: int, layers: int, max_seq_len: int, chunk: int):
     has them, else the kind's defaults); a ring cache (sinks_window) gets `chunk` spare slots: the engine's
     prefill rolls a chunk back (layers/attention.py, ring_spare)."""
     section = KINDS.get(kind) or {"mixer": DECODE_KINDS.get("mha" if kind == "attention" else kind, {"kind": kind})}
-    if "window" in section.get("mixer", {}):
+    if section.get("mixer", {}).get("kind") == "attention" and "window" in section["mixer"]:
         section = {"mixer": {**section["mixer"], "ring_spare": max(16, chunk)}}
     cfg = from_dict({"model": {"d_model": d_model, "num_layers": layers, "max_seq_len": max_seq_len,
                                "vocab_size": VOCAB, **section}}).model

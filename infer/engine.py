@@ -46,6 +46,7 @@ from layers.state import hold
 
 TRACES = {"step": 0}  # incremented at trace time: tests check that a step compiles once
 
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """A completion request: prompt token ids, at most `max_tokens` new tokens, `sampling` with `seed`;
@@ -102,7 +103,7 @@ def _sample(logits, seed, count, temperature, top_k, top_p):
     return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
 
 
-def select(keep, new, old):
+def _select(keep, new, old):
     """`new` in the rows where keep (N,) is True, `old` in the others, for every array of two like pytrees (all
     fields of a state alike, unlike `hold`)."""
     return jax.tree.map(lambda a, b: jnp.where(keep.reshape(-1, *(1,) * (a.ndim - 1)), a, b), new, old)
@@ -133,9 +134,8 @@ def _step(graphdef, params, state, rows, chunk, n, last, decoding, settings):
             return last.astype(jnp.float32), model.rollback(stepped, C - jnp.maximum(n, 1))
 
         full, short = n == C, (n > 0) & (n < C)
-        out = select(full, jax.lax.cond(jnp.any(full), whole, skip),
-                     select(short, jax.lax.cond(jnp.any(short), rolled, skip), skip()))
-        logits, new = out
+        logits, new = _select(full, jax.lax.cond(jnp.any(full), whole, skip),
+                              _select(short, jax.lax.cond(jnp.any(short), rolled, skip), skip()))
         state = jax.tree.map(lambda a, r: a.at[rows].set(r, mode="drop"), state, new)
         return state, _sample(logits, *map(at_rows, settings))
 
