@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from infer import speculative, stops
-from infer.generate import DECODE_OPTIONS, Sampling, sample_logits
+from infer.generate import DECODE_OPTIONS, Sampling, check_request, sample_logits
 from layers.state import hold
 
 TRACES = {"step": 0}  # incremented at trace time: tests check that a step compiles once
@@ -284,28 +284,15 @@ class Engine:
 
     def submit(self, request: Request) -> int:
         """Queue a request; returns its id. Bad input is a ValueError here, before anything runs."""
-        prompt, V = list(request.prompt), self.model.cfg.vocab_size
-        if not prompt or request.max_tokens < 1:
-            raise ValueError(f"Engine.submit: need a prompt of at least one token and max_tokens >= 1; got "
-                             f"{len(prompt)} tokens and max_tokens={request.max_tokens}")
+        prompt = list(request.prompt)
+        check_request([prompt], request.max_tokens, request.sampling, request.stop_token, request.stop,
+                      self.model.cfg.vocab_size, "Engine.submit")
         if len(prompt) + request.max_tokens > self.max_len:
             raise ValueError(f"Engine.submit: the prompt ({len(prompt)} tokens) plus max_tokens "
                              f"({request.max_tokens}) is {len(prompt) + request.max_tokens}, more than the engine's "
                              f"max_len={self.max_len}")
-        bad = next((t for t in prompt if not 0 <= t < V), None)
-        if bad is not None:
-            raise ValueError(f"Engine.submit: token ids must be in [0, {V}) (model.vocab_size); the prompt holds {bad}")
-        t, k, p = request.sampling.temperature, request.sampling.top_k, request.sampling.top_p
-        if t < 0 or (k is not None and not 1 <= k <= V) or (p is not None and not 0 < p <= 1):
-            raise ValueError(f"Engine.submit: need temperature >= 0, 1 <= top_k <= {V} (the vocabulary), "
-                             f"0 < top_p <= 1; got temperature={t}, top_k={k}, top_p={p}")
         if not 0 <= request.seed < 2**32:
             raise ValueError(f"Engine.submit: seed={request.seed}; expected an integer in [0, 2**32)")
-        if request.stop_token is not None and not 0 <= request.stop_token < V:
-            raise ValueError(f"Engine.submit: stop_token={request.stop_token} is not a token id in [0, {V})")
-        if request.stop is not None and request.stop.table.shape[1] != V:
-            raise ValueError(f"Engine.submit: the stop strings were built for {request.stop.table.shape[1]} token "
-                             f"ids, the model has {V}")
         rid, self.next_rid = self.next_rid, self.next_rid + 1
         self.queue.append((rid, dataclasses.replace(request, prompt=prompt)))
         return rid

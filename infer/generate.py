@@ -276,28 +276,36 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: Sampling = Sampli
     return rows, info
 
 
+def check_request(prompts, max_new_tokens: int, sampling: Sampling, stop_token, stop_strings, vocab_size: int,
+                  where: str):
+    """A ValueError, its message starting with `where`, unless every prompt is a non-empty list of token ids of
+    the vocabulary, max_new_tokens >= 1, the sampling settings are in range, stop_token is a token id and the
+    stop strings were built for this vocabulary (`generate` and infer.Engine.submit check alike)."""
+    V = vocab_size
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError(f"{where}: every prompt needs at least one token (e.g. a newline byte)")
+    if max_new_tokens < 1:
+        raise ValueError(f"{where}: max_new_tokens must be >= 1, got {max_new_tokens}")
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    if temperature < 0 or (top_k is not None and not 1 <= top_k <= V) or (top_p is not None and not 0 < top_p <= 1):
+        raise ValueError(f"{where}: need temperature >= 0, 1 <= top_k <= {V} (the vocabulary), 0 < top_p <= 1; "
+                         f"got temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    bad = [(i, t) for i, p in enumerate(prompts) for t in p if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"{where}: token ids must be in [0, {V}) (model.vocab_size); prompt {bad[0][0]} holds "
+                         f"{bad[0][1]}")
+    if stop_token is not None and not 0 <= stop_token < V:
+        raise ValueError(f"{where}: stop_token={stop_token} is not a token id in [0, {V})")
+    if stop_strings is not None and stop_strings.table.shape[1] != V:
+        raise ValueError(f"{where}: stop_strings were built for {stop_strings.table.shape[1]} token ids, the model "
+                         f"has {V} (model.vocab_size); build them from a token_bytes() of that length")
+
+
 def _prompt_batch(model, prompts, max_new_tokens: int, sampling: Sampling, stop_token,
                   stop_strings) -> tuple[np.ndarray, ...]:
     """Check the prompts, the sampling and the stop arguments; returns the left-padded (tokens, segment_ids),
     (B, P) each."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: every prompt needs at least one token (e.g. a newline byte)")
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-    V = model.cfg.vocab_size
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-    if temperature < 0 or (top_k is not None and not 1 <= top_k <= V) or (top_p is not None and not 0 < top_p <= 1):
-        raise ValueError(f"generate: need temperature >= 0, 1 <= top_k <= {V} (the vocabulary), 0 < top_p <= 1; "
-                         f"got temperature={temperature}, top_k={top_k}, top_p={top_p}")
-    bad = [(i, t) for i, p in enumerate(prompts) for t in p if not 0 <= t < V]
-    if bad:
-        raise ValueError(f"generate: token ids must be in [0, {V}) (model.vocab_size); prompt {bad[0][0]} holds "
-                         f"{bad[0][1]}")
-    if stop_token is not None and not 0 <= stop_token < V:
-        raise ValueError(f"generate: stop_token={stop_token} is not a token id in [0, {V})")
-    if stop_strings is not None and stop_strings.table.shape[1] != V:
-        raise ValueError(f"generate: stop_strings were built for {stop_strings.table.shape[1]} token ids, the model "
-                         f"has {V} (model.vocab_size); build them from a token_bytes() of that length")
+    check_request(prompts, max_new_tokens, sampling, stop_token, stop_strings, model.cfg.vocab_size, "generate")
     P = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), P), np.int32)
     segments = np.zeros((len(prompts), P), np.int32)

@@ -91,8 +91,6 @@ def parse(body, tok, V: int) -> tuple[list[Request], bool, bool]:
     sampling = Sampling(_field(body, "temperature", float, 1.0), None if top_k in (0, -1) else top_k,  # vLLM's "off"
                         None if top_p == 1 else top_p)
     seed = _field(body, "seed", int, None)
-    if seed is not None and not 0 <= seed < 2**32:
-        raise BadRequest(f"seed={seed}: expected an integer in [0, 2**32)", "seed")
     stop = body.get("stop")
     try:
         stop = None if stop in (None, "", []) else stops.for_tokenizer(tok, stops.checked(stop), V)  # as OpenAI

@@ -169,7 +169,7 @@ def test_text_never_sends_half_a_character_nor_the_start_of_a_stop_string():
     ({"prompt": "a", "max_tokens": "3"}, "max_tokens", "expected an integer"),
     ({"prompt": "a", "stream": 1}, "stream", "true or false"),
     ({"prompt": "a", "stop": ["", "b"]}, "stop", "non-empty string"),
-    ({"prompt": "a", "seed": -1}, "seed", "[0, 2**32)"),
+    ({"prompt": "a", "seed": -1}, None, "[0, 2**32)"),
     ({"prompt": "a", "n": 2}, "n", "not supported"),
     ({"prompt": "a", "logprobs": 1}, "logprobs", "not supported"),
     ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
