@@ -69,12 +69,15 @@ def parser() -> argparse.ArgumentParser:
 
 def load(source: str, overrides, dtype: str, config=None):
     """(model, tokenizer or None, the run's train.qat or None) from a Hugging Face folder, a run folder or a
-    YAML config (random weights)."""
+    YAML config (random weights, with `overrides`)."""
     from flax import nnx
 
     import zoo
     from zoo.checkpoint import load_model
 
+    if Path(source).is_dir() and overrides:
+        raise ValueError(f"overrides {' '.join(overrides)}: a run folder is loaded with the config it was trained "
+                         "with; overrides apply to a YAML config (random weights)")
     if (Path(source) / "config.json").is_file():
         import zoo.hf
 
@@ -141,9 +144,6 @@ def main(argv=None):
         import infer
         from infer.quantize import is_quantized
 
-        if Path(args.source).is_dir() and args.overrides:
-            raise ValueError(f"overrides {' '.join(args.overrides)}: a run folder is loaded with the config it was "
-                             "trained with; overrides apply to a YAML config (random weights)")
         if args.config and not Path(args.source).is_dir():
             raise ValueError(f"--config {args.config}: builds a run folder's model; {args.source} is not one")
         model, tokenizer, qat = load(args.source, args.overrides, args.dtype, args.config)

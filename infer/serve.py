@@ -422,9 +422,6 @@ def main(argv=None):
 
     args = parser().parse_args(argv)
     try:
-        if Path(args.source).is_dir() and args.overrides:
-            raise ValueError(f"overrides {' '.join(args.overrides)}: a run folder is loaded with the config it was "
-                             "trained with; overrides apply to a YAML config (random weights)")
         model, tok, _ = load(args.source, args.overrides, args.dtype)
         application = app(model, tok, name=args.name or source_name(args.source), slots=args.slots,
                           max_len=args.max_len, chunk=args.chunk, prefill_rows=args.prefill_rows,
