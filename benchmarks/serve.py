@@ -183,7 +183,7 @@ def best_ms(fn, repeats: int = 20) -> float:
     return 1000 * min(timeit(fn, repeats=1, warmup=False) for _ in range(repeats))
 
 
-def breakdown(model, max_len: int, slots: int, chunk: int, prefill_rows: int) -> dict:
+def breakdown(model, max_len: int, slots: int, chunk: int, prefill_rows: int, tail: str = "rollback") -> dict:
     """Where an engine step's time goes, against the same work done otherwise (ms, public APIs only): one
     prefill chunk (prefill_rows, chunk) through model.decode plain (the layers' prefill forms, as the engine
     feeds full chunks) and with steps=True then rolled back (as it feeds a prompt's last, shorter chunk); a
@@ -208,7 +208,7 @@ def breakdown(model, max_len: int, slots: int, chunk: int, prefill_rows: int) ->
     chunk, state = jnp.ones((R, C), jnp.int32), model.init_state(R, size)
     row = {f"prefill {R}x{C}": best_ms(lambda: prefill(params, chunk, state, False)),
            f"prefill {R}x{C} rolled back": best_ms(lambda: prefill(params, chunk, state, True))}
-    engine = Engine(model, max_len=max_len, slots=B, chunk=C, prefill_rows=R)
+    engine = Engine(model, max_len=max_len, slots=B, chunk=C, prefill_rows=R, tail=tail)
     for _ in range(B):
         engine.submit(Request([1], max_len - 1))
     while engine.stats()["prefill_tokens"] < B:  # until every slot decodes
@@ -282,6 +282,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--prefill-rows", type=int, default=2)
+    p.add_argument("--tail", default="rollback", choices=("rollback", "decode"), help="infer.Engine's tail")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 32768])
     p.add_argument("--budget-gib", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -305,7 +306,7 @@ def workloads(args) -> dict:
 def measure(kind: str, args, w: dict, prefix_cache: bool = True) -> dict:
     """One kind's rows: load (engine and static at each rate), memory, and (prefix_cache) the shared-prefix
     workload without and with the prefix cache, and (args.breakdown) the breakdown."""
-    settings = dict(slots=args.slots, chunk=args.chunk, prefill_rows=args.prefill_rows)
+    settings = dict(slots=args.slots, chunk=args.chunk, prefill_rows=args.prefill_rows, tail=args.tail)
     max_len, shared_max_len, rng = w["max_len"], w["shared_max_len"], w["rng"]
     model = build(kind, args.d_model, args.layers, max(*args.contexts, max_len, shared_max_len), args.chunk)
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

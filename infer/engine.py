@@ -12,7 +12,10 @@ the other slots decode one token each. One jitted `step` (per slots, chunk and p
   then rolled back to its n real tokens (`rollback`, layers/state.py): how one shape serves every length.
   (A sliding-window attention's ring buffer takes such a call only up to its `ring_spare` tokens, so
   `chunk` must not exceed it.) Rolling back runs a recurrent layer token by token (benchmarks/serve.py
-  measures it: Mamba-2 at 3.4 times its chunked form for 32 tokens);
+  measures it: Mamba-2 at 3.4 times its chunked form for 32 tokens). With tail="decode" instead, a
+  prompt's last fewer-than-`chunk` tokens go through the decode lanes one a step (which run every slot
+  anyway): no rollback, and no ring_spare limit, at up to chunk - 1 steps of that request's time to first
+  token; which is faster depends on the kind (docs/serving.md);
 - decode: every slot's last token (slots, 1), the rows that are not decoding held as they were.
 
 A finished request frees its slot at once; the next request admitted there starts from a reset row,
@@ -109,9 +112,10 @@ def _select(keep, new, old):
     return jax.tree.map(lambda a, b: jnp.where(keep.reshape(-1, *(1,) * (a.ndim - 1)), a, b), new, old)
 
 
-def _step(graphdef, params, state, rows, chunk, n, last, decoding, settings):
+def _step(graphdef, rolled_tails: bool, params, state, rows, chunk, n, last, decoding, settings):
     """One engine step: the prefill chunks (R, C) of slots `rows` (n (R,) real tokens each, 0 for an unused
-    entry whose row is out of range), then one decode step of every slot's `last` token where `decoding`.
+    entry whose row is out of range; below C only with `rolled_tails`), then one decode step of every slot's
+    `last` token where `decoding`.
     `settings` = (seed, count, temperature, top_k, top_p), (slots,) each. Returns the state, the token drawn
     after each chunk (R,) and after each decode (slots,), and whether a cache overflowed."""
     TRACES["step"] += 1
@@ -134,8 +138,8 @@ def _step(graphdef, params, state, rows, chunk, n, last, decoding, settings):
             return last.astype(jnp.float32), model.rollback(stepped, C - jnp.maximum(n, 1))
 
         full, short = n == C, (n > 0) & (n < C)
-        logits, new = _select(full, jax.lax.cond(jnp.any(full), whole, skip),
-                              _select(short, jax.lax.cond(jnp.any(short), rolled, skip), skip()))
+        tails = _select(short, jax.lax.cond(jnp.any(short), rolled, skip), skip()) if rolled_tails else skip()
+        logits, new = _select(full, jax.lax.cond(jnp.any(full), whole, skip), tails)
         state = jax.tree.map(lambda a, r: a.at[rows].set(r, mode="drop"), state, new)
         return state, _sample(logits, *map(at_rows, settings))
 
@@ -149,9 +153,10 @@ def _step(graphdef, params, state, rows, chunk, n, last, decoding, settings):
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_step(graphdef):
+def _compiled_step(graphdef, rolled_tails: bool):
     """`_step` jitted for one model structure: the engine's calls do not hash the graphdef each step."""
-    return jax.jit(functools.partial(_step, graphdef), donate_argnames="state", compiler_options=DECODE_OPTIONS)
+    return jax.jit(functools.partial(_step, graphdef, rolled_tails), donate_argnames="state",
+                   compiler_options=DECODE_OPTIONS)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "size"), donate_argnames="state")
@@ -242,7 +247,8 @@ class PrefixCache:
 class Engine:
     """Serves requests on `model` (module docstring): `slots` rows of decode state for prompts plus new tokens
     of at most `max_len`, prompts fed `chunk` tokens at a time (a block of the prefix cache), at most
-    `prefill_rows` of them per step; `prefix_cache_mb` megabytes of prefix snapshots (0: no prefix cache).
+    `prefill_rows` of them per step; `prefix_cache_mb` megabytes of prefix snapshots (0: no prefix cache);
+    `tail`: a prompt's last, shorter chunk rolled back ("rollback") or fed through the decode lanes ("decode").
 
         engine = Engine(model, slots=8)
         rid = engine.submit(Request(prompt=ids, max_tokens=64))
@@ -251,11 +257,13 @@ class Engine:
     """
 
     def __init__(self, model, *, slots: int = 8, max_len: int = 512, chunk: int = 16, prefill_rows: int = 1,
-                 prefix_cache_mb: float = 0.0):
-        if min(slots, max_len, chunk, prefill_rows) < 1 or prefill_rows > slots or prefix_cache_mb < 0:
-            raise ValueError(f"Engine: need slots, max_len, chunk >= 1, 1 <= prefill_rows <= slots and "
-                             f"prefix_cache_mb >= 0; got slots={slots}, max_len={max_len}, chunk={chunk}, "
-                             f"prefill_rows={prefill_rows}, prefix_cache_mb={prefix_cache_mb}")
+                 prefix_cache_mb: float = 0.0, tail: str = "rollback"):
+        if min(slots, max_len, chunk, prefill_rows) < 1 or prefill_rows > slots or prefix_cache_mb < 0 or \
+                tail not in ("rollback", "decode"):
+            raise ValueError(f"Engine: need slots, max_len, chunk >= 1, 1 <= prefill_rows <= slots, "
+                             f"prefix_cache_mb >= 0 and tail rollback or decode; got slots={slots}, max_len={max_len}, "
+                             f"chunk={chunk}, prefill_rows={prefill_rows}, prefix_cache_mb={prefix_cache_mb}, "
+                             f"tail={tail!r}")
         if model.cfg.head != "lm":
             raise ValueError(f"Engine: model.head={model.cfg.head!r} is not a language model; only model.head=lm "
                              "decodes")
@@ -266,7 +274,8 @@ class Engine:
         self.axes = slot_axes(model, self.size)
         self.slot_bytes = sum(a.nbytes for a in jax.tree.leaves(self.state)) // slots
         self.cache = PrefixCache(int(prefix_cache_mb * 2**20), chunk) if prefix_cache_mb else None
-        self.run_step = _compiled_step(self.graphdef)
+        self.tail = tail
+        self.run_step = _compiled_step(self.graphdef, tail == "rollback")
         # Per slot, what the step reads: the last token and whether it decodes; its request's sampling settings
         # (seed, tokens drawn so far, temperature, top_k (0: none), top_p (2: none)).
         self.last, self.decoding = np.zeros((slots,), np.int32), np.zeros((slots,), bool)
@@ -354,12 +363,16 @@ class Engine:
         B, C, R = self.slots, self.chunk, self.prefill_rows
         rows = np.full((R,), B, np.int32)  # B: an unused entry (dropped)
         chunk, n = np.zeros((R, C), np.int32), np.zeros((R,), np.int32)
-        prefilling = [i for i in self.order if self.running[i].fed < len(self.running[i].request.prompt)][:R]
+        left = {i: len(self.running[i].request.prompt) - self.running[i].fed for i in self.order}  # to prefill
+        tails = [i for i in self.order if 0 < left[i] < C] if self.tail == "decode" else []
+        prefilling = [i for i in self.order if left[i] > 0 and i not in tails][:R]
         for r, i in enumerate(prefilling):
             s = self.running[i]
             piece = s.request.prompt[s.fed:s.fed + C]
             rows[r], n[r], chunk[r, :len(piece)] = i, len(piece), piece
         decoding = self.decoding.copy()
+        for i in tails:  # tail="decode": a prompt's last tokens, one a step in the decode lanes
+            self.last[i], decoding[i] = self.running[i].request.prompt[self.running[i].fed], True
         if not prefilling and not decoding.any():
             return events
         self.state, *out = self.run_step(self.params, self.state, rows, chunk, n, self.last, decoding, self.settings)
@@ -367,7 +380,13 @@ class Engine:
         if overflowed:
             raise RuntimeError("Engine: a KV cache overflowed its slots; this is a bug in the engine, please report it")
         self.steps += 1
-        new = {i: int(tokens[i]) for i in np.flatnonzero(decoding).tolist()}
+        new = {i: int(tokens[i]) for i in np.flatnonzero(decoding).tolist() if i not in tails}
+        for i in tails:
+            s = self.running[i]
+            s.fed += 1
+            self.prefilled += 1
+            if s.fed == len(s.request.prompt):  # the last prompt token's logits drew the first new token
+                new[i] = int(tokens[i])
         for r, i in enumerate(prefilling):
             s = self.running[i]
             s.fed += int(n[r])

@@ -4,7 +4,7 @@ An OpenAI-compatible HTTP endpoint on the serving engine (infer/engine.py), so c
 completions API (its Python package given this server's base URL, curl) talk to any zoo model. The source is
 read as `python -m infer` reads it: a run folder, a Hugging Face folder (with its tokenizer.json; --dtype
 bfloat16) or a YAML config (random weights; overrides after it). --slots, --max-len (prompt + max_tokens),
---chunk, --prefill-rows and --prefix-cache-mb size the engine.
+--chunk, --prefill-rows, --prefix-cache-mb and --tail set the engine.
 
     POST /v1/completions   OpenAI's completion: {"prompt": "ROMEO:", "max_tokens": 64, "stop": ["\\n\\n"], ...};
                            "stream": true answers in server-sent events, `data: {chunk}` ... `data: [DONE]`
@@ -405,6 +405,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=16, help="prompt tokens fed per step, the prefix cache's block "
                    "(default: %(default)s)")
     p.add_argument("--prefill-rows", type=int, default=1, help="prompts fed per step (default: %(default)s)")
+    p.add_argument("--tail", default="rollback", choices=("rollback", "decode"), help="a prompt's last, shorter "
+                   "chunk rolled back, or fed one token a step beside the decoding slots (default: %(default)s)")
     p.add_argument("--prefix-cache-mb", type=float, default=0.0,
                    help="megabytes of prompt-prefix snapshots to reuse; 0: no prefix cache (default: %(default)s)")
     return p
@@ -425,7 +427,7 @@ def main(argv=None):
         model, tok, _ = load(args.source, args.overrides, args.dtype)
         application = app(model, tok, name=args.name or source_name(args.source), slots=args.slots,
                           max_len=args.max_len, chunk=args.chunk, prefill_rows=args.prefill_rows,
-                          prefix_cache_mb=args.prefix_cache_mb)
+                          prefix_cache_mb=args.prefix_cache_mb, tail=args.tail)
     except ValueError as e:
         sys.exit(f"error: {e}")
     uvicorn.run(application, host=args.host, port=args.port)

@@ -51,19 +51,22 @@ def alone(model, request: Request) -> list[int]:
 
 def test_arrivals_chunks_sampling_and_cache_hits_change_nothing(hybrid):
     """Greedy and sampled requests (each with its seed), arriving in two orders, into 3 slots with chunks of
-    3 and 8, each with and without a prefix cache: every request's tokens are its own `generate` call's."""
+    3 and 8, each with and without a prefix cache, a prompt's tail rolled back or fed through the decode lanes:
+    every request's tokens are its own `generate` call's."""
     prompts = [SHARED + [1, 2], SHARED[:6], [9] * 17, SHARED + [4] * 8, [200, 100], SHARED[:7] + [0]]
     samplings = [Sampling(), Sampling(0.9, top_k=20), Sampling(1.2, top_p=0.8), Sampling(0.7, 5, 0.9)]
     requests = [Request(p, 6, samplings[i % 4], seed=i) for i, p in enumerate(prompts)]
     want = [alone(hybrid, r) for r in requests]
     traces = engine_lib.TRACES["step"]
     orders = (list(range(6)), [5, 2, 0, 4, 1, 3])
-    for chunk, order, cache in ((3, orders[0], 0.0), (3, orders[1], 1.0), (8, orders[1], 0.0), (8, orders[0], 1.0)):
-        engine = Engine(hybrid, slots=3, max_len=40, chunk=chunk, prefill_rows=2, prefix_cache_mb=cache)
+    for chunk, order, cache, tail in ((3, orders[0], 0.0, "rollback"), (3, orders[1], 1.0, "rollback"),
+                                      (8, orders[1], 0.0, "rollback"), (8, orders[0], 1.0, "rollback"),
+                                      (3, orders[1], 1.0, "decode"), (8, orders[0], 0.0, "decode")):
+        engine = Engine(hybrid, slots=3, max_len=40, chunk=chunk, prefill_rows=2, prefix_cache_mb=cache, tail=tail)
         got = engine.run([requests[i] for i in order])
-        assert got == [want[i] for i in order], (chunk, order, cache)
+        assert got == [want[i] for i in order], (chunk, order, cache, tail)
         assert (engine.stats()["prefix_cache_reused_tokens"] > 0) == (cache > 0)
-    assert engine_lib.TRACES["step"] - traces == 2  # one compiled step per chunk size
+    assert engine_lib.TRACES["step"] - traces == 4  # one compiled step per chunk size and tail
 
 
 def test_a_reused_slot_starts_fresh(hybrid, monkeypatch):
