@@ -93,9 +93,15 @@ def prepare(model, context: int, chunk: int = 1024):
     return graphdef, params, tokens[:, -1:], state
 
 
+def mixer(kind: str) -> dict:
+    """The mixer config of a name of KINDS or of any registered mixer kind: its KINDS settings (attention as mha,
+    configs/transformer.yaml's), else the kind's defaults."""
+    return KINDS.get("mha" if kind == "attention" else kind, {"kind": kind})
+
+
 def measure(kind: str, contexts: list[int], repeats: int = 15) -> list[dict]:
     """Time per token at each context of the kind's model (d_model 256, 4 layers)."""
-    cfg = from_dict({"model": {"d_model": 256, "num_layers": 4, "max_seq_len": 32768, "mixer": KINDS[kind]}}).model
+    cfg = from_dict({"model": {"d_model": 256, "num_layers": 4, "max_seq_len": 32768, "mixer": mixer(kind)}}).model
     return [{"kind": kind, **row} for row in measure_model(LanguageModel(cfg, rngs=nnx.Rngs(0)), contexts, repeats)]
 
 

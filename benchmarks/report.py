@@ -162,9 +162,7 @@ def main():
         if "text" in args.parts:
             row.update(text_row(kind, args.steps, out, lm_eval="lm_eval" in args.parts))
         if "decode" in args.parts:
-            name = "mha" if kind == "attention" else kind  # configs/transformer.yaml is MHA
-            decode.KINDS.setdefault(name, {"kind": kind})  # a kind the decode benchmark does not list: defaults
-            timed = decode.measure(name, args.contexts, repeats=5)
+            timed = decode.measure(kind, args.contexts, repeats=5)
             for r in timed:
                 row[f"decode_ms_{r['context']}"] = r["ms_per_token"]
             row[f"state_MiB_{args.contexts[-1]}"] = timed[-1]["state_MiB"]

@@ -58,17 +58,17 @@ import numpy as np
 from flax import nnx
 
 import infer
+from benchmarks import decode
 from benchmarks.common import print_table, save_json, timeit
-from benchmarks.decode import KINDS as DECODE_KINDS
 from infer import Engine, Request
 from zoo import LanguageModel
 from zoo.config import from_dict
 from zoo.registry import MIXERS
 
-KINDS = {"gqa": {"mixer": DECODE_KINDS["gqa"]},
-         "sinks_window": {"mixer": {**DECODE_KINDS["sinks_window"], "num_kv_heads": 2}},  # gqa's KV heads
-         **{k: {"mixer": DECODE_KINDS[k]} for k in ("mamba2", "gated_deltanet", "gla", "rwkv7")},
-         "hybrid": {"layer_pattern": [DECODE_KINDS["gated_deltanet"]] * 3 + [DECODE_KINDS["gqa"]]}}  # Qwen3-Next's 3:1
+KINDS = {"gqa": {"mixer": decode.KINDS["gqa"]},
+         "sinks_window": {"mixer": {**decode.KINDS["sinks_window"], "num_kv_heads": 2}},  # gqa's KV heads
+         **{k: {"mixer": decode.KINDS[k]} for k in ("mamba2", "gated_deltanet", "gla", "rwkv7")},
+         "hybrid": {"layer_pattern": [decode.KINDS["gated_deltanet"]] * 3 + [decode.KINDS["gqa"]]}}  # Qwen3-Next's 3:1
 VOCAB = 256
 STEP_BUCKET = 16  # the static server's max_new_tokens: a multiple of this
 
@@ -77,7 +77,7 @@ def build(kind: str, d_model: int, layers: int, max_seq_len: int, chunk: int):
     """The model of a kind of KINDS, or of any registered mixer kind (benchmarks/decode.py's settings where it
     has them, else the kind's defaults); a ring cache (sinks_window) gets `chunk` spare slots: the engine's
     prefill rolls a chunk back (layers/attention.py, ring_spare)."""
-    section = KINDS.get(kind) or {"mixer": DECODE_KINDS.get("mha" if kind == "attention" else kind, {"kind": kind})}
+    section = KINDS.get(kind) or {"mixer": decode.mixer(kind)}
     if section.get("mixer", {}).get("kind") == "attention" and "window" in section["mixer"]:
         section = {"mixer": {**section["mixer"], "ring_spare": max(16, chunk)}}
     cfg = from_dict({"model": {"d_model": d_model, "num_layers": layers, "max_seq_len": max_seq_len,

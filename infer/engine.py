@@ -411,7 +411,7 @@ class Engine:
             s.out.append(tok)
             self.generated += 1
             if request.stop is not None:
-                s.matched = int(request.stop.table[s.matched, tok])
+                s.matched = request.stop.step(s.matched, tok)
                 finish = "stop" if s.matched < 0 else None
             if finish is None and len(s.out) == request.max_tokens:
                 finish = "length"

@@ -29,12 +29,17 @@ class StopStrings:
     strings: tuple[str, ...]
     table: np.ndarray  # (S, V) int16 or int32: the state after a token, -1 where a stop string ends inside it
 
+    def step(self, state: int, token: int) -> int:
+        """The matcher's state after `token` from `state` (0 before a row's first generated token); negative once
+        a stop string has ended inside that token."""
+        return int(self.table[state, token])
+
     def end(self, ids) -> int:
         """How many of `ids` (a row of generated tokens) to keep: up to the token that completes the first
         stop string, that token included (its bytes may hold text before the match), or all of them."""
         state = 0
         for n, t in enumerate(ids):
-            state = self.table[state, t]
+            state = self.step(state, t)
             if state < 0:
                 return n + 1
         return len(ids)
