@@ -287,8 +287,8 @@ class Attention(SequenceMixer):
             if self.rotary_dim else a
         q, k = (rotary(a).reshape(B, T, -1, K) for a in (q, k))  # (B, T, H|G, K)
         # On a mesh: heads split over `tensor`, rows over the batch axes (no-op on one device).
-        q = constrain(q, ("batch", None, "heads", None))
-        k, v = (constrain(a, ("batch", None, "kv_heads", None)) for a in (k, v))
+        q = constrain(q, ("batch", "length", "heads", None))
+        k, v = (constrain(a, ("batch", "length", "kv_heads", None)) for a in (k, v))
         return q, k, v
 
     def _half(self, a, h: int | None):

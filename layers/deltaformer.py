@@ -114,8 +114,8 @@ class DeltaFormer(SequenceMixer):
         w = {"key": k, "query": q, "separate": w}[self.write_key]
         beta = project(x.astype(self.dtype), self.w_beta[...].astype(self.dtype)).astype(jnp.float32)  # (B, T, G)
         beta = jax.nn.sigmoid(beta + self.b_beta[...])
-        q = constrain(q, ("batch", None, "heads", None))
-        k, v, w = (constrain(a, ("batch", None, "kv_heads", None)) for a in (k, v, w))
+        q = constrain(q, ("batch", "length", "heads", None))
+        k, v, w = (constrain(a, ("batch", "length", "kv_heads", None)) for a in (k, v, w))
         return q, k, v, w, beta
 
     def _out(self, o):

@@ -120,6 +120,8 @@ class DeltaRuleMixer(SequenceMixer):
     """The body the layers share; subclasses add their gate parameters and `_gates(x) -> (beta, g)`:
     beta (B, T, n*HV) float32 for n = num_householder keys per token, g (B, T, HV), (B, T, HV, K) or None."""
 
+    context_parallel = True
+
     State = DeltaNetState
 
     def __init__(self, d_model, *, num_heads, head_dim, expand_v, conv_size, use_output_gate, qk_norm,

@@ -91,8 +91,8 @@ class ForgettingAttention(SequenceMixer):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_base is not None:
             q, k = (apply_rotary(a, positions, self.rope_base) for a in (q, k))
-        q = constrain(q, ("batch", None, "heads", None))
-        k, v = (constrain(a, ("batch", None, "kv_heads", None)) for a in (k, v))
+        q = constrain(q, ("batch", "length", "heads", None))
+        k, v = (constrain(a, ("batch", "length", "kv_heads", None)) for a in (k, v))
         logit = project(x, self.wf[...].astype(self.dtype)).astype(jnp.float32) + self.bf[...]  # (B, T, H)
         c = c_start[:, None] + jnp.cumsum(jax.nn.log_sigmoid(logit), axis=1)  # (B, T, H)
         return q, k, v, c

@@ -58,6 +58,8 @@ class GatedLinearAttention(SequenceMixer):
     exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on
     every path; dtype: the compute dtype (parameters stay float32)."""
 
+    context_parallel = True
+
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, expand_k: PosFloat = 0.5, expand_v: PosFloat = 1.0,
                  gate_low_rank_dim: PosInt = 16, gate_logit_normalizer: PosFloat = 16.0, conv_size: NonNegInt = 0,
                  use_output_gate: bool = True, norm_eps: PosFloat = 1e-5, mode: Mode = "chunk", chunk_size: PosInt = 64,

@@ -68,6 +68,8 @@ class HGRN2(SequenceMixer):
     "pallas") picks the op's implementation on every path (the GLA op's); dtype: the compute dtype (parameters stay
     float32)."""
 
+    context_parallel = True
+
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, expand_ratio: PosInt | None = None,
                  conv_size: NonNegInt = 0, norm_eps: PosFloat = 1e-5, layer_id: int = 0, num_layers: int = 1,
                  mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):

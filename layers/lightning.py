@@ -52,6 +52,8 @@ class LightningAttention(SequenceMixer):
     "reference" | "xla" | "pallas") picks the retention op's implementation on every path; dtype: the compute dtype
     (parameters stay float32)."""
 
+    context_parallel = True
+
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None,
                  norm_eps: PosFloat = 1e-6, layer_id: int = 0, num_layers: int = 1, mode: Mode = "chunk",
                  chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):

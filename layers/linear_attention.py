@@ -106,6 +106,8 @@ class LinearAttention(SequenceMixer):
     exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on
     every path; dtype: the compute dtype (parameters stay float32)."""
 
+    context_parallel = True
+
     def __init__(self, d_model: int, *, num_heads: PosInt = 4,
                  feature_map: Annotated[str, OneOf(*FEATURE_MAPS)] = "elu", normalize: bool = True,
                  num_features: PosInt | None = None, qk_dim: PosInt | None = None, cosformer_max_len: PosInt = 2048,

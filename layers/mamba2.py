@@ -90,6 +90,8 @@ class Mamba2(SequenceMixer):
     its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the
     compute dtype (parameters stay float32)."""
 
+    context_parallel = True
+
     def __init__(self, d_model: int, *, state_size: PosInt = 64, expand: PosInt = 2, head_dim: PosInt = 64,
                  num_groups: PosInt = 1, conv_size: NonNegInt = 4, chunk_size: PosInt = 64, mode: Mode = "chunk",
                  dt_min: PosFloat = 0.001, dt_max: PosFloat = 0.1, dt_init_floor: PosFloat = 1e-4,

@@ -30,6 +30,9 @@ class SequenceMixer(nnx.Module):
     several exact forms, `mode`."""
 
     grows_with_context = False  # True where the state grows with max_len (a KV cache)
+    # True where the training path splits along time over a mesh's context axis (kernels/context.py): every op that
+    # carries information along time has a context-parallel form, and the rest is per token
+    context_parallel = False
     mode = None  # the training path's form, for a layer that has several
     step_mode, prefill_mode = "recurrent", "chunk"  # decode's forms: one token or steps=True, T > 1 tokens
 

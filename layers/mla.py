@@ -156,7 +156,7 @@ class MultiHeadLatentAttention(SequenceMixer):
     def _queries(self, x, positions):
         """q^C (B, T, H, K) and the rotated q^R (B, T, H, R)."""
         c = x if self.wdq is None else self.q_norm(project(x, self._w(self.wdq)))  # (B, T, D | Lq)
-        q = constrain(project(c, self._w(self.wuq)), ("batch", None, "heads", None))  # (B, T, H, K + R)
+        q = constrain(project(c, self._w(self.wuq)), ("batch", "length", "heads", None))  # (B, T, H, K + R)
         K = self.head_dim
         return q[..., :K], self._rotary(q[..., K:], positions)
 
@@ -175,7 +175,7 @@ class MultiHeadLatentAttention(SequenceMixer):
         c, kr = latent[..., :L], latent[..., L:]
         kc = project(c, self._w(self.wuk))  # (B, S, H, K)
         k = jnp.concatenate([kc, jnp.broadcast_to(kr[:, :, None], (*kr.shape[:2], H, self.rope_dim))], axis=-1)
-        return constrain(k, ("batch", None, "heads", None)), project(c, self._w(self.wuv))
+        return constrain(k, ("batch", "length", "heads", None)), project(c, self._w(self.wuv))
 
     def _out(self, o):
         B, T, H, V = o.shape

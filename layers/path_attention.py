@@ -129,8 +129,8 @@ class PaTHAttention(SequenceMixer):
             c = c_start[:, None] + jnp.cumsum(jax.nn.log_sigmoid(logit), axis=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = constrain(q, ("batch", None, "heads", None))
-        k, v = (constrain(a, ("batch", None, "kv_heads", None)) for a in (k, v))
+        q = constrain(q, ("batch", "length", "heads", None))
+        k, v = (constrain(a, ("batch", "length", "kv_heads", None)) for a in (k, v))
         return q, k, v, w, beta, c, window
 
     def _out(self, o):

@@ -63,6 +63,8 @@ class MultiScaleRetention(SequenceMixer):
     chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path;
     dtype: the compute dtype (parameters stay float32)."""
 
+    context_parallel = True
+
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, expand_k: PosFloat = 1.0, expand_v: PosFloat = 2.0,
                  rotary_base: PosFloat = 10000.0, norm_eps: PosFloat = 1e-5, mode: Mode = "chunk",
                  chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):

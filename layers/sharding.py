@@ -3,7 +3,8 @@
 Parameters and activations are described with logical names (what a dimension *is*) and the table
 below says which mesh axes split it, as in MaxText and T5X:
 
-    batch    -> data, fsdp, expert   rows of a batch: every axis but tensor splits them
+    batch    -> data, fsdp, expert   rows of a batch: every axis but tensor and context splits them
+    length   -> context              time of a (B, T, ...) activation: one sequence over devices
     embed    -> fsdp                 the model width of a weight: FSDP (ZeRO-3) shards it
     heads    -> tensor               attention/mixer heads and inner channels (Megatron columns)
     kv_heads -> tensor               key/value heads of grouped-query attention (whole if fewer)
@@ -32,6 +33,7 @@ from jax.sharding import PartitionSpec
 
 LOGICAL_TO_MESH = {
     "batch": ("data", "fsdp", "expert"),
+    "length": ("context",),
     "embed": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),

@@ -70,8 +70,8 @@ class StickBreakingAttention(SequenceMixer):
         q, k, v = project_qkv(self, x)  # (B, T, H|G, K)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = constrain(q, ("batch", None, "heads", None))
-        k, v = (constrain(a, ("batch", None, "kv_heads", None)) for a in (k, v))
+        q = constrain(q, ("batch", "length", "heads", None))
+        k, v = (constrain(a, ("batch", "length", "kv_heads", None)) for a in (k, v))
         return q, k, v
 
     def _out(self, o, r, v):

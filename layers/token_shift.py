@@ -42,6 +42,8 @@ class RWKVTimeMix(SequenceMixer):
     projection and per-head group norm, and the decode state (the previous token's input and the (H, K, V)
     WKV state). A subclass sets num_heads and head_dim and writes the rest."""
 
+    context_parallel = True
+
     def _init_rkv(self, D: int, rngs):
         self.w_r = param(orthogonal(rngs.params(), (D, D)), *COLUMNS)
         self.w_k = param(orthogonal(rngs.params(), (D, D), 0.1), *COLUMNS)
@@ -63,6 +65,8 @@ class RWKVChannelMix(SequenceMixer):
     """RWKV channel mixing, as RWKV-6 and RWKV-7 share it: a squared-ReLU FFN of the token-shifted input,
     k = relu((x + (x_{t-1} - x) mu_k) W_k)^2, y = k W_v (times RWKV-6's receptance gate, `_gate`), whose decode
     state is the previous token's input. A subclass's __init__ calls `_init_ffn`."""
+
+    context_parallel = True
 
     def _init_ffn(self, d_model: int, hidden_dim: int, mu_k: np.ndarray, dtype, rngs):
         if hidden_dim < 1:

@@ -163,11 +163,14 @@ class MeshConfig:
     count, and one axis may be -1 for the devices the others leave. data: batch rows, each device a
     whole model; fsdp: batch rows, and parameters and optimiser state sharded over the model width
     (ZeRO-3); tensor: heads and FFN width (Megatron); expert: MoE experts (and batch rows outside
-    them). The default puts every device on data, so one device needs no setting at all."""
+    them); context: time, each sequence split into spans of seq_len / context tokens, one a device
+    (context parallelism, kernels/context.py; the kinds without a form for it are refused by name).
+    The default puts every device on data, so one device needs no setting at all."""
     data: DeviceCount = -1
     fsdp: DeviceCount = 1
     tensor: DeviceCount = 1
     expert: DeviceCount = 1
+    context: DeviceCount = 1
 
 
 @dataclass(frozen=True)

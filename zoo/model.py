@@ -54,7 +54,7 @@ from zoo.config import ModelConfig
 from zoo.registry import make_layer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-RESIDUAL = ("batch", None, None)  # (B, T, D): rows over the batch axes, the width whole
+RESIDUAL = ("batch", "length", None)  # (B, T, D): rows over the batch axes, time over context, the width whole
 
 
 def norm_of(cfg: ModelConfig):
@@ -206,7 +206,7 @@ class LanguageModel(nnx.Module):
         x = self.norm(x)
         w = self.embed.embedding[...].T if self.head is None else self.head[...]
         logits = project(x, w.astype(x.dtype), preferred_element_type=jnp.float32)  # (B, T, V)
-        return constrain(self.soft_cap(logits), ("batch", None, "vocab"))
+        return constrain(self.soft_cap(logits), ("batch", "length", "vocab"))
 
     def exit_logits(self, j: int, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """Next-token logits from the hidden state `h` at exit j (an index into `exit_layers`)."""
@@ -274,7 +274,7 @@ class LanguageModel(nnx.Module):
             run = _runner(block, segment_ids, steps, train=state is None)
             rest = (None if state is None else state[i], v_first)
             y, (s, v_first), carry = step(i, run, x, rest, carry) if step else (*run(x, rest), carry)
-            x = jax.tree.map(lambda a: constrain(a, ("batch",) + (None,) * (a.ndim - 1)), y)  # RESIDUAL, or wider
+            x = jax.tree.map(lambda a: constrain(a, ("batch", "length") + (None,) * (a.ndim - 2)), y)  # RESIDUAL, wider
             new_state.append(s)
         return self.leave_residual(x), None if state is None else tuple(new_state), carry
 

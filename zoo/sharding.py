@@ -28,8 +28,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from layers.sharding import LOGICAL_TO_MESH
 from zoo.config import Config, MeshConfig
 from zoo.model import LanguageModel
+from zoo.registry import LAYER_OF
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")  # outermost (slowest links) first
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")  # outermost (slowest links) first
 # Split only where the mesh axis divides them, else kept whole: MQA's single key/value head is
 # copied to every tensor rank (as Megatron and vLLM do) rather than making tensor parallelism an error.
 WHOLE_WHEN_INDIVISIBLE = {"kv_heads"}
@@ -55,11 +56,11 @@ def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """The device mesh of `train.mesh` over `devices` (default: every device of every process), axes
-    ordered data, fsdp, expert, tensor: the innermost axis gets the closest devices."""
+    ordered data, fsdp, expert, context, tensor: the innermost axis gets the closest devices."""
     devices = jax.devices() if devices is None else list(devices)
     sizes = {a: getattr(cfg, a) for a in MESH_AXES}
     known = math.prod(n for n in sizes.values() if n != -1)
-    described = " x ".join(f"{a}={getattr(cfg, a)}" for a in ("data", "fsdp", "tensor", "expert"))
+    described = " x ".join(f"{a}={getattr(cfg, a)}" for a in ("data", "fsdp", "tensor", "expert", "context"))
     for axis, n in sizes.items():
         if n == -1:
             if len(devices) % known:
@@ -153,10 +154,13 @@ def init_optimizer(tx, params, param_sh, mesh: Mesh) -> tuple:
     return jax.jit(tx.init, out_shardings=opt_sh)(params), opt_sh
 
 
-def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0) -> NamedSharding:
-    """Rows (dimension `axis`) split over the batch axes data, fsdp and expert; the rest whole."""
+def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0, time: bool = False) -> NamedSharding:
+    """Rows (dimension `axis`) split over the batch axes data, fsdp and expert; with `time`, the next
+    dimension (tokens) over the context axis; the rest whole."""
     spec = [None] * ndim
     spec[axis] = tuple(a for a in LOGICAL_TO_MESH["batch"] if mesh.shape[a] > 1) or None
+    if time and mesh.shape["context"] > 1:
+        spec[axis + 1] = "context"
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
@@ -172,7 +176,9 @@ def batch_placer(cfg: Config, mesh: Mesh):
     (micro_batches, b, T), and of the i-th validation batch as (B, T), rows split over the batch
     axes, of which this process reads only its own. `batches` is a source of numpy batches with
     `train_batch(step, batch_size, rows=)` and `val_batch(i, batch_size, rows=)` (train/data.py,
-    train/tasks.py). ValueError, before any work, if a micro-batch does not split over the mesh."""
+    train/tasks.py). With a context axis, each row's tokens are split over it too (a process keeps the
+    spans of its devices). ValueError, before any work, if a micro-batch does not split over the mesh,
+    or a sequence over the context axis (`check_context`)."""
     t = cfg.train
     k, micro = t.grad_accum, t.batch_size // t.grad_accum
     split = math.prod(mesh.shape[a] for a in LOGICAL_TO_MESH["batch"])
@@ -180,21 +186,47 @@ def batch_placer(cfg: Config, mesh: Mesh):
         raise ValueError(f"train.batch_size: {t.batch_size} rows (train.grad_accum={k} micro-batches of {micro}) "
                          f"do not split over the batch axes of train.mesh ({describe(mesh)}: data x fsdp x expert "
                          f"= {split} devices); use a micro-batch that is a multiple of {split}")
-    train_sh, val_sh = batch_sharding(mesh, 3, axis=1), batch_sharding(mesh, 2)
+    check_context(cfg, mesh)
+    train_sh, val_sh = batch_sharding(mesh, 3, axis=1, time=True), batch_sharding(mesh, 2, time=True)
     local = process_rows(train_sh, (k, micro, t.seq_len), axis=1)
     rows = (np.arange(k)[:, None] * micro + local).reshape(-1)  # this process's rows of the whole batch
     val_rows = process_rows(val_sh, (t.batch_size, t.seq_len), axis=0)
+    span = process_rows(val_sh, (t.batch_size, t.seq_len), axis=1)  # this process's tokens of each row
 
     def train_batch(batches, step: int) -> dict:
         b = batches.train_batch(step, t.batch_size, rows=rows)
-        return {n: jax.make_array_from_process_local_data(train_sh, v.reshape(k, len(local), t.seq_len),
+        return {n: jax.make_array_from_process_local_data(train_sh, v.reshape(k, len(local), -1)[..., span],
                                                           (k, micro, t.seq_len)) for n, v in b.items()}
 
     def val_batch(batches, i: int) -> dict:
         b = batches.val_batch(i, t.batch_size, rows=val_rows)
-        return {n: jax.make_array_from_process_local_data(val_sh, v, (t.batch_size, t.seq_len)) for n, v in b.items()}
+        return {n: jax.make_array_from_process_local_data(val_sh, v[:, span], (t.batch_size, t.seq_len))
+                for n, v in b.items()}
 
     return train_batch, val_batch
+
+
+def _without_context(mixer) -> set[str]:
+    """The kinds in a mixer config (a parallel mixer's parts included) whose layer has no context-parallel form."""
+    parts = getattr(mixer, "mixers", None)  # zoo/parallel.py
+    if parts:
+        return set().union(*map(_without_context, parts))
+    return set() if LAYER_OF[type(mixer)].context_parallel else {mixer.KIND}
+
+
+def check_context(cfg: Config, mesh: Mesh):
+    """Refuse, naming what is wrong, a context axis that cannot split the run's sequences: a seq_len it
+    does not divide, or a mixer kind without a context-parallel form (`context_parallel` of its layer)."""
+    n = mesh.shape["context"]
+    if n == 1:
+        return
+    if cfg.train.seq_len % n:
+        raise ValueError(f"train.seq_len: {cfg.train.seq_len} tokens do not split over train.mesh.context={n}; "
+                         f"use a multiple of {n}")
+    refused = sorted(set().union(*map(_without_context, cfg.model.mixers())))
+    if refused:
+        raise ValueError(f"train.mesh.context={n}: mixer kind {', '.join(refused)} has no context-parallel form "
+                         f"(docs/context.md lists the kinds that have one); use train.mesh.context=1 or another kind")
 
 
 def bytes_per_device(tree) -> dict:
@@ -207,7 +239,7 @@ def bytes_per_device(tree) -> dict:
 
 
 def describe(mesh: Mesh) -> str:
-    """`data=2 fsdp=4 tensor=1 expert=1`: the mesh as train.mesh writes it."""
+    """`data=2 fsdp=4 tensor=1 expert=1 context=1`: the mesh as train.mesh writes it."""
     return " ".join(f"{f.name}={mesh.shape[f.name]}" for f in dataclasses.fields(MeshConfig))
 
 

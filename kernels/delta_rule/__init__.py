@@ -20,7 +20,7 @@ take all three gate kinds: none, one per head (B, T, H) and one per key channel 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode, pallas_platform, use_pallas
+from kernels import check_impl, check_mode, context, pallas_platform, use_pallas
 from kernels.delta_rule.chunk import delta_rule_chunk
 from kernels.delta_rule.pallas import delta_rule_pallas, supports
 from kernels.delta_rule.pallas_tpu import delta_rule_pallas_tpu
@@ -50,6 +50,13 @@ def delta_rule(
     start restarts from zero (kernels/__init__.py)."""
     check_mode(mode, chunk_size, "delta_rule")
     check_impl(impl, "delta_rule")
+    if context.active(q.shape[1]):
+        run = lambda q, k, v, beta, *g, **kw: delta_rule(q, k, v, beta, *g, scale=scale, mode=mode,
+                                                         chunk_size=chunk_size, impl=impl, output_final_state=True,
+                                                         **kw)
+        o, state = context.split_recurrence(run, (q, k, v, beta) + (() if g is None else (g,)), value=2,
+                                            segment_ids=segment_ids, initial_state=initial_state)
+        return o, (state if output_final_state else None)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kwargs = dict(scale=scale, segment_ids=segment_ids, initial_state=initial_state)
     if impl == "reference":

@@ -14,7 +14,7 @@ elsewhere.
 
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode, pallas_platform, use_pallas
+from kernels import check_impl, check_mode, context, pallas_platform, use_pallas
 from kernels.gla.chunk import gla_chunk
 from kernels.gla.pallas import gla_pallas, supports
 from kernels.gla.pallas_tpu import gla_pallas_tpu
@@ -38,6 +38,12 @@ def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, 
     """
     check_mode(mode, chunk_size, "gla")
     check_impl(impl, "gla")
+    if context.active(q.shape[1]):
+        run = lambda *a, **kw: gla(*a, scale=scale, mode=mode, chunk_size=chunk_size, impl=impl,
+                                   output_final_state=True, **kw)
+        o, state = context.split_recurrence(run, (q, k, v, g), value=2, segment_ids=segment_ids,
+                                            initial_state=initial_state)
+        return o, (state if output_final_state else None)
     o, state = run_form(_FORMS, q, k, v, g, pallas_gate=lambda: g, mode=mode, chunk_size=chunk_size, impl=impl,
                         scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
                         initial_state=initial_state)

@@ -11,7 +11,7 @@ elsewhere; "reference" is the token-by-token scan; "xla" the form picked by `mod
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode
+from kernels import check_impl, check_mode, context
 from kernels.gla import run_form
 from kernels.linear_attention.chunk import linear_attention_chunk
 from kernels.linear_attention.parallel import linear_attention_parallel
@@ -35,6 +35,12 @@ def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
     """
     check_mode(mode, chunk_size, "linear_attention")
     check_impl(impl, "linear_attention")
+    if context.active(q.shape[1]):
+        run = lambda *a, **kw: linear_attention(*a, mode=mode, chunk_size=chunk_size, impl=impl, scale=scale,
+                                                output_final_state=True, **kw)
+        o, state = context.split_recurrence(run, (q, k, v), value=2, segment_ids=segment_ids,
+                                            initial_state=initial_state)
+        return o, (state if output_final_state else None)
     o, state = run_form(_FORMS, q, k, v, pallas_gate=lambda: jnp.zeros(v.shape[:3], jnp.float32), mode=mode,
                         chunk_size=chunk_size, impl=impl, scale=1.0 if scale is None else scale,
                         segment_ids=segment_ids, initial_state=initial_state)

@@ -11,7 +11,7 @@ the token-by-token scan; "xla" the form picked by `mode`.
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode
+from kernels import check_impl, check_mode, context
 from kernels.gla import run_form
 from kernels.retention.chunk import retention_chunk
 from kernels.retention.parallel import retention_parallel
@@ -34,6 +34,12 @@ def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     """
     check_mode(mode, chunk_size, "retention")
     check_impl(impl, "retention")
+    if context.active(q.shape[1]):
+        run = lambda q, k, v, gamma, **kw: retention(q, k, v, gamma, mode=mode, chunk_size=chunk_size, impl=impl,
+                                                     scale=scale, output_final_state=True, **kw)
+        o, state = context.split_recurrence(run, (q, k, v), (jnp.asarray(gamma),), value=2, segment_ids=segment_ids,
+                                            initial_state=initial_state)
+        return o, (state if output_final_state else None)
     log_gamma = jnp.log(jnp.asarray(gamma, jnp.float32))
     o, state = run_form(_FORMS, q, k, v, log_gamma, pallas_gate=lambda: jnp.broadcast_to(log_gamma, v.shape[:3]),
                         mode=mode, chunk_size=chunk_size, impl=impl, segment_ids=segment_ids,

@@ -27,7 +27,7 @@ from functools import partial
 
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode, use_pallas
+from kernels import check_impl, check_mode, context, use_pallas
 from kernels.segments import scan_inputs
 from kernels.ssd.chunk import ssd_chunk
 from kernels.ssd.pallas import ssd_pallas, supports
@@ -45,6 +45,12 @@ def ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "
     start restarts from zero (kernels/__init__.py)."""
     check_mode(mode, chunk_size, "ssd")
     check_impl(impl, "ssd")
+    if context.active(x.shape[1]):  # the state (B, H, P, N): values on axis 2, keys on 3
+        run = lambda x, dt, B, C, A, *D, **kw: ssd(x, dt, A, B, C, *D, mode=mode, chunk_size=chunk_size, impl=impl,
+                                                  output_final_state=True, **kw)
+        o, state = context.split_recurrence(run, (x, dt, B, C), (A,) + (() if D is None else (D,)), value=0,
+                                            segment_ids=segment_ids, initial_state=initial_state, state_axes=(3, 2))
+        return o, (state if output_final_state else None)
     Bsz, T, H, P = x.shape
     G, N = B.shape[2:]
     if (dt.shape != (Bsz, T, H) or A.shape != (H,) or B.shape != (Bsz, T, G, N) or C.shape != B.shape

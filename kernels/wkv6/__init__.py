@@ -16,7 +16,7 @@ and they support the call, the XLA form elsewhere. This function is the one disp
 
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode, use_pallas
+from kernels import check_impl, check_mode, context, use_pallas
 from kernels.gla.pallas import supports
 from kernels.wkv6.chunk import wkv6_chunk
 from kernels.wkv6.pallas import wkv6_pallas
@@ -35,6 +35,11 @@ def wkv6(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array,
     """
     check_mode(mode, chunk_size, "wkv6")
     check_impl(impl, "wkv6")
+    if context.active(r.shape[1]):
+        run = lambda *a, **kw: wkv6(*a, mode=mode, chunk_size=chunk_size, impl=impl, output_final_state=True, **kw)
+        o, state = context.split_recurrence(run, (r, k, v, log_w), (u,), value=2, segment_ids=segment_ids,
+                                            initial_state=initial_state)
+        return o, (state if output_final_state else None)
     B, T, H, K = r.shape
     if k.shape != r.shape or log_w.shape != r.shape or v.shape[:3] != (B, T, H) or u.shape != (H, K):
         raise ValueError(f"wkv6: shapes r{r.shape} k{k.shape} v{v.shape} log_w{log_w.shape} u{u.shape} do not "

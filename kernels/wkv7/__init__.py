@@ -21,7 +21,7 @@ kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens),
 
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode, pallas_platform, use_pallas
+from kernels import check_impl, check_mode, context, pallas_platform, use_pallas
 from kernels.wkv7.chunk import wkv7_chunk
 from kernels.wkv7.pallas import supports, wkv7_pallas
 from kernels.wkv7.pallas_tpu import wkv7_pallas_tpu
@@ -45,6 +45,12 @@ def wkv7(r: Float[Array, "B T H K"], w_log: Float[Array, "B T H K"], k: Float[Ar
     """
     check_mode(mode, chunk_size, "wkv7")
     check_impl(impl, "wkv7")
+    if context.active(r.shape[1]):
+        run = lambda *a, **kw: wkv7(*a, mode=mode, chunk_size=chunk_size, impl=impl, max_decay=max_decay,
+                                    output_final_state=True, **kw)
+        o, state = context.split_recurrence(run, (r, w_log, k, v, a, b), value=3, segment_ids=segment_ids,
+                                            initial_state=initial_state)
+        return o, (state if output_final_state else None)
     B, T, H, K = r.shape
     if any(x.shape != r.shape for x in (w_log, k, a, b)) or v.shape[:3] != (B, T, H):
         raise ValueError(f"wkv7: shapes r{r.shape} w_log{w_log.shape} k{k.shape} v{v.shape} a{a.shape} "

@@ -109,9 +109,10 @@ def test_an_axis_that_does_not_divide_names_the_parameter_and_the_axis():
 
 def test_a_mesh_that_is_not_the_device_count_is_an_error_naming_both():
     assert make_mesh(MeshConfig()).shape["data"] == 1  # the default: every device on data
-    with pytest.raises(ValueError, match=r"data=2 x fsdp=1 x tensor=1 x expert=1 is 2 devices, but there are 1"):
+    with pytest.raises(ValueError, match=r"data=2 x fsdp=1 x tensor=1 x expert=1 x context=1 is 2 devices, but there "
+                                         r"are 1"):
         make_mesh(MeshConfig(data=2))
-    with pytest.raises(ValueError, match=r"fsdp=2 x tensor=1 x expert=1 cannot fill 1 devices"):
+    with pytest.raises(ValueError, match=r"fsdp=2 x tensor=1 x expert=1 x context=1 cannot fill 1 devices"):
         make_mesh(MeshConfig(data=-1, fsdp=2))
 
 
