@@ -8,7 +8,10 @@ along time does, and is written here once:
 - a recurrence whose state is linear in the state it starts from (`split_recurrence`): every kind
   whose op has a chunk form (linear attention, RetNet, GLA, HGRN2, the delta rules, Mamba-2, RWKV)
   has S_end = M S_in + S_loc over a span, with M (K, K) acting on the state's key axis;
-- attention's keys and values, which every query of the sequence may read (`gather_sequence`).
+- attention's keys and values, which every query of the sequence may read (`gather_sequence`);
+- a carry that holds more than such a state (Mamba-3's angles and previous token, kernels/mamba3/split.py):
+  the op writes its own form from the same pieces, `over_spans` (the shard_map), `scan_devices` (the
+  exchange of step 2 below, for any transition), `from_left` and `last`.
 
 `split_recurrence`, per device and inside one `shard_map` over the axis:
 
@@ -24,14 +27,35 @@ along time does, and is written here once:
 It costs the op twice (the first pass K columns wider) plus n (K, K + V) states per layer sent to
 every device; its gradient is JAX's transpose of the same program (the all-gather's is a
 reduce-scatter), so the states' cotangents travel the other way. `docs/context.md` has the figures.
+
+`split_queries`, for an op whose queries read every key of the sequence (softmax attention), per
+device inside one `shard_map`: the keys' arrays all-gathered (`gather_sequence`), the op run for the
+device's queries at their positions in the sequence, the outputs back on the devices that hold their
+tokens. Which queries a device runs is `split` (SPLITS):
+
+- "contiguous": its own span, nothing moves but the keys. Under a causal mask device d's queries see
+  (d + 1/2) / n of the keys on average, and the forms that skip masked blocks (kernels/attention) do
+  that share of the work: the last device does about 2n - 1 times the first's, and the step waits
+  for it;
+- "zigzag" (the causal load balancing of Llama 3's context parallelism, Dubey et al. 2024): each
+  span cut in two halves, a = ceil(L / 2) and L - a tokens (L = T / n), gives the 2n chunks of the
+  sequence in order, and device d runs chunks d and 2n - 1 - d: one early and one late, so every
+  device's queries see about as many keys as any other's. The halves travel by two `ppermute`s
+  (every device sends its first half along one permutation of the devices, its second half along
+  another), the outputs by the inverse two: L tokens a device each way, where all-gathering the
+  queries and the outputs would send T (an `all_to_all` needs equal pieces for every device, and
+  each device here trades with at most two). An odd L pads the shorter half to a: one query a device
+  is computed and dropped.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 AXIS = "context"
 SEQ = P(None, AXIS)  # (B, T, ...) arrays: time split over the axis
+SPLITS = ("contiguous", "zigzag")  # which queries a device runs in `split_queries` (module docstring)
 
 
 def size() -> int:
@@ -49,15 +73,9 @@ def active(T: int) -> bool:
     return n > 1 and T % n == 0
 
 
-def check_length(T: int, where: str):
-    """Refuse a sequence of T tokens that the context axis cannot split."""
-    n = size()
-    if n > 1 and T % n:
-        raise ValueError(f"{where}: {T} tokens do not split over train.mesh.context={n}; use a sequence length "
-                         f"that is a multiple of {n}")
-
-
 def _shard_map(f, in_specs, out_specs):
+    """shard_map over the context axis alone (the others stay XLA's); check_vma off, since the ops' scans start
+    from fresh zeros that vary by device only once they have run."""
     return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
 
 
@@ -83,6 +101,45 @@ def from_left(x, carry_in, segment_ids):
     return jax.tree.map(lambda s, c0: jnp.where(i == 0, c0.astype(s.dtype), s), shifted, carry_in)
 
 
+def scan_devices(M, S_loc, S0, segment_ids, apply):
+    """Inside a shard_map over the axis: the state this device's span starts from, for a recurrence whose end
+    state over a span is apply(M, S) + S_loc from the state S it starts from (M and S_loc made by each device,
+    M already zero where a document starts inside its span): the scan over devices S_in(d + 1) =
+    c(d + 1) (apply(M(d), S_in(d)) + S_loc(d)) from S_in(0) = S0, the caller's, c as in `from_left`."""
+    n, i = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    Ms, Ss = jax.lax.all_gather(M, AXIS), jax.lax.all_gather(S_loc, AXIS)  # (n, B, ...)
+    keep = _boundaries(segment_ids, n)
+    S = S0
+    for d in range(n - 1):  # n small: each device stops at its own index
+        nxt = apply(Ms[d], S) + Ss[d]
+        if keep is not None:
+            nxt = nxt * keep[d].reshape((-1,) + (1,) * (nxt.ndim - 1))
+        S = jnp.where(d < i, nxt, S)
+    return S
+
+
+def last(tree):
+    """Inside a shard_map over the axis: the last device's `tree` on every device (the sequence's end state)."""
+    n, i = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    return jax.tree.map(lambda a: jax.lax.psum(jnp.where(i == n - 1, a, 0), AXIS), tree)
+
+
+def over_spans(local, seq: tuple, rest: tuple, segment_ids, initial_state):
+    """local(seq, rest, segment_ids, initial_state) -> (o, end state) run on every device's span inside one
+    shard_map over the axis: seq (B, T, ...) arrays split along time, rest and initial_state (a tree, or None)
+    held whole, segment_ids (B, T) or None. Returns (o split along time, the end state local returns, which
+    must be the same on every device)."""
+    have_seg, have_s0 = segment_ids is not None, initial_state is not None
+
+    def f(seq, rest, seg, S0):
+        return local(seq, rest, seg if have_seg else None, S0 if have_s0 else None)
+
+    seg = segment_ids if have_seg else jnp.zeros((), jnp.int32)
+    S0 = initial_state if have_s0 else jnp.zeros((), jnp.float32)
+    in_specs = ((SEQ,) * len(seq), (P(),) * len(rest), SEQ if have_seg else P(), P())
+    return _shard_map(f, in_specs, (SEQ, P()))(tuple(seq), tuple(rest), seg, S0)
+
+
 def split_recurrence(run, seq: tuple, rest: tuple = (), *, value: int, segment_ids=None, initial_state=None,
                      state_axes: tuple[int, int] = (2, 3)):
     """The op `run(*seq, *rest, segment_ids=, initial_state=) -> (o, end state)` over the whole sequence,
@@ -90,7 +147,6 @@ def split_recurrence(run, seq: tuple, rest: tuple = (), *, value: int, segment_i
     arrays every device holds whole; seq[value]: the values, whose last axis is the state's value axis.
     state_axes: the (key, value) axes of the state, (B, H, K, V) by default. Returns (o, end state)."""
     key_axis, value_axis = state_axes
-    have_seg, have_s0 = segment_ids is not None, initial_state is not None
 
     def canonical(S):  # (B, H, K, V) whatever the op's layout
         return jnp.moveaxis(S, (key_axis, value_axis), (2, 3))
@@ -99,7 +155,6 @@ def split_recurrence(run, seq: tuple, rest: tuple = (), *, value: int, segment_i
         return jnp.moveaxis(S, (2, 3), (key_axis, value_axis))
 
     def local(seq, rest, seg, S0):
-        seg = seg if have_seg else None
         v = seq[value]
         native_shape = jax.eval_shape(lambda: run(*seq, *rest, segment_ids=seg, initial_state=None)[1]).shape
         B, H, K, V = shape = tuple(native_shape[a] for a in (0, 1, key_axis, value_axis))
@@ -108,21 +163,71 @@ def split_recurrence(run, seq: tuple, rest: tuple = (), *, value: int, segment_i
         start = jnp.concatenate([jnp.zeros(shape, jnp.float32), eye], -1)  # [0 | I]
         end = canonical(run(*wide, *rest, segment_ids=seg, initial_state=native(start))[1])
         S_loc, M = end[..., :V], end[..., V:]  # (B, H, K, V), (B, H, K, K)
-        n, i = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
-        Ms, Ss = jax.lax.all_gather(M, AXIS), jax.lax.all_gather(S_loc, AXIS)  # (n, B, H, K, *)
-        keep = _boundaries(seg, n)
-        S = canonical(S0).astype(jnp.float32) if have_s0 else jnp.zeros(shape, jnp.float32)
-        for d in range(n - 1):  # the scan over devices, n small: each device stops at its own index
-            nxt = jnp.einsum("bhkj,bhjv->bhkv", Ms[d], S) + Ss[d]
-            if keep is not None:
-                nxt = nxt * keep[d][:, None, None, None]
-            S = jnp.where(d < i, nxt, S)
+        S0 = jnp.zeros(shape, jnp.float32) if S0 is None else canonical(S0).astype(jnp.float32)
+        S = scan_devices(M, S_loc, S0, seg, lambda M, S: jnp.einsum("bhkj,bhjv->bhkv", M, S))
         o, final = run(*seq, *rest, segment_ids=seg, initial_state=native(S))
-        final = jax.lax.psum(jnp.where(i == n - 1, final, 0), AXIS)  # the last span's end: the sequence's
-        return o, final
+        return o, last(final)
 
-    seg = segment_ids if have_seg else jnp.zeros((), jnp.int32)
-    S0 = initial_state if have_s0 else jnp.zeros((), jnp.float32)
-    f = _shard_map(local, in_specs=((SEQ,) * len(seq), (P(),) * len(rest), SEQ if have_seg else P(), P()),
-                   out_specs=(SEQ, P()))
-    return f(tuple(seq), tuple(rest), seg, S0)
+    return over_spans(local, seq, rest, segment_ids, initial_state)
+
+
+def check_split(split: str, where: str):
+    """Refuse a `split_queries` split that is not one of SPLITS, naming `where`."""
+    if split not in SPLITS:
+        raise ValueError(f"{where}: context_split={split!r}; expected one of {SPLITS}")
+
+
+def gather_sequence(tree):
+    """Inside a shard_map over the axis: every (B, T / n, ...) array of `tree` (None stays None)
+    all-gathered along time, (B, T, ...) in sequence order on every device. Its transpose, in the
+    gradient, is a reduce-scatter: each span gets the sum of every device's cotangents for it."""
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True), tree)
+
+
+def _zigzag(n: int, L: int):
+    """The zigzag's routes for n spans of L tokens (module docstring): the halves' lengths (a, L - a)
+    and, per half p, the ppermute pairs (owner o -> the device that runs chunk 2o + p) and the (n,)
+    position where the chunk each device receives starts."""
+    a = -(-L // 2)
+    runs = lambda c: c if c < n else 2 * n - 1 - c  # the device that runs chunk c
+    pairs, starts = [], []
+    for p in (0, 1):
+        pairs.append([(o, runs(2 * o + p)) for o in range(n)])
+        start = np.zeros(n, np.int32)
+        for o in range(n):
+            start[runs(2 * o + p)] = o * L + p * a
+        starts.append(start)
+    return (a, L - a), pairs, starts
+
+
+def split_queries(run, queries: tuple, keys: tuple, rest=(), *, split: str = "contiguous"):
+    """The op `run(rows, whole, positions, rest) -> out` over the sequence split over the context axis,
+    for an op whose queries read the keys of the whole sequence (module docstring). Per device: rows,
+    the rows of its queries of `queries` ((B, T, ...) arrays); whole, `keys` ((B, T, ...) arrays or
+    None) all-gathered; positions (T',) int32, the rows' positions in the sequence; rest, a tree of
+    arrays every device holds whole. out: a tree of (B, T', ...) arrays, one row per query, returned
+    as (B, T, ...) arrays split as the inputs. split: one of SPLITS (spans of one token run contiguous)."""
+    check_split(split, "split_queries")
+
+    def local(queries, keys, rest):
+        n, i = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+        L = jax.tree.leaves(queries)[0].shape[1]
+        whole = gather_sequence(keys)
+        if split == "contiguous" or L < 2:
+            return run(queries, whole, i * L + jnp.arange(L, dtype=jnp.int32), rest)
+        sizes, pairs, starts = _zigzag(n, L)
+        a = sizes[0]
+        halves = (jax.tree.map(lambda x: x[:, :a], queries),
+                  jax.tree.map(lambda x: jnp.pad(x[:, a:], [(0, 0), (0, a - sizes[1])] + [(0, 0)] * (x.ndim - 2)),
+                               queries))  # (B, a, ...) each, the second padded
+        rows = jax.tree.map(lambda *h: jnp.concatenate(h, axis=1),
+                            *(jax.lax.ppermute(h, AXIS, pr) for h, pr in zip(halves, pairs)))  # (B, 2a, ...)
+        t = jnp.arange(a, dtype=jnp.int32)
+        positions = jnp.concatenate([jnp.asarray(st)[i] + jnp.minimum(t, m - 1) for st, m in zip(starts, sizes)])
+        out = run(rows, whole, positions, rest)  # a padded row repeats its chunk's last position; dropped below
+        back = [jax.lax.ppermute(jax.tree.map(lambda x: x[:, p * a:(p + 1) * a], out), AXIS,
+                                 [(d, o) for o, d in pairs[p]]) for p in (0, 1)]
+        return jax.tree.map(lambda x, y: jnp.concatenate([x, y[:, :sizes[1]]], axis=1), *back)
+
+    f = _shard_map(local, in_specs=((SEQ,) * len(queries), (SEQ,) * len(keys), P()), out_specs=SEQ)
+    return f(tuple(queries), tuple(keys), rest)

@@ -82,13 +82,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, Int8
 
-from kernels import check_impl
+from kernels import check_impl, context
 from kernels.attention import Band, CacheView, attention, attention_cached, write_rows
 from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
-from layers.options import Impl, NonNegFloat, NonNegInt, OneOf, PosFloat, PosInt, Range
+from layers.options import ContextSplit, Impl, NonNegFloat, NonNegInt, OneOf, PosFloat, PosInt, Range
 from layers.quant import quantize_rows
 from layers.rotary import RopeScaling, apply_rotary
 from layers.shapes import head_shape
@@ -198,9 +198,13 @@ class Attention(SequenceMixer):
     first int(head_dim * rope_fraction) dims of each head, the rest stay unrotated (transformers'
     partial_rotary_factor), 0 none at all (no positional encoding: Jamba, Nemotron-H); differential: Differential
     Transformer attention, each head the difference of two softmax maps (its query and key split in halves) with a
-    learnt λ, then RMSNorm (head_dim even; layer_id, the model's, sets λ_init); impl ("auto" | "reference" | "xla" |
-    "pallas") picks the op's implementation on every path; dtype: the compute dtype (parameters stay float32)."""
+    learnt λ, then RMSNorm (head_dim even; layer_id, the model's, sets λ_init); context_split ("contiguous" |
+    "zigzag"): with a sequence split over the mesh's context axis, which queries each device runs, its own span or
+    the zigzag's early and late chunk (about the same causal work on every device: kernels/context.py); impl ("auto" |
+    "reference" | "xla" | "pallas") picks the op's implementation on every path; dtype: the compute dtype
+    (parameters stay float32)."""
     grows_with_context = True  # the KV cache holds max_len slots (every other mixer's state is fixed)
+    context_parallel = True  # kernels.attention's form split over the context axis; the rest is per token
     kv_cache = None  # the cache's storage, read by init_state: None (compute dtype) or "int8"
 
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, num_kv_heads: PosInt | None = None,
@@ -211,8 +215,10 @@ class Attention(SequenceMixer):
                  output_gate: Annotated[str | None, OneOf(None, "head", "channel")] = None,
                  rope_fraction: Annotated[float, Range(0, 1)] = 1.0, differential: bool = False,
                  long_context: Annotated[str, OneOf("window", "full")] = "window", max_seq_len: int | None = None,
-                 layer_id: int = 0, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
+                 layer_id: int = 0, context_split: ContextSplit = "contiguous", impl: Impl = "auto",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "Attention")
+        context.check_split(context_split, "Attention")
         if long_context not in ("window", "full"):
             raise ValueError(f"long_context={long_context!r}; expected 'window' or 'full'")
         if window is not None and window < 1 or max_seq_len is not None and max_seq_len < 1:
@@ -231,6 +237,7 @@ class Attention(SequenceMixer):
             if ring else None
         self.grows_with_context = not ring
         self.ring_spare, self.rope_base, self.impl, self.dtype = ring_spare, rope_base, impl, dtype
+        self.context_split = context_split
         self.rope_scaling = rope_scaling
         self.exact_up_to = rope_scaling.original_max_position_embeddings \
             if rope_scaling is not None and rope_scaling.type == "dynamic" else None
@@ -332,7 +339,7 @@ class Attention(SequenceMixer):
         doc = None if segment_ids is None else document_index(segment_ids, B, T)
         part = self._half
         return self._out(self._heads(lambda h: attention(part(q, h), part(k, h), v, segment_ids=doc, band=self.band,
-                                                         impl=self.impl), x))
+                                                         impl=self.impl, context_split=self.context_split), x))
 
     def init_state(self, batch_size: int, max_len: int) -> KVCache:
         """A KV cache of max_len slots, or of a ring buffer's whatever max_len (module docstring)."""

@@ -57,6 +57,8 @@ class GatedDeltaNet2(KimiDeltaAttention):
     training path's exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's
     implementation on every path; dtype: the compute dtype (parameters stay float32)."""
 
+    context_parallel = False  # its value-side gate acts on the state's other axis: no form yet (kernels/context.py)
+
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None, expand_v: PosFloat = 1.0,
                  conv_size: NonNegInt = 4, allow_neg_eigval: bool = False, norm_eps: PosFloat = 1e-5,
                  mode: Mode = "chunk", chunk_size: PosInt = 64, impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):

@@ -32,14 +32,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl
+from kernels import check_impl, context
 from kernels.attention import CacheView, attention, attention_cached, write_rows
 from kernels.segments import document_index, positions_in_document
 from layers.attention import KVCache
 from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
-from layers.options import Impl, PosFloat, PosInt
+from layers.options import ContextSplit, Impl, PosFloat, PosInt
 from layers.rotary import apply_rotary
 from layers.shapes import head_shape
 from layers.sharding import axes, constrain
@@ -58,18 +58,22 @@ class ForgettingAttention(SequenceMixer):
     of a per-head forget gate sigmoid(x . w_f + b_f); num_kv_heads (None = num_heads) below num_heads is GQA/MQA;
     head_dim None = d_model / num_heads; rope_base: None = no positional encoding (FoX's default); qk_norm, output_norm,
     output_gate: the Pro block's per-head RMSNorms (eps norm_eps) of q and k and of the output, and sigmoid output gate;
-    impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every path (the attention op's: the
-    Pallas flash kernels take the decay); dtype: the compute dtype (parameters stay float32)."""
+    context_split ("contiguous" | "zigzag"): with a sequence split over the mesh's context axis, which queries each
+    device runs, as Attention's; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on every
+    path (the attention op's: the Pallas flash kernels take the decay); dtype: the compute dtype (parameters stay
+    float32)."""
     grows_with_context = True  # the KV cache holds max_len slots
+    context_parallel = True  # kernels.attention's form split over the context axis; c's cumsum XLA partitions
 
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, num_kv_heads: PosInt | None = None,
                  head_dim: PosInt | None = None, rope_base: PosFloat | None = None, qk_norm: bool = False,
-                 output_norm: bool = False, output_gate: bool = False, norm_eps: PosFloat = 1e-6, impl: Impl = "auto",
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 output_norm: bool = False, output_gate: bool = False, norm_eps: PosFloat = 1e-6,
+                 context_split: ContextSplit = "contiguous", impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "ForgettingAttention")
+        context.check_split(context_split, "ForgettingAttention")
         H, G, K = head_shape(d_model, num_heads, num_kv_heads, head_dim)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, H, G, K
-        self.rope_base, self.impl, self.dtype = rope_base, impl, dtype
+        self.rope_base, self.context_split, self.impl, self.dtype = rope_base, context_split, impl, dtype
         init = nnx.initializers.normal(d_model ** -0.5)
         self.wq = nnx.Param(init(rngs.params(), (d_model, H, K)), **axes("embed", "heads", None))
         self.wk = nnx.Param(init(rngs.params(), (d_model, G, K)), **axes("embed", "kv_heads", None))
@@ -111,7 +115,8 @@ class ForgettingAttention(SequenceMixer):
         q, k, v, c = self._project(x, positions_in_document(segment_ids, B, T),
                                    jnp.zeros((B, self.num_heads), jnp.float32))
         doc = None if segment_ids is None else document_index(segment_ids, B, T)
-        return self._out(attention(q, k, v, segment_ids=doc, impl=self.impl, decay=c), x)
+        return self._out(attention(q, k, v, segment_ids=doc, impl=self.impl, decay=c, context_split=self.context_split),
+                         x)
 
     def init_state(self, batch_size: int, max_len: int) -> FoXCache:
         shape = (batch_size, self.num_kv_heads, max_len, self.head_dim)

@@ -69,6 +69,8 @@ class FenwickLevels:
     `level_proj` and scale Λ `level_scale`), the levels a state gets for a context, and decoding refused past
     them. Mixed in before the base layer's class; `_init_levels` runs after its __init__."""
 
+    context_parallel = False  # the Fenwick levels' states: no form yet (kernels/context.py)
+
     grows_with_context = True  # L = ceil(log2 max_len) + 1 Fenwick states per head
     step_mode, prefill_mode = "recurrent", "parallel"
 

@@ -98,6 +98,8 @@ class Mamba3(SequenceMixer):
     R >= 2 for MIMO (R inputs and outputs per head, rank-R state updates; chunk_size counts tokens, R rank steps
     each, the official recommends 64 / R); dtype: the compute dtype (parameters stay float32)."""
 
+    context_parallel = True
+
     def __init__(self, d_model: int, *, state_size: PosInt = 128, expand: PosInt = 2, head_dim: PosInt = 64,
                  num_groups: PosInt = 1, rope_fraction: Annotated[float, Range(0, 1, lo_open=True)] = 0.5,
                  chunk_size: PosInt = 64, mode: Mode = "chunk", dt_min: PosFloat = 0.001, dt_max: PosFloat = 0.1,

@@ -53,13 +53,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from kernels import check_impl
+from kernels import check_impl, context
 from kernels.attention import Band, CacheView, attention, attention_cached, write_rows
 from kernels.segments import document_index, positions_in_document
 from layers.linear import project
 from layers.mixer import SequenceMixer
 from layers.norm import RMSNorm
-from layers.options import Impl, OneOf, PosFloat, PosInt
+from layers.options import ContextSplit, Impl, OneOf, PosFloat, PosInt
 from layers.rotary import RopeScaling, apply_rotary
 from layers.sharding import axes, constrain
 from layers.state import cache_counters, empty_cache, state
@@ -95,19 +95,21 @@ class MultiHeadLatentAttention(SequenceMixer):
     into the output (False = keys and values expanded from the cache, the reference); window, long_context, rope_base,
     norm_eps as Attention's (norm_eps: the latents' RMSNorms); rope_scaling: the rotary's scaling for a longer context
     (linear, llama3 or yarn, whose mscale_all_dim also scales the softmax as DeepSeek's); rotary: False = no rotary on
-    the rope_dim channels (NoPE, Kimi Linear); impl ("auto" | "reference" |
-    "xla" | "pallas") picks the op's implementation on every path; dtype: the compute dtype (parameters stay
-    float32)."""
+    the rope_dim channels (NoPE, Kimi Linear); context_split ("contiguous" | "zigzag"): with a sequence split over the
+    mesh's context axis, which queries each device runs, as Attention's; impl ("auto" | "reference" | "xla" |
+    "pallas") picks the op's implementation on every path; dtype: the compute dtype (parameters stay float32)."""
     grows_with_context = True  # the cache holds max_len slots, of L + R numbers each
+    context_parallel = True  # kernels.attention's form split over the context axis; the rest is per token
 
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None,
                  v_head_dim: PosInt | None = None, rope_dim: PosInt | None = None, kv_lora_rank: PosInt | None = None,
                  q_lora_rank: PosInt | None = None, window: PosInt | None = None, rope_base: PosFloat = 10000.0,
                  rope_scaling: RopeScaling | None = None, rotary: bool = True, norm_eps: PosFloat = 1e-6,
                  long_context: Annotated[str, OneOf("window", "full")] = "window",
-                 absorb: bool = True, max_seq_len: int | None = None, impl: Impl = "auto", dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 absorb: bool = True, max_seq_len: int | None = None, context_split: ContextSplit = "contiguous",
+                 impl: Impl = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         check_impl(impl, "MultiHeadLatentAttention")
+        context.check_split(context_split, "MultiHeadLatentAttention")
         if long_context not in ("window", "full"):
             raise ValueError(f"long_context={long_context!r}; expected 'window' or 'full'")
         if num_heads < 1 or head_dim is None and d_model % num_heads:
@@ -135,7 +137,7 @@ class MultiHeadLatentAttention(SequenceMixer):
         if long_context == "window" and max_seq_len is not None:
             window = max_seq_len if window is None else min(window, max_seq_len)
         self.window, self.rope_base, self.absorb, self.impl, self.dtype = window, rope_base, absorb, impl, dtype
-        self.rope_scaling, self.rotary = rope_scaling, rotary
+        self.rope_scaling, self.rotary, self.context_split = rope_scaling, rotary, context_split
         self.scale = (K + R) ** -0.5 * yarn_softmax_factor(rope_scaling)  # DeepSeek's: the width of a head's q . k
         param = lambda shape, *names: nnx.Param(nnx.initializers.normal(shape[0] ** -0.5)(rngs.params(), shape),
                                                 **axes(*names))
@@ -189,7 +191,7 @@ class MultiHeadLatentAttention(SequenceMixer):
         k, v = self._expand(self._latent(x, positions))
         doc = None if segment_ids is None else document_index(segment_ids, B, T)  # ids may repeat: number them
         o = attention(jnp.concatenate([qc, qr], axis=-1), k, v, segment_ids=doc, band=Band(window=self.window),
-                      scale=self.scale, impl=self.impl)
+                      scale=self.scale, impl=self.impl, context_split=self.context_split)
         return self._out(o)
 
     def init_state(self, batch_size: int, max_len: int) -> LatentCache:

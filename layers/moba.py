@@ -38,6 +38,8 @@ class BlockSparse(Attention):
     beside a table of per-block state (`init_table`), and a call of T tokens run token by token
     through `_step(carry, (q, k, v, *extra, p, d)) -> (carry, o)`, reading the cache before writing it."""
 
+    context_parallel = False  # the block selections (kernels/moba, kernels/nsa) have no form (kernels/context.py)
+
     def _extra(self, x):
         """Per-token inputs of a step beyond q, k, v, each (B, T, ...)."""
         return ()

@@ -83,6 +83,8 @@ class MixtureOfMemories(DeltaRuleMixer):
     exact form, chunk_size its chunk; impl ("auto" | "reference" | "xla" | "pallas") picks the op's implementation on
     every path; dtype: the compute dtype (parameters stay float32)."""
 
+    context_parallel = False  # its routed memories: no form yet (kernels/context.py)
+
     State = MoMState
 
     def __init__(self, d_model: int, *, num_heads: PosInt = 4, head_dim: PosInt | None = None, expand_v: PosFloat = 1.0,

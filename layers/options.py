@@ -11,6 +11,7 @@ import math
 from typing import Annotated
 
 from kernels import IMPLS, MODES
+from kernels.context import SPLITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +55,4 @@ NonNegFloat = Annotated[float, Range(lo=0)]
 UnitFloat = Annotated[float, Range(0, 1)]  # a fraction or probability in [0, 1]
 Impl = Annotated[str, OneOf(*IMPLS)]  # the op's implementation on every path (kernels/)
 Mode = Annotated[str, OneOf(*MODES)]  # the training path's exact form, where a family has several
+ContextSplit = Annotated[str, OneOf(*SPLITS)]  # which queries a device of the context axis runs (kernels/context.py)

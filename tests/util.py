@@ -161,3 +161,16 @@ def unchecked():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def count_calls(module, name: str):
+    """Count the calls of `module.name` from now on (it is wrapped in place): () -> how many. A check that a
+    path ran, e.g. a context-parallel form, where its result alone would equal the path it replaces."""
+    count, inner = [0], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return lambda: count[0]

@@ -15,25 +15,35 @@ queries' and keys' positions, the keys' documents and decay, where they are not 
 The Pallas kernels express every mask of reference.py. The band must be static there (Python numbers
 or tuples, as the layers give it): a traced band (a calibration loop's candidate masks) runs the XLA
 forms whatever `impl` says ("pallas" included), never a wrong result.
+
+Context parallelism (kernels/context.py): self-attention over a sequence split along time over the
+mesh's `context` axis runs `context.split_queries`: each device's queries (its own span, or the
+zigzag's two chunks: `context_split`) against the keys, values, documents and decay of the whole
+sequence, all-gathered, through the forms above with the queries' positions as `Tokens`. The forms skip
+key blocks per query block by the block's positions: under the zigzag a device's queries are two chunks
+of ceil(T / 2n) tokens, and a query block that straddles them reads the later one's keys.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import check_impl, pallas_platform, use_pallas
+from kernels import check_impl, context, pallas_platform, use_pallas
 from kernels.attention.masks import Band, CacheView, Tokens
 from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention, supports
 from kernels.attention.pallas_tpu import flash_attention_tpu
 from kernels.attention.reference import attention_reference, decay_bias, heads_first_decay, visible
 from kernels.attention.xla import DENSE_MAX, attention_dense_parts, attention_xla
+from kernels.segments import positions_in_document
 
 __all__ = ["attention", "attention_cached", "attention_reference", "attention_xla", "flash_attention",
            "flash_attention_tpu", "write_rows", "Band", "BlockSizes", "CacheView", "Tokens", "default_block_sizes"]
 
 
 def attention(q, k, v, *, segment_ids=None, tokens: Tokens | None = None, band: Band | None = None, causal=True,
-              scale=None, decay=None, impl="auto", kv_heads_first=False):
+              scale=None, decay=None, impl="auto", kv_heads_first=False, context_split: str = "contiguous"):
     """q (B, T, H, K), k/v (B, S, G, K|V) with G dividing H -> o (B, T, H, V). See reference.py.
     With kv_heads_first, k/v are (B, G, S, K|V), a KV cache's layout (the XLA forms read it as is).
 
@@ -45,11 +55,18 @@ def attention(q, k, v, *, segment_ids=None, tokens: Tokens | None = None, band: 
     documents, tokens.q_doc_positions: by default from each document's start for packed self-attention
     (default positions, T = S), else the query positions. A query that sees no key returns zeros.
     decay (B, T, H) / tokens.kv_decay (B, S, H) float32, kv_decay defaulting to decay: the bias
-    decay_i - kv_decay_j of the logits."""
+    decay_i - kv_decay_j of the logits.
+
+    Self-attention (no tokens, T = S, keys tokens first) over a sequence split over the context axis
+    runs split along time (module docstring), its queries dealt to the devices by context_split, one of
+    kernels.context.SPLITS; other calls run whole."""
     check_impl(impl, "attention")
+    context.check_split(context_split, "attention")
     G = k.shape[1 if kv_heads_first else 2]
     if q.shape[2] % G:
         raise ValueError(f"attention: {G} kv heads do not divide {q.shape[2]} query heads")
+    if tokens is None and not kv_heads_first and k.shape[1] == q.shape[1] and context.active(q.shape[1]):
+        return _split_over_context(q, k, v, segment_ids, band, causal, scale, decay, impl, context_split)
     kwargs = dict(segment_ids=segment_ids, tokens=tokens, band=band, causal=causal, scale=scale, decay=decay)
     ks, vs = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if kv_heads_first else (k, v)  # (B, S, G, K)
     flash = band is None or band.is_static()
@@ -59,6 +76,27 @@ def attention(q, k, v, *, segment_ids=None, tokens: Tokens | None = None, band: 
     if impl == "reference":
         return attention_reference(q, ks, vs, **kwargs)
     return attention_xla(q, k, v, **kwargs, kv_heads_first=kv_heads_first)
+
+
+def _split_over_context(q, k, v, segment_ids, band, causal, scale, decay, impl, split):
+    """`attention`'s self-attention through context.split_queries: the device's queries at their
+    positions, against the whole sequence's keys, values, documents (kv_segment_ids) and decay
+    (kv_decay); the queries' positions inside their documents counted on the whole sequence. A band's
+    traced fields enter the shard_map whole (replicated), its static ones as they are."""
+    B, T = q.shape[:2]
+    band = Band() if band is None else band
+    traced = {f.name: getattr(band, f.name) for f in dataclasses.fields(band)
+              if isinstance(getattr(band, f.name), jax.Array)}
+
+    def run(rows, whole, positions, traced):
+        (q,), (k, v, seg, kv_decay) = rows, whole
+        at = lambda x: None if x is None else x[:, positions]  # the queries' rows of a (B, T, ...) array
+        tokens = Tokens(q_positions=positions[None], kv_segment_ids=seg, kv_decay=kv_decay,
+                        q_doc_positions=None if seg is None else at(positions_in_document(seg, B, T)))
+        return attention(q, k, v, segment_ids=at(seg), tokens=tokens, band=dataclasses.replace(band, **traced),
+                         causal=causal, scale=scale, decay=at(kv_decay), impl=impl)
+
+    return context.split_queries(run, (q,), (k, v, segment_ids, decay), traced, split=split)
 
 
 def attention_cached(q, k, v, cache: CacheView, *, segment_ids=None, doc_positions=None, band: Band | None = None,

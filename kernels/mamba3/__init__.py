@@ -29,12 +29,15 @@ impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan 
 TPU, interpret mode on CPU, slow and meant for tests), whose chunk is their own block size; "auto"
 the kernels on GPU/TPU when kernels.AUTO_PALLAS is set and kernels.gla.pallas.supports() the call,
 the XLA form elsewhere.
+
+Under a mesh whose context axis splits the call (kernels/context.py), both ops run split along time
+(split.py), each device's span in the form above.
 """
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import check_impl, check_mode, use_pallas
+from kernels import check_impl, check_mode, context, use_pallas
 from kernels.gla.pallas import supports
 from kernels.mamba3.mimo import mamba3_mimo_rewrite
 from kernels.mamba3.reference import (
@@ -45,6 +48,7 @@ from kernels.mamba3.reference import (
     mamba3_step,
     zero_carry,
 )
+from kernels.mamba3.split import mamba3_split
 from kernels.mamba3.trapezoid import mamba3_trapezoid
 from kernels.segments import document_starts
 
@@ -71,7 +75,11 @@ def mamba3(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array
     starts = jnp.zeros((Bsz, T), bool) if segment_ids is None else document_starts(segment_ids)
     carry = zero_carry(Bsz, H, P, N) if initial_state is None else Mamba3Carry(*(a.astype(f32) for a in initial_state))
     args = [a.astype(f32) for a in (x, dt, A, lam, B, C, theta)] + [None if D is None else D.astype(f32)]
-    if use_pallas(impl, supports(C, B, x)):
+    if context.active(T):
+        run = lambda *a, **kw: mamba3(*a, mode=mode, chunk_size=chunk_size, impl=impl, output_final_state=True, **kw)
+        y, carry = mamba3_split(run, args[:7], [a for a in args[7:] if a is not None], segment_ids=segment_ids,
+                                carry=carry)
+    elif use_pallas(impl, supports(C, B, x)):
         y, carry = mamba3_trapezoid(*args, starts, segment_ids, carry, "pallas", chunk_size)
     elif impl == "reference" or mode == "recurrent":
         y, carry = mamba3_recurrent(*args, starts, carry)
@@ -103,7 +111,12 @@ def mamba3_mimo(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[
              else Mamba3Carry(*(a.astype(f32) for a in initial_state)))
     args = [a.astype(f32) for a in (x, dt, A, lam, B, C, theta, x_proj)] + [None if D is None else D.astype(f32)]
     q = C.reshape(Bsz, T * R, H, N)  # (B, T R, H, N): the rank steps' shape, for supports()
-    if use_pallas(impl, supports(q, q, x)):
+    if context.active(T):
+        run = lambda *a, **kw: mamba3_mimo(*a, mode=mode, chunk_size=chunk_size, impl=impl, output_final_state=True,
+                                           **kw)
+        y, carry = mamba3_split(run, args[:7], [a for a in args[7:] if a is not None], segment_ids=segment_ids,
+                                carry=carry)
+    elif use_pallas(impl, supports(q, q, x)):
         y, carry = mamba3_mimo_rewrite(*args, starts, segment_ids, carry, "pallas", chunk_size)
     elif impl == "reference" or mode == "recurrent":
         y, carry = mamba3_mimo_recurrent(*args, starts, carry)

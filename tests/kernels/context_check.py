@@ -2,7 +2,8 @@
 context-parallel form, on the meshes context=8 and data=2 x context=4, against the same op on one
 device: outputs, end state and the gradients of a loss of both with respect to every input and the
 initial state, at T = 8 * 5 (not a multiple of 8 x the chunk of 4), with packed documents crossing
-the devices' boundaries and an initial state. Prints one JSON object: {op: {mesh: relative error}}.
+the devices' boundaries and an initial state. Prints one JSON object: {op: {mesh: [relative error,
+context-parallel forms traced]}} (a form that did not run would compare the op with itself).
 
 python tests/kernels/context_check.py
 """
@@ -26,6 +27,7 @@ from kernels.retention import retention  # noqa: E402
 from kernels.ssd import ssd  # noqa: E402
 from kernels.wkv6 import wkv6  # noqa: E402
 from kernels.wkv7 import wkv7  # noqa: E402
+from tests.util import count_calls  # noqa: E402
 
 B, T, H, K, V, C = 2, 40, 2, 4, 3, 4
 MESHES = {"context=8": (8, 1), "data=2 context=4": (4, 2)}
@@ -86,12 +88,13 @@ def main():
         out[name] = {}
         for mesh_name, (context, data) in MESHES.items():
             mesh = jax.make_mesh((data, context), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+            forms = count_calls(context, "split_recurrence")
             with jax.set_mesh(mesh):
                 placed = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in seq]
                 got = jax.jit(grad)(placed, S0)  # a new jit: traced under the mesh
             scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
-            out[name][mesh_name] = max(float(jnp.max(jnp.abs(w - g))) for w, g in
-                                       zip(jax.tree.leaves(want), jax.tree.leaves(got))) / scale
+            out[name][mesh_name] = [max(float(jnp.max(jnp.abs(w - g))) for w, g in
+                                        zip(jax.tree.leaves(want), jax.tree.leaves(got))) / scale, forms()]
     print(json.dumps(out))
 
 

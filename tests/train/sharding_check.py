@@ -12,29 +12,43 @@ prints one JSON object:
   tokens[where]        (a) sampled tokens of the checkpointed model, one device and tensor=4 data=2
   techniques[where]    (a) a tiny model with an exit: early-exit tokens and layers and self-speculative
                        tokens, one device and tensor=4 data=2 (its sharding hints in force)
-  errors[what]         (a) the messages of a mesh of the wrong size and of an axis that does not divide
+  errors[what]         (a) the messages of a mesh of the wrong size and of an axis that does not divide;
+                       (c) of a kind without a context-parallel form and a seq_len the context axis does not divide
+  context[mesh]        (c) a model with one layer of every kind that has a context-parallel form, on packed
+                       documents crossing the devices' spans (T = 40: 5 tokens a device at context=8, chunks of
+                       4): relative error of logits, loss and gradients against one device, on context=8 and
+                       data=2 context=4, and how many context-parallel forms ran
+  losses["context"]    (c) its 10 training losses on one device and on data=2 context=4 (the whole loop);
+  resume["context"]    the losses of steps 6-10 resumed from the step-5 checkpoint on data=2 context=4
 
 python tests/train/sharding_check.py RUN_DIR a|b
 """
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from infer import Exits, Sampling, Speculation, generate
+from kernels import context
+from tests.util import count_calls, rel_err
 from tests.zoo import toy_kind
 from train import optim
 from train.loop import run
 from train.prepare import prepare
 from train.step import make_train_step
 from zoo.checkpoint import load_model
-from zoo.config import MeshConfig, from_dict
+from zoo.config import MeshConfig, from_dict, to_dict
 from zoo.model import LanguageModel
+from zoo.registry import LAYER_OF
+from zoo.registry import MIXERS as MIXERS_REGISTRY
 from zoo.sharding import as_numpy, batch_placer, bytes_per_device, init_on_mesh, init_state, make_mesh
 
 MIXERS = {"transformer": {"kind": "attention", "num_heads": 4}, "gla": {"kind": "gla", "num_heads": 4},
@@ -53,10 +67,11 @@ def config(arch: str, mesh: MeshConfig, **train):
     ffn = {"kind": "moe", "num_experts": 8, "top_k": 2} if arch == "moe" else {"kind": "mlp"}
     batch = {"batch_size": 16, "grad_accum": 2} if arch == "transformer" else {"batch_size": 8}
     return from_dict({
-        "model": {"d_model": 32, "num_layers": 1, "max_seq_len": 16, "mixer": MIXERS[arch], "ffn": ffn},
+        "model": {"d_model": 32, "num_layers": 1, "max_seq_len": train.get("seq_len", 16), "mixer": MIXERS[arch],
+                  "ffn": ffn},
         "train": {**batch, "seq_len": 16, "lr": 3e-3, "warmup_steps": 2, "schedule": "constant", "steps": 10,
                   "log_every": 1, "eval_every": 100, "eval_batches": 1, "sample_tokens": 0,
-                  "mesh": {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor, "expert": mesh.expert},
+                  "mesh": dataclasses.asdict(mesh),
                   **train}})
 
 
@@ -165,9 +180,89 @@ def part_b(root: Path, one, corpus) -> dict:
     return out
 
 
+CONTEXT_MESHES = {"context=8": MeshConfig(data=1, context=8), "data=2 context=4": MeshConfig(data=2, context=4)}
+
+
+def context_model():
+    """A model config with one layer of every registered kind whose layer has a context-parallel form, small."""
+    small = {"num_heads": 2, "chunk_size": 4, "state_size": 8}
+    layers = []
+    for kind, cfg in MIXERS_REGISTRY.items():
+        if LAYER_OF[cfg].context_parallel:
+            names = {f.name: f.default for f in dataclasses.fields(cfg)}
+            mixer = {k: v for k, v in small.items() if k in names}
+            if names.get("head_dim"):  # RWKV and Mamba give a head width rather than a number of heads
+                mixer["head_dim"] = 8
+            layers.append({"kind": kind, **mixer})
+    return sorted(layers, key=lambda m: m["kind"] != "rwkv7")  # RWKV-7's value residual reads layer 0's values
+
+
+def part_c(root: Path, one, corpus) -> dict:
+    """Context parallelism: every kind with a form, in one model, against one device; a training run on it and
+    its resumption; the refusals."""
+    layers = context_model()
+    out = {"context": {"kinds": [m["kind"] for m in layers]}, "losses": {}, "resume": {}, "errors": {}}
+    T = 40
+    cfg = from_dict({"model": {"d_model": 32, "num_layers": len(layers), "max_seq_len": T, "layer_pattern": layers},
+                     "train": {"seq_len": T}})
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 256, (2, T)), jnp.int32)
+    seg = jnp.asarray(np.cumsum(rng.random((2, T)) < 0.08, axis=1), jnp.int32).at[:, 15:].add(1)  # one start at 15
+
+    def loss(model):
+        logits = model(tokens, segment_ids=seg)  # (B, T, V)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)
+        return jnp.mean(nll), logits
+
+    def grads(mesh):
+        graphdef, params, rest, _ = init_on_mesh(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
+        f = jax.jit(lambda p: nnx.value_and_grad(lambda m: loss(m), has_aux=True)(nnx.merge(graphdef, p, rest)))
+        with jax.set_mesh(mesh):
+            (value, logits), g = f(params)
+        return [np.asarray(x) for x in (value, logits, *jax.tree.leaves(nnx.state(g)))]
+
+    want = grads(one)
+    for name, mesh_cfg in CONTEXT_MESHES.items():
+        calls = [count_calls(context, name) for name in ("over_spans", "split_queries")]  # every form: one of them
+        got = grads(make_mesh(mesh_cfg))
+        errors = {"loss": rel_err(got[0], want[0]), "logits": rel_err(got[1], want[1]),
+                  "grads": max(rel_err(a, b) for a, b in zip(got[2:], want[2:]))}
+        out["context"][name] = {"forms": sum(c() for c in calls), **errors}
+
+    train = dict(checkpoint_every=5)
+    pattern = [m for m in layers if m["kind"] in ("attention", "gated_deltanet")]  # with a short convolution
+    model = {"layer_pattern": pattern, "num_layers": len(pattern), "max_seq_len": T, "mixer": None}
+    quiet = lambda *_: None  # noqa: E731
+    for where, mesh_cfg, mesh in (("one", MeshConfig(), one),
+                                  ("data=2 context=4", CONTEXT_MESHES["data=2 context=4"], None)):
+        run_cfg = _with_model(config("gla", mesh_cfg, seq_len=T, **train), model)
+        run(run_cfg, root / f"context {where}", log=quiet, mesh=mesh)
+        out["losses"].setdefault("context", {})[where] = [r["loss"] for r in logged(root / f"context {where}")]
+    resumed = root / "context resumed"
+    shutil.copytree(root / "context data=2 context=4", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "10")
+    written = logged(resumed)
+    run(_with_model(config("gla", CONTEXT_MESHES["data=2 context=4"], seq_len=T, **train), model), resumed, log=quiet)
+    rows = logged(resumed)
+    out["resume"]["context"] = {"losses": [r["loss"] for r in rows[5:]], "resumed": rows[:5] == written[:5]}
+
+    for what, run_cfg in (("kind", _with_model(config("mamba", MeshConfig(context=8), seq_len=T), {"max_seq_len": T})),
+                          ("length", config("gla", MeshConfig(context=8), seq_len=20))):
+        try:
+            batch_placer(run_cfg, make_mesh(run_cfg.train.mesh))
+            out["errors"][what] = None
+        except ValueError as e:
+            out["errors"][what] = str(e)
+    return out
+
+
+def _with_model(cfg, model: dict):
+    return from_dict({**to_dict(cfg), "model": {**to_dict(cfg)["model"], **model}})
+
+
 if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 8)
     one_device = make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
     corpus = prepare(config("transformer", MeshConfig()).data)
-    part = {"a": part_a, "b": part_b}[sys.argv[2]]
+    part = {"a": part_a, "b": part_b, "c": part_c}[sys.argv[2]]
     print(json.dumps({"devices": jax.device_count(), **part(Path(sys.argv[1]), one_device, corpus)}))

@@ -37,7 +37,7 @@ def _free_port() -> int:
 def results(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # with conftest.py's fast-compile XLA_FLAGS
     procs = {}
-    for part in ("a", "b"):
+    for part in ("a", "b", "c"):
         folder = tmp_path_factory.mktemp(f"part_{part}")
         procs[part] = subprocess.Popen([sys.executable, str(ROOT / "tests/train/sharding_check.py"), str(folder), part],
                                        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -62,6 +62,8 @@ def results(tmp_path_factory):
         got = json.loads(stdout.splitlines()[-1])
         assert got["devices"] == 8
         out["losses"].update(got.pop("losses"))
+        for key in ("resume", "errors"):
+            out.setdefault(key, {}).update(got.pop(key, {}))
         out.update(got)
     out["hosts"]["metrics"] = [json.loads(line) for line in (hosts / "run" / "metrics.jsonl").read_text().splitlines()]
     out["hosts"]["checkpoints"] = sorted(p.name for p in (hosts / "run" / "checkpoints").iterdir())
@@ -125,3 +127,24 @@ def test_two_processes_train_like_one_device(results):
     assert rel_err([r["loss"] for r in rows], results["losses"]["transformer"]["one"]) < TOL
     assert results["hosts"]["checkpoints"] == ["10"]
     assert "step     10/10  loss" in results["hosts"]["host0"] and "/10  loss" not in results["hosts"]["host1"]
+
+
+def test_every_kind_with_a_context_parallel_form_gives_one_devices_logits_loss_and_gradients(results):
+    context = results["context"]
+    assert {"attention", "gla", "mamba2", "rwkv7", "gated_deltanet"} <= set(context["kinds"])
+    for mesh in ("context=8", "data=2 context=4"):
+        got = context[mesh]
+        assert got["forms"] >= len(context["kinds"]), (mesh, got)  # every layer ran its context-parallel form
+        assert got["loss"] < 1e-6 and got["logits"] < 1e-5 and got["grads"] < 1e-5, (mesh, got)
+
+
+def test_a_run_on_the_context_axis_trains_like_one_device_and_resumes_bitwise(results):
+    losses = results["losses"]["context"]
+    assert rel_err(losses["data=2 context=4"], losses["one"]) < TOL and losses["one"][-1] < losses["one"][0] - 0.1
+    assert results["resume"]["context"]["resumed"]
+    assert results["resume"]["context"]["losses"] == losses["data=2 context=4"][5:]  # bitwise
+
+
+def test_the_context_axis_refuses_a_kind_without_a_form_and_a_length_it_does_not_split(results):
+    assert "mixer kind mamba has no context-parallel form" in results["errors"]["kind"]
+    assert "train.seq_len: 20 tokens do not split over train.mesh.context=8" in results["errors"]["length"]
