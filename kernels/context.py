@@ -5,15 +5,21 @@ contiguous span of T / n tokens of every row. Per-token work (projections, norms
 needs nothing: XLA partitions it along time from the batch's sharding. What carries information
 along time does, and is written here once:
 
-- a recurrence whose state is linear in the state it starts from (`split_recurrence`): every kind
-  whose op has a chunk form (linear attention, RetNet, GLA, HGRN2, the delta rules, Mamba-2, RWKV)
-  has S_end = M S_in + S_loc over a span, with M (K, K) acting on the state's key axis;
+- a recurrence whose state decays elementwise (`split_diagonal`: linear attention, RetNet, GLA,
+  HGRN2, Mamba-2, RWKV-6, Mamba-1's selective scan, the RG-LRU, S4D): over a span S_end = M ⊙ S_in +
+  S_loc, M the product of the span's decays, computed from its inputs (exp of a sum of log-decays);
+- a recurrence whose transition mixes the state's key axis (`split_recurrence`: the delta rules of
+  DeltaNet, Gated DeltaNet, KDA, Gated DeltaProduct and Comba, RWKV-7): S_end = M S_in + S_loc with
+  M (K, K), which the op itself computes;
 - attention's keys and values, which every query of the sequence may read (`gather_sequence`);
 - a carry that holds more than such a state (Mamba-3's angles and previous token, kernels/mamba3/split.py):
   the op writes its own form from the same pieces, `over_spans` (the shard_map), `scan_devices` (the
   exchange of step 2 below, for any transition), `from_left` and `last`.
 
-`split_recurrence`, per device and inside one `shard_map` over the axis:
+Both run per device inside one `shard_map` over the axis (`over_spans`); `split_diagonal` runs the op
+from a zero state (S_loc), exchanges as in step 2 below and runs the op again (step 3): the op twice at
+its own width, plus n (B, H, K, V) states (and their decays) per layer sent to every device.
+`split_recurrence`:
 
 1. one pass of the op over the span from the state [0 | I]: the values are widened by K zero
    columns and the state by the K x K identity beside a zero (K, V) state, so the widened end
@@ -25,7 +31,7 @@ along time does, and is written here once:
 3. the op again over the span from S_in: the outputs and end state of the single-device run.
 
 It costs the op twice (the first pass K columns wider) plus n (K, K + V) states per layer sent to
-every device; its gradient is JAX's transpose of the same program (the all-gather's is a
+every device. The gradient of every form is JAX's transpose of the same program (the all-gather's is a
 reduce-scatter), so the states' cotangents travel the other way. `docs/context.md` has the figures.
 
 `split_queries`, for an op whose queries read every key of the sequence (softmax attention), per
@@ -52,6 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from kernels.segments import document_starts
 
 AXIS = "context"
 SEQ = P(None, AXIS)  # (B, T, ...) arrays: time split over the axis
@@ -166,6 +174,29 @@ def split_recurrence(run, seq: tuple, rest: tuple = (), *, value: int, segment_i
         S0 = jnp.zeros(shape, jnp.float32) if S0 is None else canonical(S0).astype(jnp.float32)
         S = scan_devices(M, S_loc, S0, seg, lambda M, S: jnp.einsum("bhkj,bhjv->bhkv", M, S))
         o, final = run(*seq, *rest, segment_ids=seg, initial_state=native(S))
+        return o, last(final)
+
+    return over_spans(local, seq, rest, segment_ids, initial_state)
+
+
+def split_diagonal(run, seq: tuple, rest: tuple = (), *, decay, segment_ids=None, initial_state=None):
+    """The op `run(*seq, *rest, segment_ids=, initial_state=) -> (o, end state)` over the whole sequence, split
+    over the context axis, for a state with an elementwise transition: over a span, S_end = M ⊙ S_in + S_loc.
+    seq: (B, T, ...) arrays split along time; rest: arrays every device holds whole; initial_state=None must
+    be the zero state. decay(*seq, *rest) -> M, the span's transition were no document to start inside it
+    (any shape that broadcasts against the state), zeroed here where one does. Per device: the op from the
+    zero state gives S_loc, `scan_devices` the state the span starts from, the op again from it the outputs
+    and end state (the op twice at its own width). Returns (o, end state)."""
+
+    def local(seq, rest, seg, S0):
+        S_loc = run(*seq, *rest, segment_ids=seg, initial_state=None)[1]
+        M = decay(*seq, *rest)
+        if seg is not None:
+            through = 1.0 - jnp.any(document_starts(seg), axis=1).astype(jnp.float32)  # (B,)
+            M = through.reshape((-1,) + (1,) * (S_loc.ndim - 1)) * M
+        S0 = jnp.zeros_like(S_loc) if S0 is None else S0.astype(S_loc.dtype)
+        S = scan_devices(M, S_loc, S0, seg, lambda M, S: M * S)
+        o, final = run(*seq, *rest, segment_ids=seg, initial_state=S)
         return o, last(final)
 
     return over_spans(local, seq, rest, segment_ids, initial_state)

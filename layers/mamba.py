@@ -77,6 +77,8 @@ class Mamba(SequenceMixer):
     implementation on every path; inner_norms: an RMSNorm (eps norm_eps) on each of Δ_low, B and C after x_proj
     (Jamba); dtype: the compute dtype (parameters stay float32)."""
 
+    context_parallel = True
+
     def __init__(self, d_model: int, *, state_size: PosInt = 16, expand: PosInt = 2, conv_size: NonNegInt = 4,
                  dt_rank: PosInt | Annotated[str, OneOf("auto")] = "auto", dt_min: PosFloat = 0.001,
                  dt_max: PosFloat = 0.1, dt_init_floor: PosFloat = 1e-4,

@@ -100,6 +100,8 @@ class RGLRU(SequenceMixer):
     ("auto" | "reference" | "xla"; no Pallas kernel) the op's implementation; dtype: the compute dtype (parameters and
     the recurrence stay float32)."""
 
+    context_parallel = True
+
     def __init__(self, d_model: int, *, lru_width: PosInt | None = None, num_heads: PosInt = 4,
                  conv_size: NonNegInt = 4, c: PosFloat = 8.0, num_layers: int = 1,
                  mode: Annotated[str, OneOf(*MODES)] = "recurrent",

@@ -53,6 +53,8 @@ class S4D(SequenceMixer):
     recurrent; decode is the recurrence; impl: "auto", "reference" or "xla" (no Pallas kernel); dtype: the compute dtype
     (parameters stay float32)."""
 
+    context_parallel = True  # the FFT over the sequence is inside kernels.s4d, whose form splits it
+
     def __init__(self, d_model: int, *, state_size: PosInt = 64, init: Annotated[str, OneOf("lin", "inv")] = "lin",
                  dt_min: PosFloat = 0.001, dt_max: PosFloat = 0.1,
                  output: Annotated[str, OneOf("glu", "linear")] = "glu",

@@ -12,6 +12,7 @@ kernels.AUTO_PALLAS is set and pallas.supports() the call (more than 16 tokens),
 elsewhere.
 """
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode, context, pallas_platform, use_pallas
@@ -41,8 +42,9 @@ def gla(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, 
     if context.active(q.shape[1]):
         run = lambda *a, **kw: gla(*a, scale=scale, mode=mode, chunk_size=chunk_size, impl=impl,
                                    output_final_state=True, **kw)
-        o, state = context.split_recurrence(run, (q, k, v, g), value=2, segment_ids=segment_ids,
-                                            initial_state=initial_state)
+        decay = lambda q, k, v, g: jnp.exp(jnp.sum(g.astype(jnp.float32), axis=1))[..., None]  # (B, H, K, 1)
+        o, state = context.split_diagonal(run, (q, k, v, g), decay=decay, segment_ids=segment_ids,
+                                          initial_state=initial_state)
         return o, (state if output_final_state else None)
     o, state = run_form(_FORMS, q, k, v, g, pallas_gate=lambda: g, mode=mode, chunk_size=chunk_size, impl=impl,
                         scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,

@@ -38,8 +38,8 @@ def linear_attention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: 
     if context.active(q.shape[1]):
         run = lambda *a, **kw: linear_attention(*a, mode=mode, chunk_size=chunk_size, impl=impl, scale=scale,
                                                 output_final_state=True, **kw)
-        o, state = context.split_recurrence(run, (q, k, v), value=2, segment_ids=segment_ids,
-                                            initial_state=initial_state)
+        o, state = context.split_diagonal(run, (q, k, v), decay=lambda *_: jnp.float32(1), segment_ids=segment_ids,
+                                          initial_state=initial_state)  # no decay: the state only adds up
         return o, (state if output_final_state else None)
     o, state = run_form(_FORMS, q, k, v, pallas_gate=lambda: jnp.zeros(v.shape[:3], jnp.float32), mode=mode,
                         chunk_size=chunk_size, impl=impl, scale=1.0 if scale is None else scale,

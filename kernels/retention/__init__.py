@@ -37,8 +37,9 @@ def retention(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[A
     if context.active(q.shape[1]):
         run = lambda q, k, v, gamma, **kw: retention(q, k, v, gamma, mode=mode, chunk_size=chunk_size, impl=impl,
                                                      scale=scale, output_final_state=True, **kw)
-        o, state = context.split_recurrence(run, (q, k, v), (jnp.asarray(gamma),), value=2, segment_ids=segment_ids,
-                                            initial_state=initial_state)
+        decay = lambda q, k, v, gamma: (gamma.astype(jnp.float32) ** q.shape[1])[:, None, None]  # (H, 1, 1)
+        o, state = context.split_diagonal(run, (q, k, v), (jnp.asarray(gamma),), decay=decay, segment_ids=segment_ids,
+                                          initial_state=initial_state)
         return o, (state if output_final_state else None)
     log_gamma = jnp.log(jnp.asarray(gamma, jnp.float32))
     o, state = run_form(_FORMS, q, k, v, log_gamma, pallas_gate=lambda: jnp.broadcast_to(log_gamma, v.shape[:3]),

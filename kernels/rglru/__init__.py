@@ -17,14 +17,18 @@ of segment id), the RG-LRU also replaces the multiplier sqrt(1 - a_t²) by 1 at 
 as recurrentgemma does. Whether token 0 of the call begins a document is `first_starts` (B,): True drops
 `initial_state` there and takes the multiplier 1; the default is True when initial_state is None (the call
 begins the sequence) and False when a state is given (the call continues it).
+
+Under a mesh whose context axis splits the call (kernels/context.py), the op runs split along time
+(`context.split_diagonal`), each device's span in the mode's form: h decays by M = Π_t a_t = exp(Σ_t log a_t)
+(B, Dm) over a span, 0 where its first token begins a document (the call's first, or one at a boundary).
 """
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kernels import check_mode, check_no_pallas
+from kernels import check_mode, check_no_pallas, context
 from kernels.rglru.parallel import rglru_parallel
-from kernels.rglru.reference import rglru_recurrent, rglru_step
+from kernels.rglru.reference import log_decay, rglru_recurrent, rglru_step
 from kernels.segments import document_starts, entering_state
 
 MODES = ("recurrent", "parallel")
@@ -45,6 +49,14 @@ def rglru(x: Float[Array, "B T Dm"], gate_a: Float[Array, "B T Dm"], gate_x: Flo
     starts = jnp.zeros((Bsz, T), bool) if segment_ids is None else document_starts(segment_ids)
     first = jnp.full((Bsz,), initial_state is None) if first_starts is None else first_starts
     starts = starts.at[:, 0].set(first)
+    if context.active(T):  # each span's first token begins a document where `starts` says so
+        run = lambda x, r, i, starts, a, **kw: rglru(x, r, i, a, c=c, first_starts=starts[:, 0], mode=mode, impl=impl,
+                                                     output_final_state=True, **kw)
+        decay = lambda x, r, i, starts, a: jnp.where(starts[:, :1], 0.0, jnp.exp(jnp.sum(
+            log_decay(r.astype(jnp.float32), a.astype(jnp.float32), float(c)), axis=1)))  # (B, Dm)
+        y, h = context.split_diagonal(run, (x, gate_a, gate_x, starts), (a_param,), decay=decay,
+                                      segment_ids=segment_ids, initial_state=initial_state)
+        return y, (h if output_final_state else None)
     h0 = entering_state(initial_state, (Bsz, Dm))
     f32 = lambda a: a.astype(jnp.float32)
     form = rglru_recurrent if impl == "reference" or mode == "recurrent" else rglru_parallel

@@ -15,12 +15,16 @@ Packed documents (`segment_ids`): a convolution cannot restart mid-sequence, so 
 every mode runs the recurrence, which zeroes the state at each document start (kernels/__init__.py):
 exact, and O(T Dm N) work in T sequential steps. impl: "reference" the recurrence whatever the mode;
 "xla"/"auto" the mode's form; no Pallas kernel ("pallas" is refused).
+
+Under a mesh whose context axis splits the call (kernels/context.py), the op runs split along time
+(`context.split_diagonal`), each device's span in the form above (both start from a state and give the
+end state): h decays by M = Ā^L = exp(L Δ A) over a span of L tokens.
 """
 
 import jax.numpy as jnp
 from jaxtyping import Array, Complex, Float, Int
 
-from kernels import check_mode, check_no_pallas
+from kernels import check_mode, check_no_pallas, context
 from kernels.s4d.fft import s4d_fft
 from kernels.s4d.reference import discretize, s4d_recurrent, s4d_step
 from kernels.segments import document_starts
@@ -44,6 +48,13 @@ def s4d(u: Float[Array, "B T Dm"], A: Complex[Array, "Dm N"], dt: Float[Array, "
     if A.shape != (Dm, N) or C.shape != (Dm, N) or dt.shape != (Dm,) or D is not None and D.shape != (Dm,):
         raise ValueError(f"s4d: expected u (B, T, Dm), A and C (Dm, N), dt and D (Dm,); got u {u.shape}, A {A.shape}, "
                          f"C {C.shape}, dt {dt.shape}, D {None if D is None else D.shape}")
+    if context.active(T):
+        run = lambda u, A, dt, C, *D, **kw: s4d(u, A, dt, C, *D, output_final_state=True, mode=mode, impl=impl, **kw)
+        decay = lambda u, A, dt, C, *D: jnp.exp(u.shape[1] * dt.astype(jnp.float32)[:, None]
+                                                * A.astype(jnp.complex64))  # (Dm, N)
+        y, h = context.split_diagonal(run, (u,), (A, dt, C) + (() if D is None else (D,)), decay=decay,
+                                      segment_ids=segment_ids, initial_state=initial_state)
+        return y, (h if output_final_state else None)
     if impl == "reference" or mode == "recurrent" or segment_ids is not None:
         h0 = jnp.zeros((Bsz, Dm, N), jnp.complex64) if initial_state is None else initial_state
         starts = jnp.zeros((Bsz, T), bool) if segment_ids is None else document_starts(segment_ids)

@@ -35,6 +35,10 @@ saved for the backward): pallas.py (Triton) on GPU, pallas_tpu.py (Mosaic TPU) o
 mode on CPU, slow and meant for tests; "auto" the kernels on GPU/TPU when kernels.AUTO_PALLAS is set
 (until verified there, see kernels/__init__.py) and pallas.supports() the call, the XLA form
 elsewhere.
+
+Under a mesh whose context axis splits the call (kernels/context.py), the op runs split along time
+(`context.split_diagonal`), each device's span in the form above: h decays elementwise, by
+M = exp(Σ_t Δ_t A) (B, Dm, N) over a span.
 """
 
 from functools import partial
@@ -43,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels import MODES, check_impl, check_mode, pallas_platform, use_pallas
+from kernels import MODES, check_impl, check_mode, context, pallas_platform, use_pallas
 from kernels.segments import scan_inputs
 from kernels.selective_scan.chunk import selective_scan_chunk
 from kernels.selective_scan.pallas import selective_scan_pallas, supports
@@ -69,6 +73,14 @@ def selective_scan(x: Float[Array, "B T Dm"], delta: Float[Array, "B T Dm"], A: 
     if A.shape != (Dm, N) or delta.shape != x.shape or B.shape != (Bsz, T, N) or C.shape != (Bsz, T, N):
         raise ValueError(f"selective_scan: expected x, delta (B, T, Dm), A (Dm, N), B, C (B, T, N); got x "
                          f"{x.shape}, delta {delta.shape}, A {A.shape}, B {B.shape}, C {C.shape}")
+    if context.active(T):
+        run = lambda x, delta, B, C, A, *D, **kw: selective_scan(x, delta, A, B, C, *D, mode=mode, impl=impl,
+                                                                chunk_size=chunk_size, output_final_state=True, **kw)
+        decay = lambda x, delta, B, C, A, *D: jnp.exp(jnp.sum(delta.astype(jnp.float32), axis=1)[:, :, None]
+                                                      * A.astype(jnp.float32))  # (B, Dm, N)
+        y, h = context.split_diagonal(run, (x, delta, B, C), (A,) + (() if D is None else (D,)), decay=decay,
+                                      segment_ids=segment_ids, initial_state=initial_state)
+        return y, (h if output_final_state else None)
     args, starts, h0 = scan_inputs((x, delta, A, B, C), D, segment_ids, initial_state, (Bsz, Dm, N))
     if use_pallas(impl, supports(x, A)):  # the one dispatch point
         kernel = selective_scan_pallas_tpu if pallas_platform() == "tpu" else selective_scan_pallas

@@ -25,6 +25,7 @@ kernels.AUTO_PALLAS is set and pallas.supports() the call, the XLA form elsewher
 
 from functools import partial
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode, context, use_pallas
@@ -45,11 +46,12 @@ def ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "
     start restarts from zero (kernels/__init__.py)."""
     check_mode(mode, chunk_size, "ssd")
     check_impl(impl, "ssd")
-    if context.active(x.shape[1]):  # the state (B, H, P, N): values on axis 2, keys on 3
+    if context.active(x.shape[1]):
         run = lambda x, dt, B, C, A, *D, **kw: ssd(x, dt, A, B, C, *D, mode=mode, chunk_size=chunk_size, impl=impl,
                                                   output_final_state=True, **kw)
-        o, state = context.split_recurrence(run, (x, dt, B, C), (A,) + (() if D is None else (D,)), value=0,
-                                            segment_ids=segment_ids, initial_state=initial_state, state_axes=(3, 2))
+        decay = lambda x, dt, B, C, A, *D: jnp.exp(jnp.sum(dt * A, axis=1))[..., None, None]  # (B, H, 1, 1)
+        o, state = context.split_diagonal(run, (x, dt, B, C), (A,) + (() if D is None else (D,)), decay=decay,
+                                          segment_ids=segment_ids, initial_state=initial_state)
         return o, (state if output_final_state else None)
     Bsz, T, H, P = x.shape
     G, N = B.shape[2:]

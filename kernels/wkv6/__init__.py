@@ -14,6 +14,7 @@ interpret mode on CPU, meant for tests); "auto" those kernels on GPU/TPU when ke
 and they support the call, the XLA form elsewhere. This function is the one dispatch point.
 """
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode, context, use_pallas
@@ -37,8 +38,9 @@ def wkv6(r: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array,
     check_impl(impl, "wkv6")
     if context.active(r.shape[1]):
         run = lambda *a, **kw: wkv6(*a, mode=mode, chunk_size=chunk_size, impl=impl, output_final_state=True, **kw)
-        o, state = context.split_recurrence(run, (r, k, v, log_w), (u,), value=2, segment_ids=segment_ids,
-                                            initial_state=initial_state)
+        decay = lambda r, k, v, log_w, u: jnp.exp(jnp.sum(log_w.astype(jnp.float32), axis=1))[..., None]  # (B, H, K, 1)
+        o, state = context.split_diagonal(run, (r, k, v, log_w), (u,), decay=decay, segment_ids=segment_ids,
+                                          initial_state=initial_state)
         return o, (state if output_final_state else None)
     B, T, H, K = r.shape
     if k.shape != r.shape or log_w.shape != r.shape or v.shape[:3] != (B, T, H) or u.shape != (H, K):

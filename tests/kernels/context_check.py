@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from kernels import context  # noqa: E402
 from kernels.delta_rule import delta_rule  # noqa: E402
 from kernels.delta_rule.product import delta_product  # noqa: E402
 from kernels.gla import gla  # noqa: E402
@@ -86,9 +87,9 @@ def main():
         grad = jax.value_and_grad(lambda seq, S0: loss(call, seq, S0, seg), argnums=(0, 1), has_aux=True)
         want = jax.jit(grad)(seq, S0)
         out[name] = {}
-        for mesh_name, (context, data) in MESHES.items():
-            mesh = jax.make_mesh((data, context), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
-            forms = count_calls(context, "split_recurrence")
+        for mesh_name, (n, data) in MESHES.items():
+            mesh = jax.make_mesh((data, n), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+            forms = count_calls(context, "over_spans")  # every recurrent form runs through it
             with jax.set_mesh(mesh):
                 placed = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in seq]
                 got = jax.jit(grad)(placed, S0)  # a new jit: traced under the mesh

