@@ -15,8 +15,10 @@ HF_PROMPTS = ["From fairest creatures", "thy sweet self"]  # the prompts of the 
 
 
 def rel_err(a, b) -> float:
-    """max |a - b| / max |b|: the error measure every op test uses (float32 target: < 1e-4)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    """max |a - b| / max |b|: the error measure every op test uses (float32 target: < 1e-4); complex arrays by
+    their moduli."""
+    dtype = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+    a, b = np.asarray(a, dtype), np.asarray(b, dtype)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
@@ -163,14 +165,21 @@ def unchecked():
         jaxtyping.config.update("jaxtyping_disable", False)
 
 
-def count_calls(module, name: str):
-    """Count the calls of `module.name` from now on (it is wrapped in place): () -> how many. A check that a
-    path ran, e.g. a context-parallel form, where its result alone would equal the path it replaces."""
-    count, inner = [0], getattr(module, name)
+def record_calls(module, name: str) -> list:
+    """The keyword arguments of every call of `module.name` from now on (it is wrapped in place), a dict a call,
+    in a list the caller may clear. A check that a path ran, e.g. a context-parallel form, where its result
+    alone would equal the path it replaces."""
+    calls, inner = [], getattr(module, name)
 
-    def counted(*args, **kwargs):
-        count[0] += 1
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
         return inner(*args, **kwargs)
 
-    setattr(module, name, counted)
-    return lambda: count[0]
+    setattr(module, name, recorded)
+    return calls
+
+
+def count_calls(module, name: str):
+    """Count the calls of `module.name` from now on (it is wrapped in place, `record_calls`): () -> how many."""
+    calls = record_calls(module, name)
+    return lambda: len(calls)

@@ -222,7 +222,7 @@ def part_c(root: Path, one, corpus) -> dict:
         return [np.asarray(x) for x in (value, logits, *jax.tree.leaves(nnx.state(g)))]
 
     want = grads(one)
-    for name in ("data=2 context=4",):  # context=8 too for every op (tests/kernels/test_context*.py): compiles cost
+    for name in ("data=2 context=4",):  # context=8 too for every op (tests/kernels/test_context.py): compiles cost
         mesh_cfg = CONTEXT_MESHES[name]
         calls = [count_calls(context, name) for name in ("over_spans", "split_queries")]  # every form: one of them
         got = grads(make_mesh(mesh_cfg))
