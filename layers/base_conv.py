@@ -32,6 +32,8 @@ class BaseConv(SequenceMixer):
     expand * d_model / 2 wide, a causal depthwise conv of kernel_size taps; dtype: the compute dtype (parameters stay
     float32)."""
 
+    context_parallel = True  # a short convolution: XLA passes each span its left neighbour's last inputs
+
     def __init__(self, d_model: int, *, expand: PosInt = 4, kernel_size: PosInt = 3, dtype=jnp.float32, rngs: nnx.Rngs):
         if expand * d_model % 2:
             raise ValueError(f"expand={expand} times d_model={d_model} must be even (u and g split it)")

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from kernels import context
 from kernels.segments import document_starts
 from layers.sharding import axes
 
@@ -36,22 +37,38 @@ class ShortConvolution(nnx.Module):
 
     def decode(self, x: Float[Array, "B T D"], state: Float[Array, "B W D"], *,
                segment_ids: Int[Array, "B T"] | None = None, steps: bool = False):
-        """With `steps` (segment_ids None), the window after every token, (T, B, W, D) (layers/state.py)."""
+        """With `steps` (segment_ids None), the window after every token, (T, B, W, D) (layers/state.py). Over
+        a sequence split along time (kernels/context.py) whose spans fill a window, each span runs on its device
+        from the window of the span before it."""
+        W, T = self.kernel_size, x.shape[1]
+        params = (self.weight[...],) + (() if self.bias is None else (self.bias[...],))
+        if not steps and W > 1 and context.active(T) and T // context.size() >= W - 1:
+            return context.over_spans(self._span, (x,), params, segment_ids, state)
+        return self._taps(x, state, *params, segment_ids=segment_ids, steps=steps)
+
+    def _span(self, seq, params, segment_ids, window):
+        """One device's span: its window is the last inputs of the span before it (`context.from_left`)."""
+        (x,) = seq
+        end = self._taps(x, jnp.zeros_like(window), *params, segment_ids=segment_ids)[1]  # its own inputs only
+        y, end = self._taps(x, context.from_left(end, window, segment_ids), *params, segment_ids=segment_ids)
+        return y, context.last(end)
+
+    def _taps(self, x, state, weight, bias=None, *, segment_ids, steps: bool = False):
         W, T = self.kernel_size, x.shape[1]
         xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # (B, W-1+T, D)
         if segment_ids is not None:
             # Document index of each padded position; the state belongs to the first token's document.
             doc = jnp.cumsum(document_starts(segment_ids), axis=1)  # (B, T)
             doc = jnp.concatenate([jnp.zeros_like(doc[:, :1]).repeat(W - 1, 1), doc], axis=1)
-        w = self.weight[...].astype(x.dtype)
+        w = weight.astype(x.dtype)
         y = jnp.zeros(x.shape, jnp.float32)
         for j in range(W):  # W is 2-4: a few shifted multiply-adds beat a generic conv on CPU
             tap = xp[:, j:j + T] * w[j]
             if segment_ids is not None:
                 tap = jnp.where((doc[:, j:j + T] == doc[:, W - 1:])[..., None], tap, 0)
             y = y + tap
-        if self.bias is not None:
-            y = y + self.bias[...]
+        if bias is not None:
+            y = y + bias
         if self.activation:
             y = jax.nn.silu(y)
         if steps:

@@ -43,6 +43,8 @@ class GatedConv(SequenceMixer):
     depthwise conv of kernel_size taps without activation; bias: biases on W_in, the conv and W_out (LFM2's
     conv_bias); dtype: the compute dtype (parameters stay float32)."""
 
+    context_parallel = True  # a short convolution: XLA passes each span its left neighbour's last inputs
+
     def __init__(self, d_model: int, *, kernel_size: PosInt = 3, bias: bool = False, dtype=jnp.float32,
                  rngs: nnx.Rngs):
         if kernel_size < 1:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from kernels import context
 from kernels.segments import document_starts
 from layers.linear import project
 from layers.mixer import SequenceMixer
@@ -30,7 +31,15 @@ class RWKVChannelMixState:
 def token_shift(x: Float[Array, "B T D"], last: Float[Array, "B D"], segment_ids: Int[Array, "B T"] | None,
                 steps: bool = False):
     """(x_{t-1} for every t, the new last token). x_{-1} is `last`; at a document start it is zero.
-    With `steps`, the last token after every token: (T, B, D) (layers/state.py)."""
+    With `steps`, the last token after every token: (T, B, D) (layers/state.py). Over a sequence split along
+    time (kernels/context.py), each span's x_{-1} is the last token of the span before it."""
+    if not steps and context.active(x.shape[1]):
+        def span(seq, _, segment_ids, last):
+            (x,) = seq
+            prev, end = token_shift(x, context.from_left(x[:, -1].astype(last.dtype), last, segment_ids), segment_ids)
+            return prev, context.last(end)
+
+        return context.over_spans(span, (x,), (), segment_ids, last)
     prev = jnp.concatenate([last[:, None].astype(x.dtype), x[:, :-1]], axis=1)  # (B, T, D)
     if segment_ids is not None:
         prev = jnp.where(document_starts(segment_ids)[..., None], 0, prev)

@@ -1,13 +1,13 @@
-"""The checks of tests/kernels/test_context.py, run with 8 simulated CPU devices: every case, an op with a
-context-parallel form (kernels/context.py) or an attention layer, on the meshes context=8 and data=2 x context=4
-(softmax attention with each split, contiguous and zigzag) against the same call on one device: outputs, end state
-and the gradients of a loss of both with respect to every float input and the initial state, each array against its
-own scale; and the calls of the form's function (context.over_spans or split_queries), counted while tracing, under
-each mesh and on one device. B = 2, T = 40: spans of 5 and 10 tokens, not a multiple of 8 x the chunk of 4, the
-zigzag's halves unequal on context=8. Packed documents cross the spans: one of a single token at 15 (a boundary of
-context=8), starts at 16 and at 20 (a boundary of both meshes). Prints one JSON object: {case: {"form", "one device":
-calls, "runs": [{"split", "mesh", "calls": {function: [the split of each call]}, "errors": {"outputs" | "end state" |
-"gradients": {array: relative error}}}]}}.
+"""The checks of tests/kernels/test_context.py, run with 8 simulated CPU devices: every case, an op with a context-
+parallel form (kernels/context.py), an attention layer or a short window (convolution, token shift), on the meshes
+context=8 and data=2 x context=4 (softmax attention with each split, contiguous and zigzag) against the same call on
+one device: outputs, end state and the gradients of a loss of both with respect to every float input and the initial
+state, each array against its own scale; and the calls of the form's function (context.over_spans or split_queries),
+counted while tracing, under each mesh and on one device. B = 2, T = 40: spans of 5 and 10 tokens, not a multiple of
+8 x the chunk of 4, the zigzag's halves unequal on context=8. Packed documents cross the spans: one of a single
+token at 15 (a boundary of context=8), starts at 16 and at 20 (a boundary of both meshes). Prints one JSON object:
+{case: {"form", "one device": calls, "runs": [{"split", "mesh", "calls": {function: [the split of each call]},
+"errors": {"outputs" | "end state" | "gradients": {array: relative error}}}]}}.
 
 python tests/kernels/context_check.py
 """
@@ -41,6 +41,8 @@ from kernels.selective_scan import selective_scan  # noqa: E402
 from kernels.ssd import ssd  # noqa: E402
 from kernels.wkv6 import wkv6  # noqa: E402
 from kernels.wkv7 import wkv7  # noqa: E402
+from layers.conv import ShortConvolution  # noqa: E402
+from layers.token_shift import token_shift  # noqa: E402
 from tests.util import record_calls, rel_err  # noqa: E402
 
 B, T, H, K, V, C, R, D = 2, 40, 2, 4, 3, 4, 2, 16  # R: Mamba-3 MIMO's rank, D: the attention layers' width
@@ -49,7 +51,7 @@ FORMS = ("over_spans", "split_queries")  # every context-parallel form runs thro
 CASES = ("linear_attention", "retention", "gla", "delta_rule", "gated_delta_rule", "kda", "delta_product", "ssd",
          "wkv6", "wkv7", "mamba3", "mamba3_mimo", "selective_scan", "rglru", "s4d", "s4d_fft", "attention_gqa",
          "attention_documents", "attention_band", "attention_band_traced", "attention_fox", "attention_blocked",
-         "layer_attention", "layer_fox", "layer_mla")
+         "layer_attention", "layer_fox", "layer_mla", "short_convolution", "token_shift")
 
 
 class Case(NamedTuple):
@@ -102,6 +104,7 @@ def cases(r, seg):
     traced = (jnp.array([3, 5, 7, 2 ** 30]), jnp.array([0, 1, 2, 3]), jnp.array([0.0, 0.5, 0.0, 0.25]))  # per head
     stateless = lambda call: lambda seq, whole, S0, split: (call(seq, whole, split), None)
     x = rand(B, T, D)
+    conv = nnx.split(ShortConvolution(D, 4, use_bias=True, rngs=nnx.Rngs(0)))  # (graph, parameters)
     return {
         "linear_attention": Case(lambda s, w, S0, _: linear_attention(*s[:3], **chunked(S0, s)), (q, k, v, seg),
                                  state=S0),
@@ -161,6 +164,10 @@ def cases(r, seg):
                                                                           context_split=split)),
                                   (qa, k, v, seg), form="split_queries", patch=blocked),
         **{name: layer_case(make, x, seg) for name, make in layer_makers().items()},
+        # the windows of layers/conv.py and layers/token_shift.py, continuing a given one
+        "short_convolution": Case(lambda s, p, S0, _: nnx.merge(conv[0], p).decode(s[0], S0, segment_ids=s[1]),
+                                  (x, seg), conv[1], rand(B, 3, D)),
+        "token_shift": Case(lambda s, w, S0, _: token_shift(s[0], S0, s[1]), (x, seg), state=rand(B, D)),
     }
 
 

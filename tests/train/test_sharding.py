@@ -133,7 +133,8 @@ def test_every_kind_with_a_context_parallel_form_gives_one_devices_logits_loss_a
     context = results["context"]
     assert {"attention", "mla", "gla", "mamba", "mamba2", "mamba3", "rwkv7", "gated_deltanet"} <= set(context["kinds"])
     got = context["data=2 context=4"]
-    assert got["forms"] >= len(context["kinds"]), got  # every layer ran its context-parallel form
+    with_form = set(context["kinds"]) - {"base_conv", "gated_conv"}  # only short convolutions: XLA's halo exchange
+    assert got["forms"] >= len(with_form), got  # every other layer ran its context-parallel form
     # float32 rounding through 20 layers: two exact single-device forms of this model (chunks of 4 and of 8) differ
     # by 2e-5 in the gradients and 1e-6 in the logits
     assert got["loss"] < 1e-6 and got["logits"] < 1e-5 and got["grads"] < 1e-4, got
