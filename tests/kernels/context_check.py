@@ -1,13 +1,13 @@
-"""The checks of tests/kernels/test_context.py, run with 8 simulated CPU devices: every case, an op with a context-
-parallel form (kernels/context.py), an attention layer or a short window (convolution, token shift), on the meshes
-context=8 and data=2 x context=4 (softmax attention with each split, contiguous and zigzag) against the same call on
-one device: outputs, end state and the gradients of a loss of both with respect to every float input and the initial
-state, each array against its own scale; and the calls of the form's function (context.over_spans or split_queries),
-counted while tracing, under each mesh and on one device. B = 2, T = 40: spans of 5 and 10 tokens, not a multiple of
-8 x the chunk of 4, the zigzag's halves unequal on context=8. Packed documents cross the spans: one of a single
-token at 15 (a boundary of context=8), starts at 16 and at 20 (a boundary of both meshes). Prints one JSON object:
-{case: {"form", "one device": calls, "runs": [{"split", "mesh", "calls": {function: [the split of each call]},
-"errors": {"outputs" | "end state" | "gradients": {array: relative error}}}]}}.
+"""The checks of tests/kernels/test_context.py, run with 8 simulated CPU devices: every case, an op with a
+context-parallel form (kernels/context.py), an attention layer or a short window (convolution, token shift), on the
+meshes context=8 and data=2 x context=4 (softmax attention with each split, contiguous and zigzag) against the same
+call on one device: outputs, end state and the gradients of a loss of both with respect to every float input and the
+initial state, each array against its own scale; and the calls of the form's function (context.over_spans or
+split_queries), counted while tracing, under each mesh and on one device. B = 2, T = 40: spans of 5 and 10 tokens,
+not a multiple of 8 x the chunk of 4, the zigzag's halves unequal on context=8. Packed documents cross the spans:
+one of a single token at 15 (a boundary of context=8), starts at 16 and at 20 (a boundary of both meshes). Prints
+one JSON object: {case: {"form", "one device": calls, "runs": [{"split", "mesh", "calls": {function: [the split of
+each call]}, "errors": {"outputs" | "end state" | "gradients": {array: relative error}}}]}}.
 
 python tests/kernels/context_check.py
 """
