@@ -1,5 +1,11 @@
 """The benchmark scripts run end to end at toy sizes (their figures are measured by hand: docs/)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from benchmarks import serve
 
 
@@ -20,3 +26,22 @@ def test_serve_runs(tmp_path, monkeypatch):
     assert {p.name for p in (tmp_path / "runs/bench").iterdir()} == {
         "serve_load.json", "serve_memory.json", "serve_prefix.json", "serve_breakdown.json"}
     assert (tmp_path / "plot.png").is_file()
+
+
+def test_context_runs(tmp_path):
+    """benchmarks/context.py on one GLA layer, as a script (its 8 simulated devices need a fresh process): every
+    table comes out, the compiled step's exchange is the analytic one, and the context axis keeps less per
+    device and trains a longer sequence in the same budget."""
+    argv = "--kinds gla --d-model 32 --layers 1 --seq-len 256 --budget-mb 8 --search gla --time gla --steps 1"
+    out = subprocess.run([sys.executable, "-m", "benchmarks.context", *argv.split()], cwd=tmp_path, text=True,
+                         capture_output=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr
+    tables = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "runs/bench").iterdir()}
+    assert set(tables) == {"context_exchange", "context_memory", "context_longest", "context_time"}
+    (exchange,), (memory,), (longest,) = (tables[f"context_{t}"] for t in ("exchange", "memory", "longest"))
+    assert exchange["exchanged (per device)"] == "state 1x4x4x1+1x4x4x8"  # GLA: M (B, H, K, 1), S_loc (B, H, K, V)
+    analytic = round((8 + 1) * 4 * 4 * (1 + 8) * 4 / 1024, 2)  # n in the all-gather, one in its transpose
+    assert exchange["exchange KiB/layer"] == exchange["analytic KiB/layer"] == analytic
+    assert memory["temp MiB context=8"] < memory["temp MiB one"]
+    assert longest["longest T context=8"] > longest["longest T one"] > 0
+    assert tables["context_time"][0]["ms/step context=8"] > 0
