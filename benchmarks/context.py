@@ -64,8 +64,8 @@ FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes"
 COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) (all-gather|all-reduce|reduce-scatter|collective-permute|"
                         r"all-to-all)\(")
 ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-         "s8": 1, "u8": 1, "pred": 1}
+BYTES = {"c128": 16, "c64": 8, "f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+         "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def supported() -> list[str]:
