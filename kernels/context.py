@@ -81,10 +81,33 @@ def active(T: int) -> bool:
     return n > 1 and T % n == 0
 
 
+_DEVICE = []  # the index of the device, inside the shard_maps being traced (innermost last)
+
+
+def _device():
+    """Inside a shard_map over the axis: this device's index on it."""
+    return _DEVICE[-1]
+
+
 def _shard_map(f, in_specs, out_specs):
     """shard_map over the context axis alone (the others stay XLA's); check_vma off, since the ops' scans start
-    from fresh zeros that vary by device only once they have run."""
-    return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
+    from fresh zeros that vary by device only once they have run. The device's index enters as data, an arange
+    split over the axis, not as jax.lax.axis_index: XLA's partitioner refuses the PartitionId that axis_index
+    lowers to once many such regions share one program (a model with a layer of every kind)."""
+
+    def g(index, *args):
+        _DEVICE.append(index[0])
+        try:
+            return f(*args)
+        finally:
+            _DEVICE.pop()
+
+    def call(*args):
+        index = jnp.arange(size(), dtype=jnp.int32)
+        return jax.shard_map(g, in_specs=(P(AXIS), *in_specs), out_specs=out_specs, axis_names={AXIS},
+                             check_vma=False)(index, *args)
+
+    return call
 
 
 def _boundaries(segment_ids, n):
@@ -100,7 +123,7 @@ def from_left(x, carry_in, segment_ids):
     """Inside a shard_map over the axis: what device d receives from device d - 1 (`x`, a (B, ...) tree
     made by each device, e.g. its last inputs), `carry_in` on device 0; zero where a document starts at
     the boundary. For windows that one span fills (short convolutions, token shifts)."""
-    n, i = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    n, i = jax.lax.axis_size(AXIS), _device()
     shifted = jax.lax.ppermute(x, AXIS, [(d, d + 1) for d in range(n - 1)])
     keep = _boundaries(segment_ids, n)
     if keep is not None:
@@ -114,7 +137,7 @@ def scan_devices(M, S_loc, S0, segment_ids, apply):
     state over a span is apply(M, S) + S_loc from the state S it starts from (M and S_loc made by each device,
     M already zero where a document starts inside its span): the scan over devices S_in(d + 1) =
     c(d + 1) (apply(M(d), S_in(d)) + S_loc(d)) from S_in(0) = S0, the caller's, c as in `from_left`."""
-    n, i = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    n, i = jax.lax.axis_size(AXIS), _device()
     Ms, Ss = jax.lax.all_gather(M, AXIS), jax.lax.all_gather(S_loc, AXIS)  # (n, B, ...)
     keep = _boundaries(segment_ids, n)
     S = S0
@@ -128,7 +151,7 @@ def scan_devices(M, S_loc, S0, segment_ids, apply):
 
 def last(tree):
     """Inside a shard_map over the axis: the last device's `tree` on every device (the sequence's end state)."""
-    n, i = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    n, i = jax.lax.axis_size(AXIS), _device()
     return jax.tree.map(lambda a: jax.lax.psum(jnp.where(i == n - 1, a, 0), AXIS), tree)
 
 
@@ -241,7 +264,7 @@ def split_queries(run, queries: tuple, keys: tuple, rest=(), *, split: str = "co
     check_split(split, "split_queries")
 
     def local(queries, keys, rest):
-        n, i = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+        n, i = jax.lax.axis_size(AXIS), _device()
         L = jax.tree.leaves(queries)[0].shape[1]
         whole = gather_sequence(keys)
         if split == "contiguous" or L < 2:
