@@ -27,7 +27,7 @@ its own width, plus n (B, H, K, V) states (and their decays) per layer sent to e
    columns of a state are independent in these recurrences, so the identity columns carry M);
 2. all-gather of (M, S_loc) and of the first and last segment id of every span, and the scan over
    devices S_in(d + 1) = c(d + 1) (M(d) S_in(d) + S_loc(d)), S_in(0) the caller's initial state,
-   c = 0 where a document starts at the boundary (a start inside a span already zeroes its M);
+   c = 0 where a document starts at the boundary, and M zeroed where one starts inside a span;
 3. the op again over the span from S_in: the outputs and end state of the single-device run.
 
 It costs the op twice (the first pass K columns wider) plus n (K, K + V) states per layer sent to
@@ -132,12 +132,22 @@ def from_left(x, carry_in, segment_ids):
     return jax.tree.map(lambda s, c0: jnp.where(i == 0, c0.astype(s.dtype), s), shifted, carry_in)
 
 
+def carried(segment_ids):
+    """Inside a shard_map over the axis: (B,) float32, 1 where the span's start carries to its end (no document
+    starts inside it), else 0; None without segment_ids (always 1)."""
+    return None if segment_ids is None else 1.0 - jnp.any(document_starts(segment_ids), axis=1).astype(jnp.float32)
+
+
 def scan_devices(M, S_loc, S0, segment_ids, apply):
     """Inside a shard_map over the axis: the state this device's span starts from, for a recurrence whose end
-    state over a span is apply(M, S) + S_loc from the state S it starts from (M and S_loc made by each device,
-    M already zero where a document starts inside its span): the scan over devices S_in(d + 1) =
-    c(d + 1) (apply(M(d), S_in(d)) + S_loc(d)) from S_in(0) = S0, the caller's, c as in `from_left`."""
+    state over a span is apply(M, S) + S_loc from the state S it starts from (M and S_loc made by each device, M
+    of any shape that broadcasts against S_loc, zeroed here where a document starts inside the span: `carried`):
+    the scan over devices S_in(d + 1) = c(d + 1) (apply(M(d), S_in(d)) + S_loc(d)) from S_in(0) = S0, the
+    caller's, c as in `from_left`."""
     n, i = jax.lax.axis_size(AXIS), _device()
+    through = carried(segment_ids)
+    if through is not None:
+        M = through.reshape((-1,) + (1,) * (S_loc.ndim - 1)) * M
     Ms, Ss = jax.lax.all_gather(M, AXIS), jax.lax.all_gather(S_loc, AXIS)  # (n, B, ...)
     keep = _boundaries(segment_ids, n)
     S = S0
@@ -171,32 +181,23 @@ def over_spans(local, seq: tuple, rest: tuple, segment_ids, initial_state):
     return _shard_map(f, in_specs, (SEQ, P()))(tuple(seq), tuple(rest), seg, S0)
 
 
-def split_recurrence(run, seq: tuple, rest: tuple = (), *, value: int, segment_ids=None, initial_state=None,
-                     state_axes: tuple[int, int] = (2, 3)):
-    """The op `run(*seq, *rest, segment_ids=, initial_state=) -> (o, end state)` over the whole sequence,
-    split over the context axis (module docstring). seq: (B, T, ...) arrays split along time; rest:
-    arrays every device holds whole; seq[value]: the values, whose last axis is the state's value axis.
-    state_axes: the (key, value) axes of the state, (B, H, K, V) by default. Returns (o, end state)."""
-    key_axis, value_axis = state_axes
-
-    def canonical(S):  # (B, H, K, V) whatever the op's layout
-        return jnp.moveaxis(S, (key_axis, value_axis), (2, 3))
-
-    def native(S):
-        return jnp.moveaxis(S, (2, 3), (key_axis, value_axis))
+def split_recurrence(run, seq: tuple, rest: tuple = (), *, value: int, segment_ids=None, initial_state=None):
+    """The op `run(*seq, *rest, segment_ids=, initial_state=) -> (o, end state (B, H, K, V))` over the whole
+    sequence, split over the context axis (module docstring). seq: (B, T, ...) arrays split along time; rest:
+    arrays every device holds whole; seq[value]: the values, whose last axis is the state's. Returns
+    (o, end state)."""
 
     def local(seq, rest, seg, S0):
         v = seq[value]
-        native_shape = jax.eval_shape(lambda: run(*seq, *rest, segment_ids=seg, initial_state=None)[1]).shape
-        B, H, K, V = shape = tuple(native_shape[a] for a in (0, 1, key_axis, value_axis))
+        B, H, K, V = shape = jax.eval_shape(lambda: run(*seq, *rest, segment_ids=seg, initial_state=None)[1]).shape
         wide = seq[:value] + (jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (K,), v.dtype)], -1),) + seq[value + 1:]
         eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))
         start = jnp.concatenate([jnp.zeros(shape, jnp.float32), eye], -1)  # [0 | I]
-        end = canonical(run(*wide, *rest, segment_ids=seg, initial_state=native(start))[1])
+        end = run(*wide, *rest, segment_ids=seg, initial_state=start)[1]
         S_loc, M = end[..., :V], end[..., V:]  # (B, H, K, V), (B, H, K, K)
-        S0 = jnp.zeros(shape, jnp.float32) if S0 is None else canonical(S0).astype(jnp.float32)
+        S0 = jnp.zeros(shape, jnp.float32) if S0 is None else S0.astype(jnp.float32)
         S = scan_devices(M, S_loc, S0, seg, lambda M, S: jnp.einsum("bhkj,bhjv->bhkv", M, S))
-        o, final = run(*seq, *rest, segment_ids=seg, initial_state=native(S))
+        o, final = run(*seq, *rest, segment_ids=seg, initial_state=S)
         return o, last(final)
 
     return over_spans(local, seq, rest, segment_ids, initial_state)
@@ -206,19 +207,15 @@ def split_diagonal(run, seq: tuple, rest: tuple = (), *, decay, segment_ids=None
     """The op `run(*seq, *rest, segment_ids=, initial_state=) -> (o, end state)` over the whole sequence, split
     over the context axis, for a state with an elementwise transition: over a span, S_end = M ⊙ S_in + S_loc.
     seq: (B, T, ...) arrays split along time; rest: arrays every device holds whole; initial_state=None must
-    be the zero state. decay(*seq, *rest) -> M, the span's transition were no document to start inside it
-    (any shape that broadcasts against the state), zeroed here where one does. Per device: the op from the
-    zero state gives S_loc, `scan_devices` the state the span starts from, the op again from it the outputs
-    and end state (the op twice at its own width). Returns (o, end state)."""
+    be the zero state. decay(*seq, *rest) -> M, the span's transition were no document to start inside it (any
+    shape that broadcasts against the state; `scan_devices` zeroes it where one does). Per device:
+    the op from the zero state gives S_loc, `scan_devices` the state the span starts from, the op again from it
+    the outputs and end state (the op twice at its own width). Returns (o, end state)."""
 
     def local(seq, rest, seg, S0):
         S_loc = run(*seq, *rest, segment_ids=seg, initial_state=None)[1]
-        M = decay(*seq, *rest)
-        if seg is not None:
-            through = 1.0 - jnp.any(document_starts(seg), axis=1).astype(jnp.float32)  # (B,)
-            M = through.reshape((-1,) + (1,) * (S_loc.ndim - 1)) * M
         S0 = jnp.zeros_like(S_loc) if S0 is None else S0.astype(S_loc.dtype)
-        S = scan_devices(M, S_loc, S0, seg, lambda M, S: M * S)
+        S = scan_devices(decay(*seq, *rest), S_loc, S0, seg, lambda M, S: M * S)
         o, final = run(*seq, *rest, segment_ids=seg, initial_state=S)
         return o, last(final)
 

@@ -37,17 +37,17 @@ def mamba3_split(run, seq: tuple, rest: tuple, *, segment_ids, carry: Mamba3Carr
     def local(seq, rest, seg, carry):
         x, dt, A, _, B, _, theta = seq
         starts = jnp.zeros(x.shape[:2], bool) if seg is None else document_starts(seg)  # (B, T / n)
-        through = 1.0 - jnp.any(starts, axis=1).astype(jnp.float32)  # (B,): 1 where no document starts inside
-        spin = lambda m, angle: m[:, None, None] * angle
         span = cumulative_angle(dt[..., None] * theta, starts, jnp.zeros_like(carry.angle))[:, -1]  # (B, H, N/2)
-        angle = context.scan_devices(through, span, carry.angle, seg, spin)  # (B, H, N/2): Θ_in
-        end = wrap_angle(spin(through, angle) + span)  # Θ at the span's last token
+        scale = lambda m, s: m * s
+        angle = context.scan_devices(jnp.float32(1), span, carry.angle, seg, scale)  # (B, H, N/2): Θ_in
+        through = 1.0 if seg is None else context.carried(seg)[:, None, None]  # the span's start reaches its end
+        end = wrap_angle(through * angle + span)  # Θ at the span's last token
         b_end = rotate(B[:, -1], end[:, :, None] if B.ndim == 5 else end)  # (B, H, N); MIMO (B, H, Mr, N), one Θ
         b, x_prev = context.from_left((b_end, x[:, -1]), (carry.b, carry.x), seg)
         entering = Mamba3Carry(jnp.zeros_like(carry.h), angle, b, x_prev)
         h_loc = run(*seq, *rest, segment_ids=seg, initial_state=entering)[1].h  # (B, H, P, N)
-        decay = through[:, None] * jnp.exp(jnp.sum(dt * A, axis=1))  # (B, H): M
-        h = context.scan_devices(decay, h_loc, carry.h, seg, lambda m, h: m[..., None, None] * h)
+        decay = jnp.exp(jnp.sum(dt * A, axis=1))[..., None, None]  # (B, H, 1, 1): M
+        h = context.scan_devices(decay, h_loc, carry.h, seg, scale)
         y, final = run(*seq, *rest, segment_ids=seg, initial_state=entering._replace(h=h))
         return y, context.last(final)
 
