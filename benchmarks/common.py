@@ -19,6 +19,18 @@ def timeit(fn, *args, repeats: int = 5, warmup: bool = True) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the cores this process may use (Linux; "?" elsewhere)."""
+    import os
+    import re
+
+    try:
+        name = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1)
+    except (OSError, AttributeError):
+        name = "?"
+    return f"{name}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores"
+
+
 def tree_bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 

@@ -1,7 +1,7 @@
 """The zoo against plain PyTorch implementations of the same models on this CPU: training steps,
 a long prefill and the first step (compile), alternating in one run.
 
-    python -m benchmarks.peers [--repeats 5] [--only nanogpt mha ...]
+    python -m benchmarks.peers [--repeats 5] [--only nanogpt mha ...] [--profile]
 
 Needs torch (install it by hand for this benchmark, e.g. `pip install torch==2.13.0` in a separate
 venv with this project: it is never part of `make test`). The PyTorch models are written here for
@@ -13,10 +13,15 @@ final norm; AdamW with the zoo's defaults (lr 3e-3, betas 0.9/0.99, weight decay
 but the embedding) and global-norm clipping at 1. Both in float32, torch on the machine's threads.
 
 Each figure is the minimum over `repeats` alternating runs; the ratio is zoo / peer speed (>= 1:
-the zoo is at least as fast).
+the zoo is at least as fast). MFU (train/utilisation.py) is the model's training FLOPs per second over
+the products' rate measured at the start (jnp.dot at 1024^3), the same for both sides. The products
+alone are timed at the steps' shapes too (jnp.dot against torch.matmul), so a claim that they are the
+limit is measured in the same run. `--profile` adds each training step's time by category, the zoo's
+from JAX's profiler over the compiled HLO (benchmarks/xla_profile.py), PyTorch's from torch.profiler.
 """
 
 import argparse
+import functools
 import math
 import time
 
@@ -25,9 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import print_table, save_json
+from benchmarks import xla_profile
+from benchmarks.common import cpu_model, print_table, save_json
+from infer.generate import DECODE_OPTIONS
+from kernels.attention import attention_xla
 from train import optim
-from train.step import make_train_step
+from train.step import TRAIN_OPTIONS, make_train_step
+from train.utilisation import flops_per_token, products_rate
 from zoo import LanguageModel
 from zoo.config import from_dict
 
@@ -50,9 +59,11 @@ PREFILL = ({"d_model": 128, "num_layers": 4, "mixer": {"kind": "attention", "num
 # ---------------------------------------------------------------------------------------------- zoo
 
 def zoo_train(model: dict, B: int, T: int):
-    """A closure running one zoo training step on a fixed random batch (blocking)."""
+    """A closure running one zoo training step on a fixed random batch (blocking), the parameter count,
+    the model's FLOPs per token (train/utilisation.py) and a function giving the step's compiled HLO."""
     cfg = from_dict({"model": {**model, "max_seq_len": T}, "train": {"batch_size": B, "seq_len": T}})
-    graphdef, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    lm = LanguageModel(cfg.model, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(lm, nnx.Param, ...)
     tx = optim.optimizer(cfg.train)
     step = make_train_step(graphdef, tx)
     tokens = np.random.default_rng(0).integers(0, 256, (1, B, T + 1)).astype(np.int32)
@@ -63,7 +74,8 @@ def zoo_train(model: dict, B: int, T: int):
         state[0], state[1], state[2], m = step(*state, batch)
         jax.block_until_ready(m["loss"])
 
-    return run, sum(x.size for x in jax.tree.leaves(params))
+    hlo = lambda: step.func.lower(*state, batch, **step.keywords).compile().as_text()
+    return run, sum(x.size for x in jax.tree.leaves(params)), flops_per_token(lm, T), hlo
 
 
 def zoo_prefill(model: dict, B: int, T: int):
@@ -71,7 +83,7 @@ def zoo_prefill(model: dict, B: int, T: int):
     graphdef, params = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(0)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (B, T)), jnp.int32)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=DECODE_OPTIONS)  # as infer.generate compiles its prefill
     def prefill(params, tokens):
         m = nnx.merge(graphdef, params)
         return m.decode(tokens, m.init_state(B, T))[0][:, -1]
@@ -239,8 +251,9 @@ def torch_models():
             loss = F.cross_entropy(lm(tokens[:, :-1]).reshape(-1, 256), tokens[:, 1:].reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
-            opt.step()
+            with torch.profiler.record_function("optimiser"):  # for --profile's breakdown
+                torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+                opt.step()
             loss.item()
 
         return run, sum(p.numel() for p in lm.parameters())
@@ -259,6 +272,92 @@ def torch_models():
     return train, prefill, torch.__version__, torch.get_num_threads()
 
 
+TORCH_PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+TORCH_COPIES = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten::_to_copy", "aten::t",
+                "aten::transpose", "aten::view", "aten::reshape", "aten::permute", "aten::expand", "aten::as_strided",
+                "aten::slice", "aten::split", "aten::select", "aten::unsqueeze", "aten::_unsafe_view", "aten::empty",
+                "aten::zeros", "aten::zero_", "aten::fill_", "aten::empty_strided", "aten::narrow",
+                "aten::index_select"}
+
+
+def torch_breakdown(run, calls: int = 5) -> dict:
+    """PyTorch's side of benchmarks/xla_profile.breakdown: each aten op's own time on the calling thread
+    (intra-op threads included in it) by category, from torch.profiler; "idle" is the step's wall time
+    outside every aten op (Python, the autograd engine, dispatch)."""
+    import torch
+
+    run()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run()
+        wall = (time.perf_counter() - t0) / calls
+    out = dict.fromkeys(xla_profile.CATEGORIES, 0.0)
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        names, parent = [], e.cpu_parent
+        while parent is not None:
+            names.append(parent.name)
+            parent = parent.cpu_parent
+        if "optimiser" in names:
+            category = "optimiser"
+        elif any("scaled_dot_product" in n.lower() for n in [e.name, *names]):
+            category = "attention bwd" if any("Backward" in n for n in names) else "attention fwd"
+        else:
+            category = "products" if e.name in TORCH_PRODUCTS else "copies" if e.name in TORCH_COPIES else "fusions"
+        out[category] += e.self_cpu_time_total / 1e3 / calls
+    out["idle"] = wall * 1e3 - sum(out.values())
+    return {**{c: round(v, 1) for c, v in out.items()}, "wall": round(wall * 1e3, 1)}
+
+
+def attention_alone(repeats: int) -> list[dict]:
+    """Causal softmax attention alone, forward+backward at the training workloads' shapes (B=8, T=256, 4 heads
+    of 32; MHA and one kv head): kernels.attention.attention_xla compiled as the train step compiles (with
+    train.step.TRAIN_OPTIONS) against F.scaled_dot_product_attention, alternating, the best of `repeats`."""
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    for G in (4, 1):
+        q, k, v = (np.random.default_rng(i).standard_normal(shape, np.float32)
+                   for i, shape in enumerate([(8, 256, 4, 32), (8, 256, G, 32), (8, 256, G, 32)]))
+        loss = lambda q, k, v: jnp.sum(attention_xla(q, k, v) * q[..., :1])
+        args = tuple(map(jnp.asarray, (q, k, v)))
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile(compiler_options=TRAIN_OPTIONS)
+        tq, tk, tv = (torch.from_numpy(x.transpose(0, 2, 1, 3).copy()).requires_grad_() for x in (q, k, v))
+
+        def peer():
+            o = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=G != 4)
+            (o * tq[..., :1]).sum().backward()
+
+        zoo = lambda: jax.block_until_ready(grad(*args))
+        zoo(), peer()
+        zoo_s, peer_s = alternate(zoo, peer, repeats)
+        rows.append({"attention fwd+bwd": f"B=8 T=256 H=4 G={G} K=32", "zoo ms": round(zoo_s * 1e3, 2),
+                     "peer ms": round(peer_s * 1e3, 2), "zoo/peer speed": round(peer_s / zoo_s, 2)})
+    return rows
+
+
+def products(shapes: list[tuple], repeats: int) -> list[dict]:
+    """GFLOP/s of jax.jit(jnp.dot) and torch.matmul at (M, K, N), alternating, the best of `repeats`."""
+    import torch
+
+    rows = []
+    for M, K, N in shapes:
+        a, b = np.random.default_rng(0).standard_normal((2, max(M, K), max(K, N)), np.float32)
+        ja, jb, ta, tb = jnp.asarray(a[:M, :K]), jnp.asarray(b[:K, :N]), torch.from_numpy(a[:M, :K].copy()), \
+            torch.from_numpy(b[:K, :N].copy())
+        dot = jax.jit(jnp.dot)
+        jax_run, torch_run = lambda: dot(ja, jb).block_until_ready(), lambda: torch.matmul(ta, tb)
+        jax_run(), torch_run()
+        best = alternate(jax_run, torch_run, repeats)
+        rate = [2 * M * K * N / t / 1e9 for t in best]
+        rows.append({"(M x K) @ (K x N)": f"{M}x{K} @ {K}x{N}", "jnp.dot GFLOP/s": round(rate[0]),
+                     "torch.matmul GFLOP/s": round(rate[1]), "jax / torch": round(rate[0] / rate[1], 2)})
+    return rows
+
+
 # ------------------------------------------------------------------------------------------ measure
 
 def _first(make):
@@ -268,10 +367,19 @@ def _first(make):
     return time.perf_counter() - t0, run, rest
 
 
+PAUSE = 0.02  # seconds between timed runs (see `alternate`)
+
+
 def alternate(zoo_run, peer_run, repeats: int) -> tuple[float, float]:
+    """The best seconds of each, run in turn, each after a pause of PAUSE. Without it the zoo's run starts
+    while PyTorch's OpenMP threads still spin after its run and takes their cores: attention alone
+    (`attention_alone`, MHA) measured 12.7 ms right after PyTorch, 9.4 after 20 ms, 9.8 with no PyTorch
+    run between; PyTorch's 8.3 either way. Longer pauses let both runtimes' threads fall asleep (after
+    200 ms: 17.4 and 8.9)."""
     best = [math.inf, math.inf]
     for _ in range(repeats):
         for i, run in enumerate((zoo_run, peer_run)):
+            time.sleep(PAUSE)
             t0 = time.perf_counter()
             run()
             best[i] = min(best[i], time.perf_counter() - t0)
@@ -282,24 +390,38 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--only", nargs="*", default=[*WORKLOADS, "prefill"])
+    p.add_argument("--profile", action="store_true", help="each training step's time by category, both sides")
     args = p.parse_args()
     try:
         peer_train, peer_prefill, version, threads = torch_models()
     except ImportError:
         raise SystemExit("benchmarks.peers needs torch: pip install torch==2.13.0 (in a venv of its own)") from None
-    rows = []
+    print(f"CPU: {cpu_model()}; zoo: jax {jax.__version__}; peer: torch {version}, {threads} threads")
+    rate = products_rate(repeats=20)
+    print(f"products' rate (jnp.dot 1024^3, the MFU denominator of both sides): {rate / 1e9:.0f} GFLOP/s")
+    BT = 8 * 256  # the training workloads' tokens per step, at width 128 (FFN 352, QKV 384, vocabulary 256)
+    table = products([(BT, 128, 384), (BT, 128, 352), (BT, 352, 128), (BT, 128, 256), (128, BT, 384),
+                      (1024, 1024, 1024)], args.repeats * 4)
+    alone = attention_alone(args.repeats * 4)
+    rows, shares = [], []
     for name, (model, B, T) in WORKLOADS.items():
         if name not in args.only:
             continue
-        zoo_first, zoo_run, (zoo_params,) = _first(lambda: zoo_train(model, B, T))
+        zoo_first, zoo_run, (zoo_params, flops, hlo) = _first(lambda: zoo_train(model, B, T))
         peer_first, peer_run, (peer_params,) = _first(lambda: peer_train(model, B, T))
         zoo_s, peer_s = alternate(zoo_run, peer_run, args.repeats)
-        rows.append({"work": f"train {name} (B={B}, T={T})", "params zoo/peer": f"{zoo_params:,}/{peer_params:,}",
+        work = f"train {name} (B={B}, T={T})"
+        rows.append({"work": work, "params zoo/peer": f"{zoo_params:,}/{peer_params:,}",
                      "zoo ms": round(zoo_s * 1e3, 1), "peer ms": round(peer_s * 1e3, 1),
                      "zoo tok/s": round(B * T / zoo_s), "peer tok/s": round(B * T / peer_s),
                      "zoo/peer speed": round(peer_s / zoo_s, 2),
+                     "MFU zoo/peer": f"{B * T * flops / zoo_s / rate:.2f}/{B * T * flops / peer_s / rate:.2f}",
                      "first step zoo/peer s": f"{zoo_first:.2f}/{peer_first:.2f}"})
         print(rows[-1], flush=True)
+        if args.profile:
+            shares += [{"work": work, "side": "zoo", **xla_profile.breakdown(zoo_run, hlo())},
+                       {"work": work, "side": "peer", **torch_breakdown(peer_run)}]
+            print(shares[-2], shares[-1], sep="\n", flush=True)
     if "prefill" in args.only:
         model, B, T = PREFILL
         zoo_run, peer_run = zoo_prefill(model, B, T), peer_prefill(model, B, T)
@@ -308,11 +430,21 @@ def main():
         rows.append({"work": f"prefill GQA (B={B}, T={T})", "zoo ms": round(zoo_s * 1e3, 1),
                      "peer ms": round(peer_s * 1e3, 1), "zoo/peer speed": round(peer_s / zoo_s, 2)})
         print(rows[-1], flush=True)
-    print(f"\nzoo: jax {jax.__version__} on {jax.devices()[0].device_kind}; peer: torch {version}, "
-          f"{threads} threads; minimum of {args.repeats} alternating runs")
+    print(f"\nminimum of {args.repeats} alternating runs; ratio = zoo speed / PyTorch speed")
     print_table(rows, ["work", "params zoo/peer", "zoo ms", "peer ms", "zoo tok/s", "peer tok/s", "zoo/peer speed",
-                       "first step zoo/peer s"])
-    save_json("peers", rows)
+                       "MFU zoo/peer", "first step zoo/peer s"])
+    print("\nthe products alone, at the steps' shapes (best of alternating runs):")
+    print_table(table, list(table[0]))
+    print("\nsoftmax attention alone (best of alternating runs):")
+    print_table(alone, list(alone[0]))
+    if shares:
+        print("\nms per training step by category (benchmarks/xla_profile.py; zoo: summed over XLA's threads, "
+              "peer: torch.profiler's aten ops on the calling thread); idle = wall outside any op")
+        print_table(shares, ["work", "side", *xla_profile.CATEGORIES, "wall"])
+        for row in shares[::2]:
+            print(f"{row['work']}, zoo's largest places:", "; ".join(f"{p[0]} {p[1]} {p[2]} {ms}" for p, ms in
+                                                                row["places"][:6]))
+    save_json("peers", rows + table + alone + shares)
 
 
 if __name__ == "__main__":

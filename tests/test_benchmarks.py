@@ -45,3 +45,18 @@ def test_context_runs(tmp_path):
     assert memory["temp MiB context=8"] < memory["temp MiB one"]
     assert longest["longest T context=8"] > longest["longest T one"] > 0
     assert tables["context_time"][0]["ms/step context=8"] > 0
+
+
+def test_xla_profile_splits_a_train_step():
+    """benchmarks/xla_profile.py on a one-layer attention model's train step (benchmarks/peers.py builds it): every
+    category is there, the products, both attention passes and the optimiser take time, the busy time is within the
+    wall time, and the places name the project's files."""
+    from benchmarks import peers, xla_profile
+
+    model = {"d_model": 32, "num_layers": 1, "mixer": {"kind": "attention", "num_heads": 2}}
+    run, _, flops, hlo = peers.zoo_train(model, 2, 160)  # 160 tokens: the blocked attention form, 2 x 2 blocks
+    shares = xla_profile.breakdown(run, hlo(), calls=2)
+    assert set(xla_profile.CATEGORIES) | {"wall", "busy", "places"} == set(shares)
+    assert all(shares[c] > 0 for c in ("products", "attention fwd", "attention bwd", "optimiser", "fusions"))
+    assert 0 < shares["busy"] <= shares["wall"] and flops > 0
+    assert any(place.startswith("layers/linear.py:") for (place, _, _), _ in shares["places"])

@@ -17,6 +17,7 @@ import numpy as np
 
 from train import optim
 from train.resume import metrics_upto
+from train.utilisation import flops_per_token, products_rate
 from zoo.config import Config
 
 
@@ -73,6 +74,14 @@ class Report:
         self.start = 0  # the step the run resumes from
         self.step_time = self.eval_time = 0.0  # seconds inside the jitted step, in evaluation
         self.window_start, self.window_tokens = started, 0  # the logging window, for tokens/s
+        self.flops_per_token = self.rate = None  # set by measure_utilisation
+
+    def measure_utilisation(self, model):
+        """Model FLOPs utilisation for every logged row (train/utilisation.py): the model's FLOPs per
+        token and the products' rate of the devices (measured on CPU, whose devices share one machine)."""
+        self.flops_per_token = flops_per_token(model, self.cfg.train.seq_len)
+        platform = jax.devices()[0].platform
+        self.rate = products_rate() * (1 if platform == "cpu" else jax.device_count())
 
     def resume(self, start: int) -> dict:
         """Keep metrics.jsonl up to step `start` (dropping a torn line); the last row kept ({} if none)."""
@@ -120,6 +129,8 @@ class Report:
                "lr": float(self.lr_at(step - 1)), "grad_norm": float(m["grad_norm"]),
                "tokens_per_s": round(self.window_tokens / (time.perf_counter() - self.window_start), 1),
                "skipped": skipped}
+        if self.rate:
+            row["mfu"] = round(row["tokens_per_s"] * self.flops_per_token / self.rate, 4)
         return row | layer_metrics(m["layers"])
 
     def write(self, row: dict):
@@ -129,7 +140,8 @@ class Report:
         val = (f"  val {row['val_loss']:.4f} nats/{self.unit} ({row['val_bpb']:.3f} bpb)" if "val_bpb" in row
                else f"  val {row['val_loss']:.4f}  accuracy {row['val_accuracy']:.4f}" if "val_loss" in row
                else "")
-        status = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s"
+        status = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s" + \
+            (f"  mfu {row['mfu']:.1%}" if "mfu" in row else "")
         self.log(f"step {row['step']:>6}/{self.cfg.train.steps}  {status}" + val)
         if "sample" in row:
             self.log("  sample: " + row["sample"].replace("\n", "\n  "))
