@@ -1,3 +1,4 @@
+import collections
 import gc
 import os
 import tempfile
@@ -34,6 +35,20 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".st
 # collector took 11.7 s of 92 in tests/layers/test_conformance.py + tests/zoo/test_kinds.py, with
 # (50,000, 10, 10) 4.2 s, at the same peak memory (1.74 and 1.82 GB; gc.callbacks, 2026-12-06).
 gc.set_threshold(50_000, 10, 10)
+
+# The files that wait on subprocesses longest (module fixtures of minutes, the notebooks' kernels, a benchmark
+# script) go first, so that their waits overlap the other worker's files; the others follow by their number of
+# tests, most first. pytest-xdist's own order (by number of tests alone, off in pyproject.toml) put files with few
+# tests last, tests/test_benchmarks.py (2 tests, a 25 s subprocess) and tests/test_notebooks.py (10) among them.
+# `make test` 1,132 s with this order and part c apart, 1,172 s before (2026-12-07, one run each, shared machine).
+FIRST = ("tests/train/test_sharding.py", "tests/train/test_sharding_context.py", "tests/kernels/test_context.py",
+         "tests/test_notebooks.py", "tests/test_benchmarks.py")
+
+
+def pytest_collection_modifyitems(items):
+    files = collections.Counter(item.nodeid.split("::")[0] for item in items)
+    first = lambda file: FIRST.index(file) if file in FIRST else len(FIRST)
+    items.sort(key=lambda item: (first(f := item.nodeid.split("::")[0]), -files[f]))
 
 
 @pytest.fixture(autouse=True, scope="module")

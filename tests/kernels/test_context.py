@@ -3,7 +3,7 @@ gradients on 8 simulated devices, split context=8 and data=2 x context=4 (softma
 contiguous and zigzag), with packed documents crossing the devices' spans and, for the recurrent ops, an initial
 state; and the form ran under each mesh and not on one device. tests/kernels/context_check.py runs every case once,
 in a subprocess so that this process keeps one device. The models and a training run on the context axis:
-tests/train/test_sharding.py."""
+tests/train/test_sharding_context.py."""
 
 import json
 import os

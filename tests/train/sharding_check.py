@@ -1,6 +1,6 @@
-"""The multi-device checks of tests/train/test_sharding.py, run with 8 simulated CPU devices, in
-two parts the test starts side by side (compiles dominate; each part shares one start-up). Each
-prints one JSON object:
+"""The multi-device checks of tests/train/test_sharding.py (parts a and b, which it starts side by
+side) and tests/train/test_sharding_context.py (part c), run with 8 simulated CPU devices (compiles
+dominate; each part shares one start-up). Each prints one JSON object:
 
   losses[arch][mesh]   10 training losses; mesh "one" is one device (a 1-device mesh); (a) the
                        Transformer, (b) GLA, Mamba, MoE and a new kind that names no sharding axes
@@ -21,7 +21,7 @@ prints one JSON object:
   losses["context"]    (c) its 10 training losses on one device and on data=2 context=4 (the whole loop);
   resume["context"]    the losses of steps 6-10 resumed from the step-5 checkpoint on data=2 context=4
 
-python tests/train/sharding_check.py RUN_DIR a|b
+python tests/train/sharding_check.py RUN_DIR a|b|c
 """
 
 import contextlib

@@ -3,9 +3,9 @@ between meshes; FSDP splits the state; a tensor-parallel model decodes the same 
 exit and self-speculation too; two processes of 4 devices each, launched as docs/devices.md says,
 train like one device.
 
-The checks run in subprocesses (tests/train/sharding_check.py, and `python -m train` twice) so
-that this process keeps one device; they all start at once, since their compiles are
-single-threaded.
+The checks run in subprocesses (tests/train/sharding_check.py parts a and b, and `python -m train`
+twice) so that this process keeps one device; they all start at once, since their compiles are
+single-threaded. Part c, context parallelism: tests/train/test_sharding_context.py.
 """
 
 import json
@@ -33,14 +33,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start(part: str, folder: Path) -> subprocess.Popen:
+    """tests/train/sharding_check.py's part a, b or c in a process of its own, writing under `folder`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # with conftest.py's fast-compile XLA_FLAGS
+    return subprocess.Popen([sys.executable, str(ROOT / "tests/train/sharding_check.py"), str(folder), part], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def collect(out: dict, name: str, proc: subprocess.Popen):
+    """Merge a part's JSON object into `out`: losses, resume and errors by key, the rest as it is."""
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, (name, stderr[-3000:])
+    got = json.loads(stdout.splitlines()[-1])
+    assert got["devices"] == 8
+    out.setdefault("losses", {}).update(got.pop("losses"))
+    for key in ("resume", "errors"):
+        out.setdefault(key, {}).update(got.pop(key, {}))
+    out.update(got)
+
+
 @pytest.fixture(scope="module")  # `make test` distributes by file: one worker, one run of the subprocesses
 def results(tmp_path_factory):
+    procs = {part: start(part, tmp_path_factory.mktemp(f"part_{part}")) for part in ("a", "b")}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # with conftest.py's fast-compile XLA_FLAGS
-    procs = {}
-    for part in ("a", "b", "c"):
-        folder = tmp_path_factory.mktemp(f"part_{part}")
-        procs[part] = subprocess.Popen([sys.executable, str(ROOT / "tests/train/sharding_check.py"), str(folder), part],
-                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     hosts = tmp_path_factory.mktemp("hosts")
     cfg = config("transformer", MeshConfig(fsdp=4, data=2), sample_tokens=4, run_dir=str(hosts / "run"))
     (hosts / "run.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
@@ -52,19 +67,14 @@ def results(tmp_path_factory):
         procs[f"host{pid}"] = subprocess.Popen([sys.executable, "-m", "train", str(hosts / "run.yaml")],
                                                cwd=ROOT, env=host_env, stdout=subprocess.PIPE,
                                                stderr=subprocess.STDOUT, text=True)
-    out = {"losses": {}, "hosts": {}}
+    out = {"hosts": {}}
     for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, (name, (stderr or stdout)[-3000:])
         if name.startswith("host"):
+            stdout, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, (name, stdout[-3000:])
             out["hosts"][name] = stdout
-            continue
-        got = json.loads(stdout.splitlines()[-1])
-        assert got["devices"] == 8
-        out["losses"].update(got.pop("losses"))
-        for key in ("resume", "errors"):
-            out.setdefault(key, {}).update(got.pop(key, {}))
-        out.update(got)
+        else:
+            collect(out, name, proc)
     out["hosts"]["metrics"] = [json.loads(line) for line in (hosts / "run" / "metrics.jsonl").read_text().splitlines()]
     out["hosts"]["checkpoints"] = sorted(p.name for p in (hosts / "run" / "checkpoints").iterdir())
     return out
@@ -127,26 +137,3 @@ def test_two_processes_train_like_one_device(results):
     assert rel_err([r["loss"] for r in rows], results["losses"]["transformer"]["one"]) < TOL
     assert results["hosts"]["checkpoints"] == ["10"]
     assert "step     10/10  loss" in results["hosts"]["host0"] and "/10  loss" not in results["hosts"]["host1"]
-
-
-def test_every_kind_with_a_context_parallel_form_gives_one_devices_logits_loss_and_gradients(results):
-    context = results["context"]
-    assert {"attention", "mla", "gla", "mamba", "mamba2", "mamba3", "rwkv7", "gated_deltanet"} <= set(context["kinds"])
-    got = context["data=2 context=4"]
-    with_form = set(context["kinds"]) - {"base_conv", "gated_conv"}  # only short convolutions: XLA's halo exchange
-    assert got["forms"] >= len(with_form), got  # every other layer ran its context-parallel form
-    # float32 rounding through 20 layers: two exact single-device forms of this model (chunks of 4 and of 8) differ
-    # by 2e-5 in the gradients and 1e-6 in the logits
-    assert got["loss"] < 1e-6 and got["logits"] < 1e-5 and got["grads"] < 1e-4, got
-
-
-def test_a_run_on_the_context_axis_trains_like_one_device_and_resumes_bitwise(results):
-    losses = results["losses"]["context"]
-    assert rel_err(losses["data=2 context=4"], losses["one"]) < TOL and losses["one"][-1] < losses["one"][0] - 0.1
-    assert results["resume"]["context"]["resumed"]
-    assert results["resume"]["context"]["losses"] == losses["data=2 context=4"][5:]  # bitwise
-
-
-def test_the_context_axis_refuses_a_kind_without_a_form_and_a_length_it_does_not_split(results):
-    assert "mixer kind hyena has no context-parallel form" in results["errors"]["kind"]
-    assert "train.seq_len: 20 tokens do not split over train.mesh.context=8" in results["errors"]["length"]
