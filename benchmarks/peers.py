@@ -35,7 +35,7 @@ from benchmarks.common import cpu_model, print_table, save_json
 from infer.generate import DECODE_OPTIONS
 from kernels.attention import attention_xla
 from train import optim
-from train.step import TRAIN_OPTIONS, make_train_step
+from train.step import make_train_step
 from train.utilisation import flops_per_token, products_rate
 from zoo import LanguageModel
 from zoo.config import from_dict
@@ -313,8 +313,8 @@ def torch_breakdown(run, calls: int = 5) -> dict:
 
 def attention_alone(repeats: int) -> list[dict]:
     """Causal softmax attention alone, forward+backward at the training workloads' shapes (B=8, T=256, 4 heads
-    of 32; MHA and one kv head): kernels.attention.attention_xla compiled as the train step compiles (with
-    train.step.TRAIN_OPTIONS) against F.scaled_dot_product_attention, alternating, the best of `repeats`."""
+    of 32; MHA and one kv head): kernels.attention.attention_xla against F.scaled_dot_product_attention,
+    alternating, the best of `repeats`."""
     import torch
     import torch.nn.functional as F
 
@@ -324,7 +324,7 @@ def attention_alone(repeats: int) -> list[dict]:
                    for i, shape in enumerate([(8, 256, 4, 32), (8, 256, G, 32), (8, 256, G, 32)]))
         loss = lambda q, k, v: jnp.sum(attention_xla(q, k, v) * q[..., :1])
         args = tuple(map(jnp.asarray, (q, k, v)))
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile(compiler_options=TRAIN_OPTIONS)
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         tq, tk, tv = (torch.from_numpy(x.transpose(0, 2, 1, 3).copy()).requires_grad_() for x in (q, k, v))
 
         def peer():

@@ -61,17 +61,6 @@ def forward(graphdef, params, rest, batch, train: bool, teacher=None, distill=No
     return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"]), correct, aux, layer_metrics, new_rest
 
 
-# How XLA compiles the train step on CPU: YNNPACK fusions for the matrix products only. jax 0.10.2 also hands
-# reductions to YNNPACK by default, which is slow for the short rows of a training step (the attention
-# backward's rowsum(dO * O) over 8 x 4 x 256 rows of 32 took 2.2 ms of a 17 ms forward+backward); half of a
-# step's YNNPACK fusions were reductions. Steps of benchmarks/peers.py, default -> this, alternating in one
-# process (2-core EPYC, 2026-12-07): mha 177 -> 150 ms, mamba2 348 -> 319, moe dropless 303 -> 264, nanogpt
-# 47.8 -> 48.4; no YNNPACK at all: mha 146 against 138. Not for prefill and decode: the 4,096-token GQA
-# prefill went 217 -> 280 ms (its reductions over 512 keys are fast in YNNPACK, and XLA's own tree
-# reductions slow). Other backends ignore the option.
-TRAIN_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
-
-
 def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None, qat=None):
     """step(params, rest, opt_state, batch) with batch leaves shaped (micro_batches, b, T).
     `out_shardings` (params, rest, opt_state, metrics) keeps a sharded state where it was. `teacher`
@@ -110,7 +99,7 @@ def make_train_step(graphdef, tx, out_shardings=None, teacher=None, distill=None
                    "layers": jax.tree.map(lambda x: x / k, layer_metrics)}
         return optax.apply_updates(params, updates), rest, opt_state, metrics
 
-    jitted = jax.jit(step, donate_argnums=(0, 2), out_shardings=out_shardings, compiler_options=TRAIN_OPTIONS)
+    jitted = jax.jit(step, donate_argnums=(0, 2), out_shardings=out_shardings)
     return functools.partial(jitted, teacher_state=None if teacher is None else teacher[1:])
 
 
