@@ -1,6 +1,8 @@
 """Shared bits of the benchmark scripts: timing and table printing."""
 
 import json
+import os
+import re
 import time
 from pathlib import Path
 
@@ -21,9 +23,6 @@ def timeit(fn, *args, repeats: int = 5, warmup: bool = True) -> float:
 
 def cpu_model() -> str:
     """The CPU's model name and the cores this process may use (Linux; "?" elsewhere)."""
-    import os
-    import re
-
     try:
         name = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1)
     except (OSError, AttributeError):
