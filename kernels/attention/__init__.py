@@ -6,7 +6,9 @@
 - "pallas": the flash-attention kernels of kernels.pallas_platform(): pallas.py (Triton) on GPU,
   pallas_tpu.py (Mosaic TPU) on TPU; interpret mode on CPU, which is slow and meant for tests;
 - "auto": the Pallas kernels on GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the
-  call (not decode-sized calls of T <= 16 queries), the XLA forms elsewhere.
+  call (not decode-sized calls of T <= 16 queries); on CPU the fused C++ kernels of cpu.py (cpu.cc, compiled
+  on first use) for the training case they take (causal float32 self-attention, documents, GQA, one static
+  window, no decay); the XLA forms elsewhere.
 
 Every form takes the same arguments: q, k, v, the queries' `segment_ids`, a `Tokens` (masks.py: the
 queries' and keys' positions, the keys' documents and decay, where they are not self-attention's), a
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels import check_impl, context, pallas_platform, use_pallas
+from kernels.attention import cpu
 from kernels.attention.masks import Band, CacheView, Tokens
 from kernels.attention.pallas import BlockSizes, default_block_sizes, flash_attention, supports
 from kernels.attention.pallas_tpu import flash_attention_tpu
@@ -73,6 +76,9 @@ def attention(q, k, v, *, segment_ids=None, tokens: Tokens | None = None, band: 
     if flash and use_pallas(impl, supports(q, ks, vs)):  # (an unused transpose costs nothing: XLA drops it)
         kernel = flash_attention_tpu if pallas_platform() == "tpu" else flash_attention
         return kernel(q, ks, vs, **kwargs)
+    if impl == "auto" and cpu.supports(q, k, v, tokens=tokens, band=band, causal=causal, decay=decay,
+                                       kv_heads_first=kv_heads_first):
+        return cpu.attention_cpu(q, k, v, segment_ids, band, scale)
     if impl == "reference":
         return attention_reference(q, ks, vs, **kwargs)
     return attention_xla(q, k, v, **kwargs, kv_heads_first=kv_heads_first)
