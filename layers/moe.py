@@ -122,6 +122,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from kernels import grouped
 from layers.mlp import ACTIVATIONS, GATES, MLP, activate, default_hidden_dim
 from layers.options import NonNegFloat, NonNegInt, OneOf, PosFloat, PosInt, Range
 from layers.shapes import check_input
@@ -280,7 +281,13 @@ class MoE(nnx.Module):
 
     def _experts_grouped(self, xs, expert, group_sizes):
         """Rows sorted by expert (expert[i] the expert of row i, group_sizes[e] rows for expert e):
-        (M, D) -> (M, D), each group padded to whole tiles, each tile times its expert's weights."""
+        (M, D) -> (M, D): on CPU the grouped products of kernels/grouped (each group times its expert's weights,
+        nothing padded); elsewhere each group padded to whole tiles, each tile times its expert's weights."""
+        wg, wu, wd = self._weights()
+        if grouped.supports(xs, wu):
+            hidden = activate(self.activation, grouped.grouped_matmul(xs, wu, group_sizes),
+                              None if wg is None else grouped.grouped_matmul(xs, wg, group_sizes))
+            return grouped.grouped_matmul(hidden, wd, group_sizes)
         (M, D), E = xs.shape, self.num_experts
         tile = min(64, 1 << max(0, math.ceil(math.log2(max(1, -(-M // E))))))  # ~ the mean group, at most 64
         n_tiles = -(-M // tile) + E  # the sum of ceil(size / tile) over the groups is at most this
@@ -290,7 +297,7 @@ class MoE(nnx.Module):
         dest = (tile_end - tiles)[expert] * tile + jnp.arange(M) - starts[expert]  # (M,) row in the tiled buffer
         tiled = jnp.zeros((n_tiles * tile, D), xs.dtype).at[dest].set(xs).reshape(n_tiles, tile, D)
         owner = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"), E - 1)  # (n_tiles,)
-        wg, wu, wd = (None if w is None else w[owner] for w in self._weights())  # (n_tiles, D, F) ...
+        wg, wu, wd = (None if w is None else w[owner] for w in (wg, wu, wd))  # (n_tiles, D, F) ...
         h = self._hidden("tmd,tdf->tmf", tiled, wg, wu)
         return jnp.einsum("tmf,tfd->tmd", h, wd).reshape(n_tiles * tile, D)[dest]
 

@@ -4,9 +4,8 @@
 // Flash attention's blocked forms (Dao et al. 2022; FlashAttention-2's loop order): the forward keeps a
 // 64-row block of queries, its running max m, sum l and output, and walks the key blocks up to the diagonal;
 // the backward recomputes each block's probabilities from the forward's log-sum-exp and accumulates dK, dV
-// per key block and dQ per head. Nothing of size T x T is ever written to memory. Every product is one
-// register-blocked routine (`gemm`: 4 rows x up to 64 columns of accumulators in GCC vector registers);
-// exp is a vector polynomial. Work is split over (batch, head) in the forward and (batch, kv head) in the
+// per key block and dQ per head. Nothing of size T x T is ever written to memory. Every product is kernels/native.h's
+// register-blocked `gemm`; exp is a vector polynomial. Work is split over (batch, head) in the forward and (batch, kv head) in the
 // backward, on XLA's own intra-op thread pool.
 //
 // Layouts (row-major): q (B, T, H, K), k (B, T, G, K), v (B, T, G, V), segment ids (B, T) int32; outputs
@@ -14,46 +13,18 @@
 // reads kv head h / (H / G)); K and V are multiples of 16. A query sees key j when j <= i, i - j < window
 // and, with segments, seg[j] == seg[i].
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
-#include <cstdint>
-#include <cstring>
-#include <functional>
-#include <mutex>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "native.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int W = 16;   // floats per vector
+using namespace zoo;
+
 constexpr int BLK = 64;  // rows of a query block and of a key block
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-
-inline vf splat(float x) { return vf{} + x; }
-inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-
-// The largest and the sum of a vector's lanes, by halving.
-inline float lanes_max(vf v) {
-  v = vmax(v, __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  v = vmax(v, __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
-  v = vmax(v, __builtin_shuffle(v, vi{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
-  return std::max(v[0], v[1]);
-}
-inline float lanes_sum(vf v) {
-  v += __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-  return v[0] + v[1];
-}
 
 // e^x to float precision: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite's two-part ln2), e^r by its
 // Taylor series to r^7 (error < 5e-9), 2^n through the exponent bits. 0 below -87 (-inf included: the
@@ -77,78 +48,6 @@ inline vf vexp(vf x) {
   vf scale;
   std::memcpy(&scale, &e, sizeof scale);
   return zero ? vf{} : p * scale;
-}
-
-// C[R rows, NC vectors] (+)= A[R rows, 0:depth] B[0:depth, NC vectors]; A's element (r, d) at A[r * ar + d * ad].
-template <int R, int NC>
-inline void micro(int depth, const float* A, int ar, int ad, const float* B, int ldb, float* C, int ldc, bool add) {
-  vf c[R][NC];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) c[r][j] = add ? load(C + r * ldc + j * W) : vf{};
-  for (int d = 0; d < depth; ++d) {
-    vf b[NC];
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) b[j] = load(B + d * ldb + j * W);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      vf a = splat(A[r * ar + d * ad]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NC; ++j) c[r][j] += a * b[j];
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) store(C + r * ldc + j * W, c[r][j]);
-}
-
-// Rows [i, i + R) of C, columns from j on, with R x NC accumulators (R * NC = 16 registers).
-template <int R, int NC>
-inline void strip(int M, int depth, const float* A, int ar, int ad, const float* B, int ldb, float* C, int ldc,
-                  bool add) {
-  for (int i = 0; i < M; i += R) micro<R, NC>(depth, A + i * ar, ar, ad, B, ldb, C + i * ldc, ldc, add);
-}
-
-// C (M x N) (+)= A (M x depth) B (depth x N), B and C row-major with leading dimensions, A's element (i, d) at
-// A[i * ar + d * ad] (A or its transpose); M % 16 == 0, N % 16 == 0.
-void gemm(int M, int N, int depth, const float* A, int ar, int ad, const float* B, int ldb, float* C, int ldc,
-          bool add) {
-  int j = 0;
-  for (; j + 4 * W <= N; j += 4 * W) strip<4, 4>(M, depth, A, ar, ad, B + j, ldb, C + j, ldc, add);
-  switch ((N - j) / W) {
-    case 3: strip<4, 3>(M, depth, A, ar, ad, B + j, ldb, C + j, ldc, add); break;
-    case 2: strip<8, 2>(M, depth, A, ar, ad, B + j, ldb, C + j, ldc, add); break;
-    case 1: strip<16, 1>(M, depth, A, ar, ad, B + j, ldb, C + j, ldc, add); break;
-    default: break;
-  }
-}
-
-void transpose(int rows, int cols, const float* A, int lda, float* out, int ldo) {
-  for (int i = 0; i < rows; ++i)
-    for (int j = 0; j < cols; ++j) out[j * ldo + i] = A[i * lda + j];
-}
-
-// Runs task(0 .. n - 1) on the calling thread and XLA's intra-op pool; returns when all are done.
-void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& task) {
-  int64_t workers = std::min<int64_t>(pool.num_threads(), n - 1);
-  std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t running = workers;
-  auto drain = [&] {
-    for (int64_t i; (i = next.fetch_add(1)) < n;) task(i);
-  };
-  for (int64_t w = 0; w < workers; ++w)
-    pool.Schedule([&] {
-      drain();
-      std::lock_guard<std::mutex> lock(mu);
-      if (--running == 0) cv.notify_one();
-    });
-  drain();
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return running == 0; });
 }
 
 struct Shape {

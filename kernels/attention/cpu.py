@@ -1,69 +1,29 @@
-"""Causal softmax self-attention on CPU through the fused kernels of cpu.cc (XLA FFI custom calls), forward
-and backward: no (T, T) scores in memory, where XLA's forms write every softmax pass between products.
-
-The C++ source is compiled on first use with the machine's C++ compiler ($CXX, default c++; -O3
--march=native) into $ZOO_CACHE/ffi (default ~/.cache/zoo), keyed by the source, the jaxlib version and the
-CPU's flags, and loaded from there afterwards. Without a compiler, or with ZOO_CPU_KERNELS=0, `available()`
-is False and `attention` runs the XLA forms.
+"""Causal softmax self-attention on CPU through the fused kernels of cpu.cc (XLA FFI custom calls, built by
+kernels/native.py), forward and backward: no (T, T) scores in memory, where XLA's forms write every softmax
+pass between products.
 
 `supports` says which calls it takes: float32 self-attention (T = S, default positions), causal, with
 optional packed documents (segment_ids), a band of at most one static window for every head, no decay, GQA
-with G dividing H (K and V are padded to multiples of 16 for the kernels), not under a mesh of several devices
-(XLA's partitioner would gather a custom call's operands whole). Tests compare it with reference.py:
-tests/kernels/test_attention_cpu.py.
+with G dividing H (K and V are padded to multiples of 16 for the kernels), on the CPU and not under a mesh of
+several devices. Tests compare it with reference.py: tests/kernels/test_attention_cpu.py.
 """
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import native
+
 SOURCE = Path(__file__).with_name("cpu.cc")
-TARGETS = {"forward": "zoo_attention_cpu_forward", "backward": "zoo_attention_cpu_backward"}
+FORWARD, BACKWARD = "zoo_attention_cpu_forward", "zoo_attention_cpu_backward"
 
 
-def _cpu_flags() -> str:
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
-@functools.cache
 def available() -> bool:
-    """Compiles (once per machine) and registers the kernels; False, with a warning, when that fails."""
-    if os.environ.get("ZOO_CPU_KERNELS", "1") == "0":
-        return False
-    cxx = shutil.which(os.environ.get("CXX", "c++"))
-    if cxx is None:
-        return False
-    key = hashlib.sha256(SOURCE.read_bytes() + jax.lib.__version__.encode() + _cpu_flags().encode()).hexdigest()
-    cache = Path(os.environ.get("ZOO_CACHE", Path.home() / ".cache" / "zoo")) / "ffi"
-    library = cache / f"attention_cpu_{key[:16]}.so"
-    if not library.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")  # renamed when whole: parallel builds never clash
-        command = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-I", jax.ffi.include_dir(),
-                   str(SOURCE), "-o", str(partial)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            warnings.warn(f"kernels/attention/cpu.cc did not compile ({' '.join(command)}): {done.stderr[-2000:]}; "
-                          "attention on CPU runs the XLA forms", stacklevel=2)
-            return False
-        os.replace(partial, library)
-    lib = ctypes.cdll.LoadLibrary(str(library))
-    jax.ffi.register_ffi_target(TARGETS["forward"], jax.ffi.pycapsule(lib.ZooAttentionForward), platform="cpu")
-    jax.ffi.register_ffi_target(TARGETS["backward"], jax.ffi.pycapsule(lib.ZooAttentionBackward), platform="cpu")
-    return True
+    """Whether the kernels are built and registered (kernels/native.py)."""
+    return native.load(SOURCE, (("ZooAttentionForward", FORWARD), ("ZooAttentionBackward", BACKWARD)))
 
 
 def supports(q, k, v, *, tokens, band, causal, decay, kv_heads_first) -> bool:
@@ -72,13 +32,10 @@ def supports(q, k, v, *, tokens, band, causal, decay, kv_heads_first) -> bool:
         return False
     if _window(band) is None:
         return False
-    if jax.default_backend() != "cpu" or any(x.dtype != jnp.float32 for x in (q, k, v)):
+    if any(x.dtype != jnp.float32 for x in (q, k, v)) or not native.on_one_cpu():
         return False
     (_, T, H, _), (_, S, G, _) = q.shape, k.shape
     if T != S or H % G:
-        return False
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
         return False
     return available()
 
@@ -118,11 +75,11 @@ def _attention(q, k, v, segment_ids, scale, window):
 def _forward(q, k, v, segment_ids, scale, window):
     if not available():
         raise RuntimeError("attention_cpu: the kernels of kernels/attention/cpu.cc are not available on this machine "
-                           "(no C++ compiler, or ZOO_CPU_KERNELS=0); kernels.attention.attention runs the XLA forms")
+                           "(kernels/native.py); kernels.attention.attention runs the XLA forms")
     ids, attrs = _attrs(q, scale, segment_ids, window)
     B, T, H = q.shape[:3]
     out = (jax.ShapeDtypeStruct((B, T, H, v.shape[-1]), jnp.float32), jax.ShapeDtypeStruct((B, H, T), jnp.float32))
-    o, lse = jax.ffi.ffi_call(TARGETS["forward"], out, vmap_method="sequential")(q, k, v, ids, **attrs)
+    o, lse = jax.ffi.ffi_call(FORWARD, out, vmap_method="sequential")(q, k, v, ids, **attrs)
     return o, (q, k, v, segment_ids, o, lse)
 
 
@@ -130,7 +87,7 @@ def _backward(scale, window, saved, do):
     q, k, v, segment_ids, o, lse = saved
     ids, attrs = _attrs(q, scale, segment_ids, window)
     out = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
-    dq, dk, dv = jax.ffi.ffi_call(TARGETS["backward"], out, vmap_method="sequential")(
+    dq, dk, dv = jax.ffi.ffi_call(BACKWARD, out, vmap_method="sequential")(
         q, k, v, ids, o, lse, do.astype(jnp.float32), **attrs)
     return dq, dk, dv, None
 

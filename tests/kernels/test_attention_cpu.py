@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import layers
+from kernels import native
 from kernels.attention import Band, attention, cpu
 from tests.kernels.test_attention_pallas import _compare, _inputs, _packed
 
@@ -50,9 +51,13 @@ def test_auto_takes_the_layers_calls_and_leaves_the_rest():
 
 
 def test_without_a_compiler_attention_runs_the_xla_forms(monkeypatch, tmp_path):
+    build = lambda: native.load.__wrapped__(cpu.SOURCE, (("ZooAttentionForward", "unregistered"),))
     monkeypatch.setenv("ZOO_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
     with pytest.warns(UserWarning, match="did not compile"):
-        assert cpu.available.__wrapped__() is False
+        assert build() is False
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert build() is False
     monkeypatch.setenv("ZOO_CPU_KERNELS", "0")
-    assert cpu.available.__wrapped__() is False
+    assert build() is False
+    assert not any((tmp_path / "ffi").iterdir())  # nothing half-written
