@@ -10,7 +10,8 @@ Categories, in the order they are decided:
   loop (gradient scaling, norms, finiteness);
 - "attention fwd" / "attention bwd": traced from kernels/attention (products included, as PyTorch's
   scaled_dot_product_attention is one kernel), backward when traced under a transpose (autodiff's);
-- "products": dot fusions (the YNNPACK/XNNPACK/oneDNN matmul fusions, dot, convolution);
+- "products": dot fusions (the YNNPACK/XNNPACK/oneDNN matmul fusions, dot, convolution) and the grouped
+  products' custom calls (kernels/grouped);
 - "copies": fusions of copies, transposes, bitcasts, slices, pads and concatenations only;
 - "loops": the while and conditional operations' own time (their bodies are counted where they belong);
 - "fusions": every other fusion (elementwise and reduction work: norms, rotary, the loss, gates);
@@ -93,7 +94,8 @@ def _category(name, opcode, line, stack, op_name) -> str:
         return "optimiser"
     if any("kernels/attention" in f for f in files):
         return "attention bwd" if "transpose(" in op_name else "attention fwd"
-    if opcode in ("dot", "convolution") or re.search(r'"kind":"__(ynn|xnn|onednn)', line) or name.startswith("dot"):
+    if opcode in ("dot", "convolution") or re.search(r'"kind":"__(ynn|xnn|onednn)', line) or name.startswith("dot") \
+            or 'custom_call_target="zoo_grouped' in line:
         return "products"
     if opcode in ("while", "conditional"):
         return "loops"
