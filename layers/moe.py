@@ -56,7 +56,8 @@ dispatch="dropless": assignments are stably sorted by expert (the same queue ord
   shapes: at most k*N/tile + E tiles). Nothing is dropped, and it equals capacity dispatch whenever
   capacity drops nothing. The work is k*N rows plus at most E tiles of padding, where
   `jax.lax.ragged_dot` on CPU (wherever XLA has no native ragged dot) is a masked dense product over
-  all E groups, E times the FLOPs (benchmarks/peers.py: moe_dropless against moe).
+  all E groups, E times the FLOPs. On CPU (float32, one device) the products are kernels/grouped's
+  instead: each expert's rows times its weights, no tiles (benchmarks/peers.py: moe_dropless).
 Outside training, dispatch is always dropless. Which assignments capacity drops depends on every
   other token of the call (other rows, other documents, later tokens), so capacity dispatch is not
   a causal function of a row: with it, validation loss, a packed batch and token-by-token decoding

@@ -44,6 +44,9 @@ def grouped_matmul(x, w, group_sizes):
     if K2 != K or group_sizes.shape != (E,):
         raise ValueError(f"grouped_matmul: expected x (M, K), w (E, K, N), group_sizes (E,); got x {x.shape}, "
                          f"w {w.shape}, group_sizes {group_sizes.shape}")
+    if not available():
+        raise RuntimeError("grouped_matmul: the kernels of kernels/grouped/cpu.cc are not available on this machine "
+                           "(kernels/native.py); layers/moe.py runs its tiled XLA form")
     pk, pn = -K % 16, -N % 16  # zeros: the products unchanged
     x = jnp.pad(x, ((0, 0), (0, pk)))
     w = jnp.pad(w, ((0, 0), (0, pk), (0, pn)))
