@@ -27,22 +27,6 @@ inline vf splat(float x) { return vf{} + x; }
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-
-// The largest and the sum of a vector's lanes, by halving.
-inline float lanes_max(vf v) {
-  v = vmax(v, __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  v = vmax(v, __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
-  v = vmax(v, __builtin_shuffle(v, vi{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
-  return std::max(v[0], v[1]);
-}
-inline float lanes_sum(vf v) {
-  v += __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-  return v[0] + v[1];
-}
-
 // C[R rows, NC vectors] (+)= A[R rows, 0:depth] B[0:depth, NC vectors]; A's element (r, d) at A[r * ar + d * ad].
 template <int R, int NC>
 inline void micro(int64_t depth, const float* A, int64_t ar, int64_t ad, const float* B, int64_t ldb, float* C,
@@ -88,11 +72,6 @@ inline void gemm(int64_t M, int64_t N, int64_t depth, const float* A, int64_t ar
     case 1: strip<16, 1>(M, depth, A, ar, ad, B + j, ldb, C + j, ldc, add); break;
     default: break;
   }
-}
-
-inline void transpose(int rows, int cols, const float* A, int lda, float* out, int ldo) {
-  for (int i = 0; i < rows; ++i)
-    for (int j = 0; j < cols; ++j) out[j * ldo + i] = A[i * lda + j];
 }
 
 // Runs task(0 .. n - 1) on the calling thread and XLA's intra-op pool; returns when all are done. The caller

@@ -4,9 +4,9 @@
 // Flash attention's blocked forms (Dao et al. 2022; FlashAttention-2's loop order): the forward keeps a
 // 64-row block of queries, its running max m, sum l and output, and walks the key blocks up to the diagonal;
 // the backward recomputes each block's probabilities from the forward's log-sum-exp and accumulates dK, dV
-// per key block and dQ per head. Nothing of size T x T is ever written to memory. Every product is kernels/native.h's
-// register-blocked `gemm`; exp is a vector polynomial. Work is split over (batch, head) in the forward and (batch, kv head) in the
-// backward, on XLA's own intra-op thread pool.
+// per key block and dQ per head. Nothing of size T x T is ever written to memory. Every product is
+// kernels/native.h's register-blocked `gemm`; exp is a vector polynomial. Work is split over (batch, head)
+// in the forward and (batch, kv head) in the backward, on XLA's own intra-op thread pool.
 //
 // Layouts (row-major): q (B, T, H, K), k (B, T, G, K), v (B, T, G, V), segment ids (B, T) int32; outputs
 // o (B, T, H, V) and lse (B, H, T) (of the scaled logits), dq, dk, dv as q, k, v. G divides H (query head h
@@ -25,6 +25,27 @@ namespace {
 using namespace zoo;
 
 constexpr int BLK = 64;  // rows of a query block and of a key block
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// The largest and the sum of a vector's lanes, by halving.
+inline float lanes_max(vf v) {
+  v = vmax(v, __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  v = vmax(v, __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
+  v = vmax(v, __builtin_shuffle(v, vi{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
+  return std::max(v[0], v[1]);
+}
+inline float lanes_sum(vf v) {
+  v += __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+  return v[0] + v[1];
+}
+
+inline void transpose(int rows, int cols, const float* A, int lda, float* out, int ldo) {
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) out[j * ldo + i] = A[i * lda + j];
+}
 
 // e^x to float precision: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite's two-part ln2), e^r by its
 // Taylor series to r^7 (error < 5e-9), 2^n through the exponent bits. 0 below -87 (-inf included: the
