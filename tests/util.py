@@ -3,14 +3,20 @@
 import contextlib
 import functools
 import json
+import os
 import shutil
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 HF_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"  # written by transformers: make_fixtures.py
+# The C++ CPU kernels (kernels/native.py) are built with the machine's compiler: without one the ops run their XLA
+# forms, and the tests of the kernels themselves cannot run, like the GPU and TPU ones elsewhere.
+NEEDS_CXX = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                               reason="no C++ compiler ($CXX, default c++): the CPU kernels are not built")
 HF_PROMPTS = ["From fairest creatures", "thy sweet self"]  # the prompts of the fixtures' greedy rows (make_fixtures.py)
 
 

@@ -13,6 +13,7 @@ import layers
 from kernels import native
 from kernels.attention import Band, attention, cpu
 from tests.kernels.test_attention_pallas import _compare, _inputs, _packed
+from tests.util import NEEDS_CXX
 
 # (B, T, H, G, K, V, window, packed)
 CASES = {
@@ -24,6 +25,7 @@ CASES = {
 }
 
 
+@NEEDS_CXX
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(case):
     B, T, H, G, K, V, window, packed = CASES[case]
@@ -37,6 +39,7 @@ def _custom_calls(f, *args) -> int:
     return jax.jit(f).lower(*args).as_text().count("zoo_attention_cpu_forward")
 
 
+@NEEDS_CXX
 def test_auto_takes_the_layers_calls_and_leaves_the_rest():
     x = jnp.ones((2, 40, 64))
     layer = layers.Attention(64, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0))  # band: the trained context

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from kernels.grouped import grouped_matmul, grouped_matmul_reference, supports
-from tests.util import assert_close
+from tests.util import NEEDS_CXX, assert_close
 
 
+@NEEDS_CXX
 @pytest.mark.parametrize("M, K, N, sizes", [(300, 20, 40, (0, 150, 7, 0, 130)), (97, 32, 48, (33, 0, 16, 17))])
 def test_matches_reference(M, K, N, sizes):
     rng = np.random.default_rng(0)

@@ -9,7 +9,7 @@ from flax import nnx
 from kernels import grouped
 from layers.mlp import MLP
 from layers.moe import DISPATCHES, MoE, RouterBias, default_expert_dim, expert_capacity, total_aux_loss
-from tests.util import assert_close, assert_tree_close, randn
+from tests.util import NEEDS_CXX, assert_close, assert_tree_close, randn
 
 # flax 0.12.8 deprecates sow outside nnx.capture; the layer documents both ways of collecting.
 pytestmark = pytest.mark.filterwarnings("ignore:Using 'Module.sow:DeprecationWarning")
@@ -105,6 +105,7 @@ def test_dropless_equals_capacity_when_nothing_is_dropped():
         assert_tree_close(grads[i], grads[i + 1], 1e-5, "grads")
 
 
+@NEEDS_CXX
 def test_dropless_tiled_form_equals_the_grouped_kernels(monkeypatch):
     """On CPU dropless runs kernels/grouped's products; its tiled XLA form (other backends, other dtypes) gives the
     same outputs and gradients: 320 assignments over 4 experts, groups longer than the 64-row tile, and in the first
