@@ -5,6 +5,7 @@ and loaded from there afterwards. Without a compiler, or with ZOO_CPU_KERNELS=0,
 ops run their XLA forms."""
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -26,12 +27,15 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-@functools.cache
 def load(source: Path, targets: tuple[tuple[str, str], ...]) -> bool:
     """Compiles `source` (once per machine) and registers its (symbol, target name) handlers for the CPU;
-    False, with a warning when the compiler fails, if that cannot be done."""
-    if os.environ.get("ZOO_CPU_KERNELS", "1") == "0":
-        return False
+    False, with a warning when the compiler fails, if that cannot be done. ZOO_CPU_KERNELS=0, read at every
+    call, turns every kernel off."""
+    return os.environ.get("ZOO_CPU_KERNELS", "1") != "0" and _build(source, targets)
+
+
+@functools.cache
+def _build(source: Path, targets: tuple[tuple[str, str], ...]) -> bool:
     cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx is None:
         return False
@@ -60,3 +64,22 @@ def on_one_cpu() -> bool:
     would gather a custom call's operands whole)."""
     mesh = jax.sharding.get_abstract_mesh()
     return jax.default_backend() == "cpu" and (mesh.empty or mesh.size == 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """One cpu.cc: its (symbol, target name) handlers, and what its op runs without them (for the error)."""
+
+    source: Path
+    targets: tuple[tuple[str, str], ...]
+    fallback: str
+
+    def available(self) -> bool:
+        return load(self.source, self.targets)
+
+    def call(self, target: str, out, *args, **attrs):
+        """jax.ffi.ffi_call of `target` (vmapped one call at a time), after building the kernels."""
+        if not self.available():
+            raise RuntimeError(f"{target}: the kernels of {self.source.relative_to(HEADER.parent.parent)} are not "
+                               f"available on this machine (kernels/native.py); {self.fallback}")
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, **attrs)

@@ -21,9 +21,8 @@ SOURCE = Path(__file__).with_name("cpu.cc")
 FORWARD, BACKWARD = "zoo_attention_cpu_forward", "zoo_attention_cpu_backward"
 
 
-def available() -> bool:
-    """Whether the kernels are built and registered (kernels/native.py)."""
-    return native.load(SOURCE, (("ZooAttentionForward", FORWARD), ("ZooAttentionBackward", BACKWARD)))
+KERNELS = native.Kernels(SOURCE, (("ZooAttentionForward", FORWARD), ("ZooAttentionBackward", BACKWARD)),
+                         "kernels.attention.attention runs the XLA forms")
 
 
 def supports(q, k, v, *, tokens, band, causal, decay, kv_heads_first) -> bool:
@@ -37,7 +36,7 @@ def supports(q, k, v, *, tokens, band, causal, decay, kv_heads_first) -> bool:
     (_, T, H, _), (_, S, G, _) = q.shape, k.shape
     if T != S or H % G:
         return False
-    return available()
+    return KERNELS.available()
 
 
 def _window(band) -> int | None:
@@ -73,13 +72,10 @@ def _attention(q, k, v, segment_ids, scale, window):
 
 
 def _forward(q, k, v, segment_ids, scale, window):
-    if not available():
-        raise RuntimeError("attention_cpu: the kernels of kernels/attention/cpu.cc are not available on this machine "
-                           "(kernels/native.py); kernels.attention.attention runs the XLA forms")
     ids, attrs = _attrs(q, scale, segment_ids, window)
     B, T, H = q.shape[:3]
     out = (jax.ShapeDtypeStruct((B, T, H, v.shape[-1]), jnp.float32), jax.ShapeDtypeStruct((B, H, T), jnp.float32))
-    o, lse = jax.ffi.ffi_call(FORWARD, out, vmap_method="sequential")(q, k, v, ids, **attrs)
+    o, lse = KERNELS.call(FORWARD, out, q, k, v, ids, **attrs)
     return o, (q, k, v, segment_ids, o, lse)
 
 
@@ -87,8 +83,7 @@ def _backward(scale, window, saved, do):
     q, k, v, segment_ids, o, lse = saved
     ids, attrs = _attrs(q, scale, segment_ids, window)
     out = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
-    dq, dk, dv = jax.ffi.ffi_call(BACKWARD, out, vmap_method="sequential")(
-        q, k, v, ids, o, lse, do.astype(jnp.float32), **attrs)
+    dq, dk, dv = KERNELS.call(BACKWARD, out, q, k, v, ids, o, lse, do, **attrs)
     return dq, dk, dv, None
 
 

@@ -27,14 +27,13 @@ SOURCE = Path(__file__).with_name("cpu.cc")
 PRODUCT, WEIGHTS = "zoo_grouped_product", "zoo_grouped_weights"
 
 
-def available() -> bool:
-    """Whether the kernels are built and registered (kernels/native.py)."""
-    return native.load(SOURCE, (("ZooGroupedProduct", PRODUCT), ("ZooGroupedWeights", WEIGHTS)))
+KERNELS = native.Kernels(SOURCE, (("ZooGroupedProduct", PRODUCT), ("ZooGroupedWeights", WEIGHTS)),
+                         "layers/moe.py runs its tiled XLA form")
 
 
 def supports(x, w) -> bool:
     """Whether `grouped_matmul` runs the CPU kernels for these operands."""
-    return x.dtype == w.dtype == jnp.float32 and native.on_one_cpu() and available()
+    return x.dtype == w.dtype == jnp.float32 and native.on_one_cpu() and KERNELS.available()
 
 
 def grouped_matmul(x, w, group_sizes):
@@ -44,9 +43,6 @@ def grouped_matmul(x, w, group_sizes):
     if K2 != K or group_sizes.shape != (E,):
         raise ValueError(f"grouped_matmul: expected x (M, K), w (E, K, N), group_sizes (E,); got x {x.shape}, "
                          f"w {w.shape}, group_sizes {group_sizes.shape}")
-    if not available():
-        raise RuntimeError("grouped_matmul: the kernels of kernels/grouped/cpu.cc are not available on this machine "
-                           "(kernels/native.py); layers/moe.py runs its tiled XLA form")
     pk, pn = -K % 16, -N % 16  # zeros: the products unchanged
     x = jnp.pad(x, ((0, 0), (0, pk)))
     w = jnp.pad(w, ((0, 0), (0, pk), (0, pn)))
@@ -54,7 +50,7 @@ def grouped_matmul(x, w, group_sizes):
 
 
 def _call(target, out_shape, *args):
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32), vmap_method="sequential")(*args)
+    return KERNELS.call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32), *args)
 
 
 @jax.custom_vjp
@@ -74,4 +70,4 @@ def _backward(saved, dy):
 
 _grouped.defvjp(_forward, _backward)
 
-__all__ = ["available", "grouped_matmul", "grouped_matmul_reference", "supports"]
+__all__ = ["KERNELS", "grouped_matmul", "grouped_matmul_reference", "supports"]

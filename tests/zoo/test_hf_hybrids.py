@@ -17,7 +17,6 @@ from flax import nnx
 
 import infer
 import zoo.hf
-from kernels.attention import cpu
 from tests.util import HF_FIXTURES as FIXTURES
 from tests.util import assert_close, decode_in_pieces, forward, hf_greedy
 from zoo import LanguageModel
@@ -29,10 +28,10 @@ HYBRIDS = ["qwen3_next", "kimi_linear", "deepseek_v3", "jamba", "nemotron_h", "l
 @pytest.mark.parametrize("case", HYBRIDS)
 def test_a_loaded_hybrid_decodes_quantized_exits_and_speculates(case, monkeypatch):
     # W8A8 rounds every product's input to int8: the forward and the decode agree to 1e-4 only where their attention
-    # is the same computation to the last bit, so both run its XLA forms here (the CPU kernels' forward differs
+    # is the same computation to the last bit, so both run the XLA forms here (the CPU kernels' forward differs
     # from the cache path's in the 7th digit, and one activation then rounds the other way: 2e-2 in
     # recurrent_gemma). The kernels themselves: tests/kernels/test_attention_cpu.py.
-    monkeypatch.setattr(cpu, "available", lambda: False)
+    monkeypatch.setenv("ZOO_CPU_KERNELS", "0")
     model, tok = zoo.hf.load(FIXTURES / case)
     tokens = jnp.asarray(np.load(FIXTURES / case / "expected.npz")["ids"][:, :6], jnp.int32)
     int8 = infer.quantize(model, "int8")  # a prefill of 5, then one token
