@@ -8,8 +8,8 @@ by the source lines it was traced from (the compiled HLO's stack frames).
 Categories, in the order they are decided:
 - "optimiser": traced from optax (its losses excepted) or from train/step.py after the micro-batch
   loop (gradient scaling, norms, finiteness);
-- "attention fwd" / "attention bwd": traced from kernels/attention (products included, as PyTorch's
-  scaled_dot_product_attention is one kernel), backward when traced under a transpose (autodiff's);
+- "attention fwd" / "attention bwd": traced from kernels/attention or its CPU kernels' custom calls (products
+  included, as PyTorch's scaled_dot_product_attention is one kernel), backward when traced under a transpose;
 - "products": dot fusions (the YNNPACK/XNNPACK/oneDNN matmul fusions, dot, convolution) and the grouped
   products' custom calls (kernels/grouped);
 - "copies": fusions of copies, transposes, bitcasts, slices, pads and concatenations only;
@@ -92,7 +92,7 @@ def _category(name, opcode, line, stack, op_name) -> str:
         and "/while/body/" not in op_name  # after the micro-batch loop
     if any("optax" in f and "losses" not in f for f in files) or update:
         return "optimiser"
-    if any("kernels/attention" in f for f in files):
+    if any("kernels/attention" in f for f in files) or 'custom_call_target="zoo_attention' in line:
         return "attention bwd" if "transpose(" in op_name else "attention fwd"
     if opcode in ("dot", "convolution") or re.search(r'"kind":"__(ynn|xnn|onednn)', line) or name.startswith("dot") \
             or 'custom_call_target="zoo_grouped' in line:
