@@ -49,7 +49,9 @@ Capacity (dispatch="capacity", and expert choice): C = min(N, ceil(capacity_fact
   (Zhou et al.'s "capacity factor c" is our top_k * capacity_factor). Token-choice assignments are
   queued choice-major: all first choices in flattened (b, t) order, then all second choices, ... (the
   Mesh-TF/T5X Switch/GShard priority). An expert keeps the first C assignments of its queue; a dropped
-  assignment contributes exactly zero (in a residual block the token passes through unchanged).
+  assignment contributes exactly zero (in a residual block the token passes through unchanged). Each
+  expert multiplies its (E, C, D) buffer, padding included; on CPU (float32, one device) kernels/grouped
+  multiplies the kept assignments alone instead (at most k*N rows against the buffers' E*C).
 dispatch="dropless": assignments are stably sorted by expert (the same queue order), each expert's
   group is padded to whole tiles of `tile` rows, and every tile is multiplied by its own expert's
   weights in one batched product (MegaBlocks' block-sparse layout, Gale et al., 2022, with static
@@ -340,10 +342,16 @@ class MoE(nnx.Module):
             starts = jnp.cumsum(load) - load
             rank = jnp.zeros_like(queue).at[perm].set(jnp.arange(k * N) - starts[queue[perm]])  # place in queue
             kept = rank < C
-            slot = jnp.where(kept, queue * C + rank, E * C)  # E*C is out of range: dropped
-            buf = jnp.zeros((E * C, D), xf.dtype).at[slot].set(xf[token], mode="drop")  # (E*C, D)
-            out = self._experts_batched(buf.reshape(E, C, D)).reshape(E * C, D)
-            y_assign = out.at[slot].get(mode="fill", fill_value=0)  # (k*N, D)
+            if grouped.supports(xf, self._weights()[1]):  # the kept assignments alone, grouped by expert (the
+                # dropped ones last, past the groups' total, where the products give 0): k*N rows, not E*C
+                order = jnp.argsort(jnp.where(kept, queue, E), stable=True)
+                ys = self._experts_grouped(xf[token[order]], queue[order], jnp.minimum(load, C))
+                y_assign = jnp.zeros_like(ys).at[order].set(ys)
+            else:
+                slot = jnp.where(kept, queue * C + rank, E * C)  # E*C is out of range: dropped
+                buf = jnp.zeros((E * C, D), xf.dtype).at[slot].set(xf[token], mode="drop")  # (E*C, D)
+                out = self._experts_batched(buf.reshape(E, C, D)).reshape(E * C, D)
+                y_assign = out.at[slot].get(mode="fill", fill_value=0)  # (k*N, D)
         w = gates.T.reshape(-1) * kept  # (k*N,) a dropped assignment has weight 0
         y = jnp.sum((w[:, None] * y_assign.astype(jnp.float32)).reshape(k, N, D), axis=0)
         return y, load.astype(jnp.float32), 1.0 - jnp.mean(kept.astype(jnp.float32))

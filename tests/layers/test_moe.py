@@ -106,20 +106,24 @@ def test_dropless_equals_capacity_when_nothing_is_dropped():
 
 
 @NEEDS_CXX
-def test_dropless_tiled_form_equals_the_grouped_kernels(monkeypatch):
-    """On CPU dropless runs kernels/grouped's products; its tiled XLA form (other backends, other dtypes) gives the
-    same outputs and gradients: 320 assignments over 4 experts, groups longer than the 64-row tile, and in the first
-    model an expert that no token chooses (its selection bias -1e9)."""
-    models = [moe(dispatch="dropless", balance="bias", seed=s) for s in (0, 1)]
-    models[0].bias.value = jnp.array([0.0, 0.0, 0.0, -1e9])
+def test_xla_forms_equal_the_grouped_kernels(monkeypatch):
+    """On CPU both dispatches run kernels/grouped's products; their XLA forms (other backends, other dtypes: dropless
+    tiled, capacity in (E, C, D) buffers) give the same outputs and gradients: 320 assignments over 4 experts,
+    groups longer than the 64-row tile, an expert that no token chooses (its selection bias -1e9), and capacities
+    that drop a tenth and a half of the assignments."""
+    models = [moe(dispatch=d, balance="bias", capacity_factor=cf, seed=s)
+              for d, cf, s in (("dropless", 1, 0), ("dropless", 1, 1), ("capacity", 0.9, 2), ("capacity", 0.5, 0))]
+    for i in (0, 3):
+        models[i].bias.value = jnp.array([0.0, 0.0, 0.0, -1e9])
     x, r = randn(2, (4, 40, D)), randn(3, (4, 40, D))
     assert grouped.supports(x, models[0].w_up[...])
     with_kernels = run(models, x, r)
+    assert 0.05 < with_kernels[1][2]["dropped_fraction"] < 0.2 and with_kernels[1][3]["dropped_fraction"] > 0.4
     monkeypatch.setattr(grouped, "supports", lambda *_: False)
-    tiled = run(models, x, r)
-    for i in range(2):
-        assert_close(with_kernels[0][i], tiled[0][i], 1e-5, "outputs")
-        assert_tree_close(with_kernels[2][i], tiled[2][i], 1e-5, "grads")
+    xla = run(models, x, r)
+    for i in range(4):
+        assert_close(with_kernels[0][i], xla[0][i], 1e-5, "outputs")
+        assert_tree_close(with_kernels[2][i], xla[2][i], 1e-5, "grads")
 
 
 def test_small_capacity_drops_exactly_the_overflow_in_queue_order():
