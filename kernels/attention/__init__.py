@@ -8,7 +8,7 @@
 - "auto": the Pallas kernels on GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the
   call (not decode-sized calls of T <= 16 queries); on CPU the fused C++ kernels of cpu.py (cpu.cc, compiled
   on first use) for the training case they take (causal float32 self-attention, documents, GQA, one static
-  window, no decay); the XLA forms elsewhere.
+  window, no decay), and for a prefill into an empty KV cache; the XLA forms elsewhere.
 
 Every form takes the same arguments: q, k, v, the queries' `segment_ids`, a `Tokens` (masks.py: the
 queries' and keys' positions, the keys' documents and decay, where they are not self-attention's), a
@@ -127,10 +127,18 @@ def attention_cached(q, k, v, cache: CacheView, *, segment_ids=None, doc_positio
     as it was before the step, beside the step's own keys (one softmax over both): a decode loop then
     updates the cache in place after reading it, where writing first made XLA on CPU copy the whole
     cache every step (benchmarks/decode.py, GQA at 4K: 2.27 -> 1.46 ms per token with infer/generate.py's
-    DECODE_OPTIONS)."""
+    DECODE_OPTIONS).
+
+    On CPU a call of more than 16 tokens (a prefill) runs the CPU kernels of `attention` where they take
+    its mask, when every row's cache is empty: the call is then its tokens' own self-attention."""
     B, T = q.shape[:2]
     S = cache.k.shape[2]
     length = jnp.broadcast_to(cache.length, (B,))  # (B,)
+    if impl == "auto" and T > 16 and cpu.supports(q, k, v, tokens=None, band=band, causal=True, decay=decay,
+                                                  kv_heads_first=False):
+        return lax.cond(jnp.all(length == 0), lambda: cpu.attention_cpu(q, k, v, segment_ids, band, scale),
+                        lambda: attention_cached(q, k, v, cache, segment_ids=segment_ids, doc_positions=doc_positions,
+                                                 band=band, scale=scale, decay=decay, impl="xla"))
     slots = length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # (B, T)
     cache_seg = cache.segment_ids
     if segment_ids is None:

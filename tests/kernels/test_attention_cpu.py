@@ -1,5 +1,5 @@
 """The fused CPU kernels (kernels/attention/cpu.cc through cpu.py) against the reference: outputs and the
-gradients of q, k and v on ragged T (a partial last block), several 64-token blocks, GQA ratios 1, 2 and 4,
+gradients of q, k and v on ragged T (a partial last block), several 64-token blocks and 8-block chunks, GQA ratios 1, 2 and 4,
 one kv head, head dims that are padded (8, 24) and not, windows inside a block and across blocks, packed
 documents; that `attention` takes them on CPU for the layers' calls and leaves them for what they do not
 express; and that a machine without a working compiler gets the XLA forms, with a warning."""
@@ -11,26 +11,31 @@ from flax import nnx
 
 import layers
 from kernels import native
-from kernels.attention import Band, attention, cpu
+from kernels.attention import Band, CacheView, attention, attention_cached, cpu
 from tests.kernels.test_attention_pallas import _compare, _inputs, _packed
-from tests.util import NEEDS_CXX
+from tests.util import NEEDS_CXX, assert_close
 
-# (B, T, H, G, K, V, window, packed)
+# (B, T, H, G, K, V, window, documents): packed documents of random lengths (about 7 tokens) when True, of
+# that many tokens when a number (whole blocks inside one document, beside blocks across two)
 CASES = {
     "ragged-G1": (2, 37, 4, 1, 16, 16, None, False),
     "blocks-mha-packed": (1, 192, 2, 2, 32, 32, None, True),
     "tail-gqa4-window-K8": (2, 130, 8, 2, 8, 16, 9, True),
     "gqa2-window-across-blocks-K24-V48": (1, 200, 4, 2, 24, 48, 70, False),
     "window-of-two": (1, 70, 2, 1, 16, 16, 2, True),
+    "forward-chunks": (1, 1100, 2, 1, 16, 16, None, False),  # the forward's 8-block chunks: 3 per row at the end
+    "chunks-window-packed": (1, 700, 2, 2, 16, 16, 300, True),  # a window starting inside a chunk
+    "long-documents": (2, 600, 2, 1, 16, 16, None, 150),
 }
 
 
 @NEEDS_CXX
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(case):
-    B, T, H, G, K, V, window, packed = CASES[case]
+    B, T, H, G, K, V, window, docs = CASES[case]
     q, k, v, ct = _inputs(B, T, T, H, G, K, V, seed=3)
-    kw = dict(band=Band(window), segment_ids=_packed(B, T, 5) if packed else None)
+    ids = _packed(B, T, 5) if docs is True else jnp.broadcast_to(jnp.arange(T) // docs, (B, T)) if docs else None
+    kw = dict(band=Band(window), segment_ids=ids)
     _compare(q, k, v, ct, kw, 1e-5, block_sizes=None,
              kernel=lambda q, k, v, block_sizes, band, segment_ids: cpu.attention_cpu(q, k, v, segment_ids, band))
 
@@ -64,3 +69,19 @@ def test_without_a_compiler_attention_runs_the_xla_forms(monkeypatch, tmp_path):
     monkeypatch.setenv("ZOO_CPU_KERNELS", "0")
     assert cpu.KERNELS.available() is False
     assert not any((tmp_path / "ffi").iterdir())  # nothing half-written
+
+
+@NEEDS_CXX
+def test_a_prefill_into_empty_caches_takes_the_kernel():
+    """attention_cached of more than 16 tokens runs the kernel when every row's cache is empty (the call is then its
+    tokens' self-attention, in documents, in a window), the cache path otherwise; both equal the XLA form's."""
+    B, T, S, H, G, K = 2, 100, 160, 4, 2, 16
+    q, k, v, _ = _inputs(B, T, T, H, G, K, K, seed=5)
+    old = jax.random.normal(jax.random.key(6), (2, B, G, S, K))
+    docs = _packed(B, T, 7)
+    for length in (jnp.zeros((B,), jnp.int32), jnp.array([0, 30], jnp.int32)):
+        cache = CacheView(old[0], old[1], length, jnp.zeros((B, S), jnp.int32))
+        call = lambda q, impl: attention_cached(q, k, v, cache, segment_ids=docs, band=Band(40), impl=impl)
+        assert _custom_calls(lambda q: call(q, "auto"), q) == 1
+        assert_close(jax.jit(call, static_argnums=1)(q, "auto"), call(q, "xla"), 1e-5, f"lengths {length}")
+    assert _custom_calls(lambda q: attention_cached(q[:, :16], k[:, :16], v[:, :16], cache), q) == 0  # a decode step
