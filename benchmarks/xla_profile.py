@@ -14,7 +14,8 @@ Categories, in the order they are decided:
   products' custom calls (kernels/grouped);
 - "copies": fusions of copies, transposes, bitcasts, slices, pads and concatenations only;
 - "loops": the while and conditional operations' own time (their bodies are counted where they belong);
-- "fusions": every other fusion (elementwise and reduction work: norms, rotary, the loss, gates);
+- "fusions": every other fusion (elementwise and reduction work: norms, rotary, the loss, gates) and the other
+  custom calls (the SSD's CPU kernels, kernels/ssd, their products included);
 - "idle": the call's wall time less the time at least one thread ran an operation (dispatch, waits
   between operations on the runtime's threads). A product XLA runs with Eigen (an operation `dot`, the
   ones YNNPACK does not take: the weight gradients, contracting over tokens) records an event for
@@ -106,10 +107,11 @@ def _category(name, opcode, line, stack, op_name) -> str:
 
 
 def _place(stack) -> tuple[str, int]:
-    """The innermost frame in this project (not a library's): (path from the project root, line)."""
+    """The innermost frame in this project (not a library's, nor kernels/native.py's call of a CPU kernel, which
+    names the op's own file): (path from the project root, line)."""
     root = str(Path(__file__).resolve().parents[1]) + "/"
     for f, line in stack:
-        if f.startswith(root) and "site-packages" not in f:
+        if f.startswith(root) and "site-packages" not in f and not f.endswith("kernels/native.py"):
             return f[len(root):], line
     return (stack[0][0].rsplit("site-packages/", 1)[-1], stack[0][1]) if stack else ("?", 0)
 

@@ -27,6 +27,52 @@ inline vf splat(float x) { return vf{} + x; }
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// The largest and the sum of a vector's lanes, by halving.
+inline float lanes_max(vf v) {
+  v = vmax(v, __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  v = vmax(v, __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
+  v = vmax(v, __builtin_shuffle(v, vi{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
+  return std::max(v[0], v[1]);
+}
+inline float lanes_sum(vf v) {
+  v += __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+  return v[0] + v[1];
+}
+
+// out (cols x rows, leading dimension ldo) = A^T, A (rows x cols, leading dimension lda).
+inline void transpose(int rows, int cols, const float* A, int lda, float* out, int ldo) {
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) out[j * ldo + i] = A[i * lda + j];
+}
+
+// e^x to float precision: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite's two-part ln2), e^r by its
+// Taylor series to r^7 (error < 5e-9), 2^n through the exponent bits. 0 below -87 (-inf included: the
+// masked logits), x clamped to 88 above.
+inline vf vexp(vf x) {
+  vi zero = x < splat(-87.f);
+  x = zero ? splat(-87.f) : x;
+  x = x > splat(88.f) ? splat(88.f) : x;
+  vf n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = splat(1.f / 5040);
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return zero ? vf{} : p * scale;
+}
+
 // C[R rows, NC vectors] (+)= A[R rows, 0:depth] B[0:depth, NC vectors]; A's element (r, d) at A[r * ar + d * ad].
 template <int R, int NC>
 inline void micro(int64_t depth, const float* A, int64_t ar, int64_t ad, const float* B, int64_t ldb, float* C,

@@ -20,7 +20,8 @@ impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan 
 "pallas" the Pallas kernels (pallas.py: the chunked algorithm as GLA's kernels with a scalar gate,
 forward and backward; Triton on GPU, Mosaic on TPU, interpret mode on CPU, slow and meant for
 tests), whose chunk is their own block size, not `chunk_size`; "auto" the kernels on GPU/TPU when
-kernels.AUTO_PALLAS is set and pallas.supports() the call, the XLA form elsewhere.
+kernels.AUTO_PALLAS is set and pallas.supports() the call; on CPU, in "chunk" mode, the chunked algorithm
+through the C++ kernels of cpu.py (cpu.cc, compiled on first use; one device); the XLA form elsewhere.
 """
 
 from functools import partial
@@ -30,6 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from kernels import check_impl, check_mode, context, use_pallas
 from kernels.segments import scan_inputs
+from kernels.ssd import cpu
 from kernels.ssd.chunk import ssd_chunk
 from kernels.ssd.pallas import ssd_pallas, supports
 from kernels.ssd.parallel import ssd_parallel
@@ -63,7 +65,8 @@ def ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "
         y, h = ssd_pallas(x, dt, A, B, C, D, segment_ids=segment_ids, initial_state=initial_state)
         return y, (h if output_final_state else None)
     args, starts, h0 = scan_inputs((x, dt, A, B, C), D, segment_ids, initial_state, (Bsz, H, P, N))
-    forms = {"recurrent": ssd_recurrent, "chunk": partial(ssd_chunk, chunk_size=chunk_size), "parallel": ssd_parallel}
+    chunk = partial(ssd_chunk, chunk_size=chunk_size, cpu_kernels=impl == "auto" and cpu.supports(*args[:2]))
+    forms = {"recurrent": ssd_recurrent, "chunk": chunk, "parallel": ssd_parallel}
     y, h = forms["recurrent" if impl == "reference" else mode](*args, starts, h0)
     return y.astype(x.dtype), (h if output_final_state else None)
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from kernels.decayed_chunks import carry_states, split_chunks
+from kernels.ssd.cpu import ssd_chunk_cpu
 from kernels.ssd.parallel import decay_mask
 from kernels.ssd.reference import heads_from_groups
 
@@ -62,8 +63,12 @@ def scalar_gla_chunk(q: Float[Array, "B T H N"], k: Float[Array, "B T H N"], v: 
 
 def ssd_chunk(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, " H"],
               B: Float[Array, "B T G N"], C: Float[Array, "B T G N"], D: Float[Array, " H"] | None,
-              starts: Bool[Array, "B T"], h0: Float[Array, "B H P N"], chunk_size: int):
+              starts: Bool[Array, "B T"], h0: Float[Array, "B H P N"], chunk_size: int, cpu_kernels: bool = False):
+    """cpu_kernels: the algorithm through cpu.py's kernels (each head reads its group in place)."""
     H = x.shape[2]
-    B, C = heads_from_groups(B, H), heads_from_groups(C, H)  # (B, T, H, N)
-    y, h = scalar_gla_chunk(C, B, x * dt[..., None], dt * A, starts, h0, chunk_size)
+    if cpu_kernels:
+        y, h = ssd_chunk_cpu(C, B, x * dt[..., None], dt * A, starts, h0, chunk_size)
+    else:
+        B, C = heads_from_groups(B, H), heads_from_groups(C, H)  # (B, T, H, N)
+        y, h = scalar_gla_chunk(C, B, x * dt[..., None], dt * A, starts, h0, chunk_size)
     return (y if D is None else y + D[:, None] * x), h

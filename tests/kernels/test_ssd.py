@@ -1,6 +1,7 @@
 """Every form of Mamba-2's SSD against the token-by-token reference: outputs, final state and
 gradients w.r.t. every input (x, dt, A, B, C, D, initial_state), groups G = 1 and G = H, with
-document resets; and the SSD reference against the Mamba-1 selective-scan reference."""
+document resets; the chunked form both as XLA's einsums and through the CPU kernels (kernels/ssd/cpu.cc,
+which impl "auto" takes on CPU); and the SSD reference against the Mamba-1 selective-scan reference."""
 
 import functools
 
@@ -12,7 +13,7 @@ import pytest
 from kernels import MODES
 from kernels.selective_scan import selective_scan
 from kernels.ssd import ssd
-from tests.util import assert_close
+from tests.util import NEEDS_CXX, assert_close
 
 run = jax.jit(ssd, static_argnames=("output_final_state", "mode", "chunk_size", "impl"))
 
@@ -35,11 +36,12 @@ def make_inputs(seed, Bsz, T, H, P, G, N):
 
 
 @functools.cache
-def outputs_and_grads(mode, chunk_size):
+def outputs_and_grads(mode, chunk_size, impl="xla"):
     """jit(inputs, segment_ids, weights) -> ((y, h_T), grads of a random projection of both)."""
 
     def loss(inputs, segment_ids, wy, wh):
-        y, h = ssd(**inputs, segment_ids=segment_ids, output_final_state=True, mode=mode, chunk_size=chunk_size)
+        y, h = ssd(**inputs, segment_ids=segment_ids, output_final_state=True, mode=mode, chunk_size=chunk_size,
+                   impl=impl)
         return jnp.sum(y * wy) + jnp.sum(h * wh), (y, h)
 
     return jax.jit(jax.grad(loss, has_aux=True))
@@ -49,7 +51,9 @@ CASES = [  # (B, T, H, P, G, N, chunk_size, segment rows or None)
     (2, 63, 2, 4, 1, 4, 16, [[0] * 20 + [1] * 12 + [2] * 31, [5] + [6] * 62]),  # starts at 20, 32 = a chunk edge, 1
     (2, 63, 2, 3, 2, 4, 16, [[0] * 40 + [1] * 23, [0] * 63]),
     (1, 1, 2, 2, 2, 3, 16, None),
+    (2, 200, 4, 32, 2, 48, 64, [[0] * 100 + [1] * 100, [0] * 150 + [1] * 50]),  # 4 chunks, N and P not padded
 ]
+FORMS = [(mode, "xla") for mode in MODES[1:]] + [("chunk", "auto")]  # auto: the CPU kernels, where they build
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}P{c[3]}G{c[4]}")
@@ -60,13 +64,23 @@ def test_modes_match_reference(case):
     rng = np.random.default_rng(1)
     wy, wh = rng.standard_normal((Bsz, T, H, P)), rng.standard_normal((Bsz, H, P, N))
     ref_grads, (ref_y, ref_h) = outputs_and_grads("recurrent", chunk)(inputs, seg, wy, wh)
-    for mode in MODES[1:]:
-        grads, (y, h) = outputs_and_grads(mode, chunk)(inputs, seg, wy, wh)
+    for mode, impl in FORMS:
+        grads, (y, h) = outputs_and_grads(mode, chunk, impl)(inputs, seg, wy, wh)
+        mode = f"{mode} {impl}"
         assert_close(y, ref_y, what=f"{mode} y")
         assert_close(h, ref_h, what=f"{mode} final state")
         for name in inputs:
             assert np.all(np.isfinite(grads[name])), f"{mode} d/d{name} not finite"
             assert_close(grads[name], ref_grads[name], what=f"{mode} d/d{name}")
+
+
+@NEEDS_CXX
+def test_auto_takes_the_cpu_kernels_for_the_chunked_form_alone():
+    inputs = make_inputs(0, 1, 40, 2, 4, 1, 4)
+    hlo = lambda **kw: jax.jit(lambda i: ssd(**i, **kw)).lower(inputs).as_text()
+    assert "zoo_ssd_cpu_forward" in hlo()
+    for kw in (dict(impl="xla"), dict(mode="parallel"), dict(mode="recurrent"), dict(impl="reference")):
+        assert "zoo_ssd_cpu" not in hlo(**kw), kw
 
 
 def test_reference_packed_row_equals_documents_alone():
