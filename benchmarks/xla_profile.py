@@ -83,7 +83,7 @@ def operations(hlo: str) -> dict:
         stack = frames.get(int(frame.group(1)), []) if frame else []
         op_name = (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]
         backward = "transpose(" in op_name
-        out[name] = (_category(name, opcode, line, stack, op_name), *_place(stack), backward)
+        out[name] = (_category(name, opcode, line, stack, op_name), *_place(stack, line), backward)
     return out
 
 
@@ -106,13 +106,16 @@ def _category(name, opcode, line, stack, op_name) -> str:
     return "fusions"
 
 
-def _place(stack) -> tuple[str, int]:
-    """The innermost frame in this project (not a library's, nor kernels/native.py's call of a CPU kernel, which
-    names the op's own file): (path from the project root, line)."""
+def _place(stack, line: str) -> tuple[str, int]:
+    """A CPU kernel's custom call target (kernels/native.py calls them all), else the innermost frame in this
+    project (not a library's): (path from the project root, line)."""
+    target = re.search(r'custom_call_target="(zoo_\w+)"', line)
+    if target:
+        return target[1], 0
     root = str(Path(__file__).resolve().parents[1]) + "/"
-    for f, line in stack:
-        if f.startswith(root) and "site-packages" not in f and not f.endswith("kernels/native.py"):
-            return f[len(root):], line
+    for f, n in stack:
+        if f.startswith(root) and "site-packages" not in f:
+            return f[len(root):], n
     return (stack[0][0].rsplit("site-packages/", 1)[-1], stack[0][1]) if stack else ("?", 0)
 
 

@@ -78,6 +78,22 @@ def test_identical_experts_equal_the_dense_mlp():
         assert_close(y, scale * dense, 1e-5, name)
 
 
+def test_training_dispatch_of_identical_experts_is_the_dense_mlp_input_gradient_too():
+    """In training (capacity dropping nothing, dropless; the grouped kernels on CPU), identical experts with
+    renormalised gates are the dense MLP, and so is the gradient w.r.t. the input: each token's k copies summed
+    back from their groups."""
+    mlp = MLP(D, hidden_dim=F, rngs=nnx.Rngs(1))
+    want_y, want_dx = jax.value_and_grad(lambda x: jnp.sum(mlp(x) * R))(X)
+    for dispatch in DISPATCHES:
+        m = moe(dispatch=dispatch, capacity_factor=E)
+        for w in ("w_gate", "w_up", "w_down"):
+            getattr(m, w)[...] = jnp.broadcast_to(getattr(mlp, w)[...], getattr(m, w).shape)
+        graphdef, state = nnx.split(m)
+        y, dx = jax.jit(jax.value_and_grad(lambda x: jnp.sum(nnx.merge(graphdef, state, copy=True)(x) * R)))(X)
+        assert_close(y, want_y, 1e-5, dispatch)
+        assert_close(dx, want_dx, 1e-5, f"{dispatch} d/dx")
+
+
 def test_relu2_experts_equal_the_dense_relu2_mlp():
     """activation relu2 (Nemotron-H's experts): no w_gate; identical experts and a shared expert of the same
     weights give twice the dense relu2 MLP (the gates sum to 1), in training through either dispatch."""
