@@ -111,7 +111,7 @@ def _place(stack, line: str) -> tuple[str, int]:
     project (not a library's): (path from the project root, line)."""
     target = re.search(r'custom_call_target="(zoo_\w+)"', line)
     if target:
-        return target[1], 0
+        return target[1], 0  # (no line)
     root = str(Path(__file__).resolve().parents[1]) + "/"
     for f, n in stack:
         if f.startswith(root) and "site-packages" not in f:
@@ -181,7 +181,7 @@ def breakdown(run, hlo: str, calls: int = 5, places: int = 10) -> dict:
     for name, ns in own.items():
         category, file, line, backward = ops.get(name, ("fusions", "?", 0, False))
         out[category] += ns / 1e6 / calls
-        where[(f"{file}:{line}", "bwd" if backward else "fwd", category)] += ns / 1e6 / calls
+        where[(f"{file}:{line}" if line else file, "bwd" if backward else "fwd", category)] += ns / 1e6 / calls
     busy /= 1e6 * calls
     out["idle"] = max(0.0, wall * 1e3 - busy)
     return {**{c: round(out[c], 1) for c in CATEGORIES}, "wall": round(wall * 1e3, 1), "busy": round(busy, 1),
