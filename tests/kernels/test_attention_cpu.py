@@ -1,7 +1,8 @@
 """The fused CPU kernels (kernels/attention/cpu.cc through cpu.py) against the reference: outputs and the
-gradients of q, k and v on ragged T (a partial last block), several 64-token blocks and 8-block chunks, GQA ratios 1, 2 and 4,
-one kv head, head dims that are padded (8, 24) and not, windows inside a block and across blocks, packed
-documents; that `attention` takes them on CPU for the layers' calls and leaves them for what they do not
+gradients of q, k and v on ragged T (a partial last block), several 64-token blocks and 8-block chunks, GQA
+ratios 1, 2 and 4, one kv head, head dims that are padded (8, 24) and not, windows inside a block and across
+blocks, packed documents short and long; that `attention` takes them on CPU for the layers' calls and a prefill
+into empty caches, and leaves them for what they do not
 express; and that a machine without a working compiler gets the XLA forms, with a warning."""
 
 import jax
