@@ -2,9 +2,9 @@
 // compiles this file on first use and registers the two targets).
 //
 // Flash attention's blocked forms (Dao et al. 2022; FlashAttention-2's loop order): the forward keeps a
-// 64-row block of queries, its running max m, sum l and output, and walks the key blocks up to the diagonal;
-// the backward recomputes each block's probabilities from the forward's log-sum-exp and accumulates dK, dV
-// per key block and dQ per head. Nothing of size T x T is ever written to memory. Every product is
+// 64-row block of queries, its running max m, sum l and output, and walks the key blocks up to the diagonal,
+// 8 at a time; the backward recomputes each block's probabilities from the forward's log-sum-exp and
+// accumulates dK, dV per key block and dQ per head. Nothing of size T x T is ever written to memory. Every product is
 // kernels/native.h's register-blocked `gemm`; exp is a vector polynomial. Work is split over (batch, head)
 // in the forward and (batch, kv head) in the backward, on XLA's own intra-op thread pool.
 //
@@ -88,7 +88,7 @@ void forward_head(const Shape& s, float scale, const float* q, const float* k, c
   std::vector<float> Kt(K * s.lt()), Vs(s.Tp * V), Q(BLK * K), S(BLK * LD), O(BLK * V), m(BLK), l(BLK);
   std::vector<float> block(BLK * K);
   const std::vector<int32_t> ids = block_ids(s, seg);
-  for (int64_t b = 0; b < nb; ++b) {  // keys transposed once: (K, Tp)
+  for (int64_t b = 0; b < nb; ++b) {  // keys transposed once: (K, lt)
     gather_rows(s, k, s.G * K, b * BLK, K, block.data());
     transpose(BLK, K, block.data(), K, Kt.data() + b * BLK, s.lt());
     gather_rows(s, v, s.G * V, b * BLK, V, Vs.data() + b * BLK * V);
