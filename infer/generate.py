@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from infer import early_exit, speculative, stops
 from infer.quantize import quantize as quantize_model
+from kernels.attention import fresh_caches
 from layers.state import hold
 from zoo import tokenizer as tokenizer_lib
 
@@ -118,7 +119,8 @@ def _generate(graphdef, params, tokens, segment_ids, key, stop_token, stop_table
             logits, state = model.decode(last[:, None], state)
             return logits[:, -1], state, jnp.full((B,), L)
 
-        logits, state = model.decode(tokens, state, segment_ids=segment_ids)
+        with fresh_caches():
+            logits, state = model.decode(tokens, state, segment_ids=segment_ids)
         logits, used = logits[:, -1], jnp.full((B,), L)
     else:
         if exits.level == "sequence":
@@ -134,8 +136,9 @@ def _generate(graphdef, params, tokens, segment_ids, key, stop_token, stop_table
                                                        full_blocks=exits.full_blocks)
             return logits, state, used
 
-        logits, used, state = early_exit.exit_pass(model, tokens, state, stop_rule=rule(0), segment_ids=segment_ids,
-                                                   freeze=False)
+        with fresh_caches():
+            logits, used, state = early_exit.exit_pass(model, tokens, state, stop_rule=rule(0),
+                                                       segment_ids=segment_ids, freeze=False)
     first = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
     out = jnp.full((B, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
     layers = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(used)
@@ -182,8 +185,10 @@ def _speculate(graphdef, params, draft_graphdef, draft_params, tokens, segment_i
         draft = nnx.merge(draft_graphdef, draft_params)
         draft.eval()
         drafter = speculative.model_drafter(draft, k)
-        draft_state = draft.decode(tokens, draft.init_state(B, size), segment_ids=segment_ids)[1]
-    logits, state = model.decode(tokens, model.init_state(B, size), segment_ids=segment_ids)
+        with fresh_caches():
+            draft_state = draft.decode(tokens, draft.init_state(B, size), segment_ids=segment_ids)[1]
+    with fresh_caches():
+        logits, state = model.decode(tokens, model.init_state(B, size), segment_ids=segment_ids)
     first = sample_logits(logits[:, -1], jax.random.fold_in(key, 0), sampling)
     out = jnp.full((B, max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(first)
     write = jax.vmap(lambda row, kept, i: jax.lax.dynamic_update_slice(row, kept, (i,)))

@@ -8,7 +8,7 @@
 - "auto": the Pallas kernels on GPU/TPU when kernels.AUTO_PALLAS is set and pallas.supports() the
   call (not decode-sized calls of T <= 16 queries); on CPU the fused C++ kernels of cpu.py (cpu.cc, compiled
   on first use) for the training case they take (causal float32 self-attention, documents, GQA, one static
-  window, no decay), and for a prefill into an empty KV cache; the XLA forms elsewhere.
+  window, no decay), and for a prefill into empty KV caches (`fresh_caches`); the XLA forms elsewhere.
 
 Every form takes the same arguments: q, k, v, the queries' `segment_ids`, a `Tokens` (masks.py: the
 queries' and keys' positions, the keys' documents and decay, where they are not self-attention's), a
@@ -26,6 +26,8 @@ key blocks per query block by the block's positions: under the zigzag a device's
 of ceil(T / 2n) tokens, and a query block that straddles them reads the later one's keys.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -41,7 +43,7 @@ from kernels.attention.reference import attention_reference, decay_bias, heads_f
 from kernels.attention.xla import DENSE_MAX, attention_dense_parts, attention_xla
 from kernels.segments import positions_in_document
 
-__all__ = ["attention", "attention_cached", "attention_reference", "attention_xla", "flash_attention",
+__all__ = ["attention", "attention_cached", "fresh_caches", "attention_reference", "attention_xla", "flash_attention",
            "flash_attention_tpu", "write_rows", "Band", "BlockSizes", "CacheView", "Tokens", "default_block_sizes"]
 
 
@@ -105,6 +107,22 @@ def _split_over_context(q, k, v, segment_ids, band, causal, scale, decay, impl, 
     return context.split_queries(run, (q,), (k, v, segment_ids, decay), traced, split=split)
 
 
+_FRESH = contextvars.ContextVar("fresh_caches", default=False)
+
+
+@contextlib.contextmanager
+def fresh_caches():
+    """While it is open, the caller promises that every `attention_cached` call it traces reads empty caches
+    (a prefill into `init_state`'s, as infer.generate's): such a call is its tokens' own self-attention. Not
+    a runtime test of the caches' lengths: under lax.cond XLA copied the caches, and chunks into a full one ran
+    up to 1.8x slower (64-256 tokens into 4,096 slots, batch 4)."""
+    token = _FRESH.set(True)
+    try:
+        yield
+    finally:
+        _FRESH.reset(token)
+
+
 def attention_cached(q, k, v, cache: CacheView, *, segment_ids=None, doc_positions=None, band: Band | None = None,
                      scale=None, decay=None, impl="auto"):
     """A decode step's causal attention: T new queries q (B, T, H, K) with their own keys and values
@@ -129,16 +147,14 @@ def attention_cached(q, k, v, cache: CacheView, *, segment_ids=None, doc_positio
     cache every step (benchmarks/decode.py, GQA at 4K: 2.27 -> 1.46 ms per token with infer/generate.py's
     DECODE_OPTIONS).
 
-    On CPU a call of more than 16 tokens (a prefill) runs the CPU kernels of `attention` where they take
-    its mask, when every row's cache is empty: the call is then its tokens' own self-attention."""
+    Traced inside `fresh_caches()` (a prefill from empty caches), the call is its tokens' own self-attention,
+    and on CPU runs `attention`'s kernels where they take its mask."""
     B, T = q.shape[:2]
     S = cache.k.shape[2]
     length = jnp.broadcast_to(cache.length, (B,))  # (B,)
-    if impl == "auto" and T > 16 and cpu.supports(q, k, v, tokens=None, band=band, causal=True, decay=decay,
-                                                  kv_heads_first=False):
-        return lax.cond(jnp.all(length == 0), lambda: cpu.attention_cpu(q, k, v, segment_ids, band, scale),
-                        lambda: attention_cached(q, k, v, cache, segment_ids=segment_ids, doc_positions=doc_positions,
-                                                 band=band, scale=scale, decay=decay, impl="xla"))
+    if _FRESH.get() and impl == "auto" and cpu.supports(q, k, v, tokens=None, band=band, causal=True, decay=decay,
+                                                        kv_heads_first=False):
+        return cpu.attention_cpu(q, k, v, segment_ids, band, scale)
     slots = length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # (B, T)
     cache_seg = cache.segment_ids
     if segment_ids is None:

@@ -12,7 +12,7 @@ from flax import nnx
 
 import layers
 from kernels import native
-from kernels.attention import Band, CacheView, attention, attention_cached, cpu
+from kernels.attention import Band, CacheView, attention, attention_cached, cpu, fresh_caches
 from tests.kernels.test_attention_pallas import _compare, _inputs, _packed
 from tests.util import NEEDS_CXX, assert_close
 
@@ -73,16 +73,19 @@ def test_without_a_compiler_attention_runs_the_xla_forms(monkeypatch, tmp_path):
 
 
 @NEEDS_CXX
-def test_a_prefill_into_empty_caches_takes_the_kernel():
-    """attention_cached of more than 16 tokens runs the kernel when every row's cache is empty (the call is then its
-    tokens' self-attention, in documents, in a window), the cache path otherwise; both equal the XLA form's."""
+def test_a_prefill_into_fresh_caches_takes_the_kernel():
+    """attention_cached traced inside fresh_caches() (the caller's promise that the caches are empty) is its tokens'
+    own self-attention, in documents and in a window, through the kernel; it equals the cache path's XLA form,
+    which runs outside it."""
     B, T, S, H, G, K = 2, 100, 160, 4, 2, 16
     q, k, v, _ = _inputs(B, T, T, H, G, K, K, seed=5)
-    old = jax.random.normal(jax.random.key(6), (2, B, G, S, K))
-    docs = _packed(B, T, 7)
-    for length in (jnp.zeros((B,), jnp.int32), jnp.array([0, 30], jnp.int32)):
-        cache = CacheView(old[0], old[1], length, jnp.zeros((B, S), jnp.int32))
-        call = lambda q, impl: attention_cached(q, k, v, cache, segment_ids=docs, band=Band(40), impl=impl)
-        assert _custom_calls(lambda q: call(q, "auto"), q) == 1
-        assert_close(jax.jit(call, static_argnums=1)(q, "auto"), call(q, "xla"), 1e-5, f"lengths {length}")
-    assert _custom_calls(lambda q: attention_cached(q[:, :16], k[:, :16], v[:, :16], cache), q) == 0  # a decode step
+    old = jax.random.normal(jax.random.key(6), (2, B, G, S, K))  # slots past the lengths: never read
+    cache = CacheView(old[0], old[1], jnp.zeros((B,), jnp.int32), jnp.zeros((B, S), jnp.int32))
+    call = lambda q: attention_cached(q, k, v, cache, segment_ids=_packed(B, T, 7), band=Band(40))
+
+    def fresh(q):
+        with fresh_caches():
+            return call(q)
+
+    assert _custom_calls(fresh, q) == 1 and _custom_calls(call, q) == 0
+    assert_close(jax.jit(fresh)(q), call(q), 1e-5, "a prefill")
