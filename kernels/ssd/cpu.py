@@ -4,7 +4,7 @@ where XLA's form runs every einsum over the whole batch with a layout change bet
 
 `supports` says which calls it takes: float32, on the CPU and not under a mesh of several devices. N and P
 are padded to multiples of 16 and the chunk rounded up to one (the chunk length changes only the rounding).
-Tests compare it with chunk.py and the token-by-token reference: tests/kernels/test_ssd_cpu.py.
+Tests compare it, and chunk.py, with the token-by-token reference: tests/kernels/test_ssd.py.
 """
 
 import functools
