@@ -27,8 +27,8 @@ of each token as Mr steps of the same scalar-decay linear attention (chunk, para
 impl: "xla" runs the form picked by `mode`; "reference" the token-by-token scan whatever the mode;
 "pallas" the rewrite on GLA's Pallas kernels in their scalar-gate mode (Triton on GPU, Mosaic on
 TPU, interpret mode on CPU, slow and meant for tests), whose chunk is their own block size; "auto"
-the kernels on GPU/TPU when kernels.AUTO_PALLAS is set and kernels.gla.pallas.supports() the call,
-the XLA form elsewhere.
+the kernels on GPU/TPU when kernels.AUTO_PALLAS is set and kernels.gla.pallas.supports() the call; on CPU,
+in "chunk" mode, the chunked form through kernels/ssd's C++ kernels (one device); the XLA form elsewhere.
 
 Under a mesh whose context axis splits the call (kernels/context.py), both ops run split along time
 (split.py), each device's span in the form above.
@@ -51,6 +51,12 @@ from kernels.mamba3.reference import (
 from kernels.mamba3.split import mamba3_split
 from kernels.mamba3.trapezoid import mamba3_trapezoid
 from kernels.segments import document_starts
+from kernels.ssd import cpu as ssd_cpu
+
+
+def _form(mode: str, impl: str) -> str:
+    """The XLA-side form: the chunked one through kernels/ssd's CPU kernels where "auto" finds them."""
+    return "cpu" if mode == "chunk" and impl == "auto" and ssd_cpu.supports() else mode
 
 
 def mamba3(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "B T H"],
@@ -84,7 +90,7 @@ def mamba3(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array
     elif impl == "reference" or mode == "recurrent":
         y, carry = mamba3_recurrent(*args, starts, carry)
     else:
-        y, carry = mamba3_trapezoid(*args, starts, segment_ids, carry, mode, chunk_size)
+        y, carry = mamba3_trapezoid(*args, starts, segment_ids, carry, _form(mode, impl), chunk_size)
     return y.astype(x.dtype), (carry if output_final_state else None)
 
 
@@ -121,7 +127,7 @@ def mamba3_mimo(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[
     elif impl == "reference" or mode == "recurrent":
         y, carry = mamba3_mimo_recurrent(*args, starts, carry)
     else:
-        y, carry = mamba3_mimo_rewrite(*args, starts, segment_ids, carry, mode, chunk_size)
+        y, carry = mamba3_mimo_rewrite(*args, starts, segment_ids, carry, _form(mode, impl), chunk_size)
     return y.astype(x.dtype), (carry if output_final_state else None)
 
 

@@ -36,6 +36,7 @@ from kernels.mamba3.parallel import scalar_gla_parallel
 from kernels.mamba3.reference import Mamba3Carry, lift, rotate
 from kernels.mamba3.trapezoid import cumulative_angle
 from kernels.ssd.chunk import scalar_gla_chunk
+from kernels.ssd.cpu import ssd_chunk_cpu
 
 
 def ranks_as_steps(a: Float[Array, "B T H Mr *F"]) -> Float[Array, "B T*Mr H *F"]:
@@ -73,6 +74,8 @@ def mamba3_mimo_rewrite(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A
         o, h = o.astype(jnp.float32), jnp.swapaxes(S, 2, 3)  # GLA's state is (B, H, N, P)
     elif form == "chunk":
         o, h = scalar_gla_chunk(q, k, v, g, steps_start, h0, chunk_size * R)
+    elif form == "cpu":  # the same algorithm through kernels/ssd's CPU kernels (a group per head)
+        o, h = ssd_chunk_cpu(q, k, v, g, steps_start, h0, chunk_size * R)
     else:
         o, h = scalar_gla_parallel(q, k, v, g, steps_start, h0)
     o = jnp.moveaxis(o.reshape(Bsz, T, R, H, -1), 2, 3)  # (B, T, H, R, P)

@@ -36,6 +36,7 @@ from kernels.gla.pallas_tpu import gla_pallas_tpu
 from kernels.mamba3.parallel import scalar_gla_parallel
 from kernels.mamba3.reference import Mamba3Carry, rotate, wrap_angle
 from kernels.ssd.chunk import scalar_gla_chunk
+from kernels.ssd.cpu import ssd_chunk_cpu
 
 
 def cumulative_angle(increment: Float[Array, "B T H _M"], starts: Bool[Array, "B T"],
@@ -56,7 +57,7 @@ def mamba3_trapezoid(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: F
                      theta: Float[Array, "B T H N//2"], D: Float[Array, " H"] | None,
                      starts: Bool[Array, "B T"], segment_ids: Int[Array, "B T"] | None, carry: Mamba3Carry,
                      form: str, chunk_size: int):
-    """float32 inputs; form: "chunk", "parallel" or "pallas". Returns y (B, T, H, P) float32 and the final
+    """float32 inputs; form: "chunk", "cpu", "parallel" or "pallas". Returns y (B, T, H, P) float32 and the final
     carry."""
     angle = cumulative_angle(dt[..., None] * theta, starts, carry.angle)  # (B, T, H, N/2)
     b, c = rotate(B, angle), rotate(C, angle)  # (B, T, H, N)
@@ -72,6 +73,8 @@ def mamba3_trapezoid(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: F
         o, h = o.astype(jnp.float32), jnp.swapaxes(S, 2, 3)  # GLA's state is (B, H, N, P)
     elif form == "chunk":
         o, h = scalar_gla_chunk(c, k, x, g, starts, h0, chunk_size)
+    elif form == "cpu":  # the same algorithm through kernels/ssd's CPU kernels (a group per head)
+        o, h = ssd_chunk_cpu(c, k, x, g, starts, h0, chunk_size)
     else:
         o, h = scalar_gla_parallel(c, k, x, g, starts, h0)
     skip = -nxt * jnp.sum(c * b, axis=-1)  # (B, T, H): the second tap counted too early

@@ -1,10 +1,10 @@
 """Mamba-3's SISO op: the reference against a loop written here from the paper's equations (outputs,
-final state, document resets, the carried previous-token term); every form (chunk, parallel, the
-Pallas kernels in interpret mode) against the reference on outputs, final state and gradients w.r.t.
-every input and the initial state, T = 1 and T not a multiple of the chunk; λ = 1 without rotation
-is Mamba-2's SSD; bfloat16 inputs and argument errors. The MIMO op (mamba3_mimo, rank 2) the same
-way: its reference against the equations, its rewrite's forms against the reference, and rank 1 with
-unit weights against the SISO op."""
+final state, document resets, the carried previous-token term); every form (chunk through XLA and through
+kernels/ssd's CPU kernels, parallel, the Pallas kernels in interpret mode) against the reference on outputs,
+final state and gradients w.r.t. every input and the initial state, T = 1 and T not a multiple of the
+chunk; λ = 1 without rotation is Mamba-2's SSD; bfloat16 inputs and argument errors. The MIMO op
+(mamba3_mimo, rank 2) the same way: its reference against the equations, its rewrite's forms against the
+reference, and rank 1 with unit weights against the SISO op."""
 
 import functools
 import math
@@ -82,7 +82,8 @@ def test_forms_match_reference(case):
     w = weights(1, inputs, carry)
     (want_gi, want_gc), (want_y, want_c) = outputs_and_grads("recurrent", chunk)(inputs, carry, seg, *w)
     # The Pallas kernels (interpret mode, slow to compile) on the first case only: ragged, packed, two chunks.
-    forms = [("chunk", "xla"), ("parallel", "xla")] + ([("chunk", "pallas")] if case is CASES[0] else [])
+    forms = [("chunk", "xla"), ("parallel", "xla"), ("chunk", "auto")] + (  # auto: the CPU kernels where they build
+        [("chunk", "pallas")] if case is CASES[0] else [])
     for mode, impl in forms:
         (gi, gc), (y, c) = outputs_and_grads(mode, chunk, impl)(inputs, carry, seg, *w)
         what = f"{mode}/{impl}"
@@ -192,7 +193,7 @@ def test_mimo_forms_match_reference():
         **inputs, initial_state=carry, segment_ids=seg, output_final_state=True, impl="pallas")
     assert_close(y, want_y, what="MIMO pallas y")
     assert_carry_close(c, want_c, "MIMO pallas")
-    for mode, impl in [("chunk", "xla"), ("parallel", "xla")]:
+    for mode, impl in [("chunk", "xla"), ("parallel", "xla"), ("chunk", "auto")]:
         (gi, gc), (y, c) = grads(mode, impl)
         what = f"MIMO {mode}/{impl}"
         assert_close(y, want_y, what=f"{what} y")
