@@ -360,7 +360,6 @@ class MoE(nnx.Module):
         """Token-choice dispatch and combine; returns y (N, D) float32, load (E,), dropped fraction."""
         (N, D), k, E = xf.shape, experts.shape[1], self.num_experts
         queue = experts.T.reshape(-1)  # (k*N,) choice-major: all first choices by position, then seconds
-        token = jnp.tile(jnp.arange(N), k)  # (k*N,)
         perm = jnp.argsort(queue, stable=True)  # queue order kept inside each expert
         load = jnp.bincount(queue, length=E)  # (E,)
         if dropless:
@@ -375,6 +374,7 @@ class MoE(nnx.Module):
                 order = jnp.argsort(jnp.where(kept, queue, E), stable=True)
                 y_assign = self._grouped_by(order, xf, queue, jnp.minimum(load, C))
             else:
+                token = jnp.tile(jnp.arange(N), k)  # (k*N,)
                 slot = jnp.where(kept, queue * C + rank, E * C)  # E*C is out of range: dropped
                 buf = jnp.zeros((E * C, D), xf.dtype).at[slot].set(xf[token], mode="drop")  # (E*C, D)
                 out = self._experts_batched(buf.reshape(E, C, D)).reshape(E * C, D)

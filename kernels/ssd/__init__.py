@@ -65,7 +65,7 @@ def ssd(x: Float[Array, "B T H P"], dt: Float[Array, "B T H"], A: Float[Array, "
         y, h = ssd_pallas(x, dt, A, B, C, D, segment_ids=segment_ids, initial_state=initial_state)
         return y, (h if output_final_state else None)
     args, starts, h0 = scan_inputs((x, dt, A, B, C), D, segment_ids, initial_state, (Bsz, H, P, N))
-    chunk = partial(ssd_chunk, chunk_size=chunk_size, cpu_kernels=impl == "auto" and cpu.supports(*args[:2]))
+    chunk = partial(ssd_chunk, chunk_size=chunk_size, cpu_kernels=impl == "auto" and cpu.supports())
     forms = {"recurrent": ssd_recurrent, "chunk": chunk, "parallel": ssd_parallel}
     y, h = forms["recurrent" if impl == "reference" else mode](*args, starts, h0)
     return y.astype(x.dtype), (h if output_final_state else None)

@@ -201,14 +201,14 @@ void backward_head(const Dims& d, const float* Q, const float* K, const float* V
   transpose(N, P, dhT.data(), P, dh0 + (b * d.H + h) * P * N, N);
 }
 
-Dims dims_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& v, int64_t L) {
+// The shapes checked, then run(d, b, h) for every (batch, head) on XLA's pool.
+template <typename Run>
+ffi::Error each_head(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& v, int64_t L, Run run) {
   auto qd = q.dimensions(), vd = v.dimensions();
-  return {qd[0], qd[1], vd[2], qd[2], qd[3], vd[3], L, (qd[1] + L - 1) / L};
-}
-
-ffi::Error check(const Dims& d) {
+  Dims d{qd[0], qd[1], vd[2], qd[2], qd[3], vd[3], L, (qd[1] + L - 1) / L};
   if (d.L % W || d.N % W || d.P % W || d.H % d.G || d.L < W)
     return ffi::Error::InvalidArgument("zoo ssd (cpu.cc): L, N and P must be multiples of 16, G divide H");
+  parallel_for(pool, d.B * d.H, [&](int64_t task) { run(d, task / d.H, task % d.H); });
   return ffi::Error::Success();
 }
 
@@ -216,14 +216,10 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
                    ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::F32> h0,
                    ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> h_final,
                    ffi::ResultBuffer<ffi::F32> entering, int32_t chunk) {
-  Dims d = dims_of(q, v, chunk);
-  if (auto e = check(d); e.failure()) return e;
-  parallel_for(pool, d.B * d.H, [&](int64_t task) {
+  return each_head(pool, q, v, chunk, [&](const Dims& d, int64_t b, int64_t h) {
     forward_head(d, q.typed_data(), k.typed_data(), v.typed_data(), g.typed_data(), starts.typed_data(),
-                 h0.typed_data(), y->typed_data(), h_final->typed_data(), entering->typed_data(), task / d.H,
-                 task % d.H);
+                 h0.typed_data(), y->typed_data(), h_final->typed_data(), entering->typed_data(), b, h);
   });
-  return ffi::Error::Success();
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
@@ -231,14 +227,11 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> dh_final, ffi::ResultBuffer<ffi::F32> dq,
                     ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dg,
                     ffi::ResultBuffer<ffi::F32> dh0, int32_t chunk) {
-  Dims d = dims_of(q, v, chunk);
-  if (auto e = check(d); e.failure()) return e;
-  parallel_for(pool, d.B * d.H, [&](int64_t task) {
+  return each_head(pool, q, v, chunk, [&](const Dims& d, int64_t b, int64_t h) {
     backward_head(d, q.typed_data(), k.typed_data(), v.typed_data(), g.typed_data(), starts.typed_data(),
                   entering.typed_data(), dy.typed_data(), dh_final.typed_data(), dq->typed_data(),
-                  dk->typed_data(), dv->typed_data(), dg->typed_data(), dh0->typed_data(), task / d.H, task % d.H);
+                  dk->typed_data(), dv->typed_data(), dg->typed_data(), dh0->typed_data(), b, h);
   });
-  return ffi::Error::Success();
 }
 
 }  // namespace

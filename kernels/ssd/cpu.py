@@ -2,8 +2,9 @@
 forward and backward: chunk.py's algorithm one head at a time, each chunk's products and decays in cache,
 where XLA's form runs every einsum over the whole batch with a layout change between them.
 
-`supports` says which calls it takes: float32, on the CPU and not under a mesh of several devices. N and P
-are padded to multiples of 16 and the chunk rounded up to one (the chunk length changes only the rounding).
+`supports` says where it runs: on the CPU and not under a mesh of several devices (its callers pass float32).
+N and P are padded to multiples of 16 and the chunk rounded up to one (the chunk length changes only the
+rounding).
 Tests compare it, and chunk.py, with the token-by-token reference: tests/kernels/test_ssd.py.
 """
 
@@ -23,9 +24,9 @@ KERNELS = native.Kernels(SOURCE, (("ZooSsdForward", FORWARD), ("ZooSsdBackward",
                          "kernels.ssd runs chunk.py's XLA form")
 
 
-def supports(*xs) -> bool:
-    """Whether `ssd_chunk_cpu` runs the kernels for these float32 operands."""
-    return all(x.dtype == jnp.float32 for x in xs) and native.on_one_cpu() and KERNELS.available()
+def supports() -> bool:
+    """Whether `ssd_chunk_cpu` can run here (its callers, the chunked forms, compute in float32 already)."""
+    return native.on_one_cpu() and KERNELS.available()
 
 
 def ssd_chunk_cpu(q, k, v, g, starts, h0, chunk_size: int):
